@@ -1,0 +1,216 @@
+/* flor.h: declarations shared by the C files of flor._core.
+ *
+ * One C file per concern:
+ *   module.c        module definition, per-module state, small helpers
+ *   crc32c.c        CRC-32C checksums (hardware instruction when present)
+ *   arena.c         warm host staging buffers, reused across snapshots
+ *   walk.c          flor.snapshot(): the copy walk, and the Snapshot / Ref types
+ *   format.c        the checkpoint file: atomic writer and verifying reader
+ *   materializer.c  inline / thread / fork background writers
+ */
+#ifndef FLOR_H
+#define FLOR_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define FLOR_ALIGN 64
+#define FLOR_NAME_MAX 32
+#define FLOR_MAX_NDIM 64
+
+/* Cast any C function to PyCFunction without tripping -Wcast-function-type. */
+#define FLOR_CFUNC(f) ((PyCFunction)(void (*)(void))(f))
+
+static inline uint64_t
+flor_align_up(uint64_t x)
+{
+    return (x + (FLOR_ALIGN - 1)) & ~(uint64_t)(FLOR_ALIGN - 1);
+}
+
+/* ------------------------------------------------------------------ */
+/* Records shared by snapshots (in memory) and checkpoint files.       */
+
+enum flor_ref_kind {
+    FLOR_REF_TENSOR = 1,    /* torch.Tensor: index = entry */
+    FLOR_REF_ARRAY = 2,     /* numpy.ndarray: index = entry */
+    FLOR_REF_BYTEARRAY = 3, /* bytearray: index = entry */
+    FLOR_REF_NAMED = 4,     /* torch dtype / layout / memory_format: payload = name */
+    FLOR_REF_DEVICE = 5,    /* torch.device: payload = "cuda:0" */
+    FLOR_REF_SIZE = 6,      /* torch.Size: payload = tuple of ints */
+    FLOR_REF_GENERATOR = 7, /* torch.Generator: index = state entry, payload = device */
+};
+
+enum flor_entry_flags {
+    FLOR_ENTRY_REQUIRES_GRAD = 1,
+    FLOR_ENTRY_PARAMETER = 2,
+};
+
+/* A tensor or array: how to view one blob of bytes. */
+typedef struct {
+    uint8_t kind; /* FLOR_REF_TENSOR / ARRAY / BYTEARRAY */
+    uint8_t flags;
+    uint8_t ndim;
+    uint32_t blob;
+    int64_t storage_offset; /* in elements */
+    int64_t *dims;          /* ndim sizes then ndim strides; NULL when ndim == 0 */
+    char dtype[FLOR_NAME_MAX];  /* "float32" for torch, "<f4" for numpy */
+    char device[FLOR_NAME_MAX]; /* where the source lived: "cpu", "cuda:0" */
+} flor_entry;
+
+enum flor_blob_where {
+    FLOR_BLOB_HOST = 0,   /* memcpy from src */
+    FLOR_BLOB_BUFFER = 1, /* PyBuffer_ToContiguous from view (needs the GIL) */
+    FLOR_BLOB_CUDA = 2,   /* device-to-host copy through torch */
+};
+
+/* One contiguous run of bytes (a tensor storage, an array's data). */
+typedef struct {
+    uint64_t offset; /* within the arena (snapshot) or the data section (file) */
+    uint64_t nbytes;
+    uint32_t crc;
+    uint8_t where;
+    /* Only while a snapshot is being taken: */
+    PyObject *owner; /* keeps the source alive */
+    const char *src;
+    Py_buffer *view;
+} flor_blob;
+
+/* ------------------------------------------------------------------ */
+/* Staging arenas (arena.c).                                           */
+
+typedef struct flor_arena {
+    char *base;
+    size_t cap;
+    pid_t owner;  /* process whose address space holds the mapping */
+    int pinned;   /* registered with the CUDA driver */
+    struct flor_arena *next;
+} flor_arena;
+
+typedef struct {
+    flor_arena *free_list;
+    size_t free_bytes;
+    size_t high_water; /* largest request seen: the pool keeps 2x this */
+    pid_t owner;
+    uint64_t takes, fresh, fresh_bytes;
+} flor_pool;
+
+/* ------------------------------------------------------------------ */
+/* Per-module state.                                                   */
+
+typedef struct {
+    PyTypeObject *SnapshotType;
+    PyTypeObject *RefType;
+    PyTypeObject *MappingType;
+    PyTypeObject *MaterializerType;
+    PyObject *FormatError; /* raised with (path, section, detail) */
+
+    PyObject *kind_cache; /* {type: walk kind} */
+    PyObject *rebuild;    /* the module's _rebuild function (for Ref.__reduce__) */
+    PyObject *loaders;    /* {thread id: capsule of the active flor_loader} */
+
+    /* Looked up once torch / numpy have been imported by someone else. */
+    int torch_ready;
+    PyObject *torch;
+    PyObject *Tensor, *Parameter, *Generator, *Size;
+    PyObject *dtype_t, *device_t, *layout_t, *memfmt_t;
+    PyObject *strided, *uint8;
+    PyObject *atom_names; /* {torch.float32: "float32", torch.strided: "strided", ...} */
+    PyObject *ndarray;
+
+    /* Python helpers, looked up at module exec. */
+    PyObject *copyreg_dispatch, *deepcopy, *dumps, *loads, *weakref_t;
+
+    /* Interned attribute names. */
+    PyObject *s_state_dict, *s_load_state_dict, *s_deepcopy_attr, *s_reduce_ex;
+    PyObject *s_setstate, *s_dict, *s_append, *s_items;
+
+    flor_pool pool;
+} flor_state;
+
+extern PyModuleDef flor_module;
+
+static inline flor_state *
+flor_state_of_type(PyTypeObject *tp)
+{
+    PyObject *m = PyType_GetModuleByDef(tp, &flor_module);
+    return m == NULL ? NULL : (flor_state *)PyModule_GetState(m);
+}
+
+/* module.c */
+int flor_torch_init(flor_state *st);   /* 0: torch not imported yet, 1: ready, -1: error */
+int flor_numpy_init(flor_state *st);
+PyObject *flor_format_error(flor_state *st, const char *path, const char *section,
+                            const char *fmt, ...);
+double flor_now(void);
+int flor_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi);
+
+/* crc32c.c */
+uint32_t flor_crc32c(uint32_t crc, const void *buf, size_t len);
+
+/* arena.c */
+flor_arena *flor_pool_take(flor_state *st, size_t nbytes, int pinned);
+void flor_pool_give(flor_state *st, flor_arena *a);
+void flor_pool_trim(flor_state *st, size_t keep);
+void flor_arena_set_inherit(flor_arena *a, int inherit);
+void flor_pool_clear(flor_state *st);
+void flor_pool_release(flor_state *st); /* at module teardown: no Python calls */
+
+/* walk.c */
+typedef struct {
+    PyObject_HEAD
+    PyObject *skeleton;
+    flor_entry *entries;
+    flor_blob *blobs;
+    uint32_t n_entries, n_blobs;
+    flor_arena *arena;
+    uint64_t nbytes;      /* payload bytes */
+    uint64_t data_bytes;  /* payload plus 64-byte alignment padding */
+    pid_t owner;
+    double copy_seconds;  /* time spent copying bytes */
+} FlorSnapshot;
+
+/* Called after the walk, before any byte is copied: may wait (backpressure).
+ * Runs with the GIL held; returns -1 with an exception set to abort. */
+typedef int (*flor_reserve_fn)(void *ctx, uint64_t data_bytes);
+
+PyObject *flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx);
+PyObject *flor_ref_new(flor_state *st, int kind, Py_ssize_t index, PyObject *payload);
+void flor_entries_free(flor_entry *e, uint32_t n);
+extern PyType_Spec flor_snapshot_spec, flor_ref_spec;
+PyObject *flor_snapshot_restore(FlorSnapshot *s);
+PyObject *flor_rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+/* format.c */
+typedef struct {
+    int err;          /* errno, or 0 */
+    const char *step; /* "open", "write", "fsync", "rename", ... */
+} flor_ioerr;
+
+int flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
+                    flor_ioerr *err);
+PyObject *flor_pickle_skeleton(flor_state *st, PyObject *skeleton);
+PyObject *flor_load_file(flor_state *st, PyObject *path, PyObject *hook);
+extern PyType_Spec flor_mapping_spec;
+
+/* materializer.c */
+extern PyType_Spec flor_materializer_spec;
+
+/* Active unpickling context: how _rebuild turns Refs back into objects. */
+typedef struct {
+    const flor_entry *entries;
+    const flor_blob *blobs;
+    uint32_t n_entries, n_blobs;
+    const char *data;    /* base address the blob offsets are relative to */
+    PyObject *mapping;   /* zero-copy source (a Mapping), or NULL to copy */
+    uint64_t mapping_offset; /* where `data` starts within the mapping */
+    PyObject **storages; /* per-blob cache */
+    PyObject *hook;      /* map_location hook, or NULL */
+    const char *path;    /* for messages */
+} flor_loader;
+
+PyObject *flor_unpickle(flor_state *st, PyObject *meta, flor_loader *ld);
+
+#endif /* FLOR_H */

@@ -1,0 +1,1733 @@
+/* walk.c: flor.snapshot(obj), an isolated copy of obj that shares no mutable
+ * memory with it, and the reverse step that rebuilds objects from a copy.
+ *
+ *     def snapshot(obj):
+ *         skeleton = copy(obj)                # containers copied, atoms shared,
+ *                                             # tensors and arrays -> Ref(i)
+ *         arena = pool.take(sum(aligned blob sizes))
+ *         for blob on a GPU: blob.copy_(arena[off], non_blocking=True)
+ *         with nogil: memcpy every host blob into the arena
+ *         torch.cuda.synchronize()            # once per device, not per tensor
+ *         return Snapshot(skeleton, entries, blobs, arena)
+ *
+ *     def copy(x):                            # the walk
+ *         atom (None, bool, int, float, str, bytes, type, function) -> x
+ *         seen before (memo on identity)      -> the same copy
+ *         dict / list / tuple / set           -> walked item by item
+ *         torch.Tensor, nn.Parameter          -> Ref; bytes staged once per storage
+ *         numpy.ndarray, bytearray            -> Ref; bytes staged
+ *         torch dtype / device / Size / Generator -> Ref (no torch code in a writer child)
+ *         has state_dict() and load_state_dict()  -> copy(x.state_dict())
+ *         has __deepcopy__                    -> copy.deepcopy(x)
+ *         anything else                       -> rebuilt from copy(x.__reduce_ex__(4))
+ *
+ * The memo keeps shared and tied tensors shared (one blob per storage, each
+ * tensor keeps its dtype, shape, strides and offset) and makes cycles safe.
+ * An object whose reference count is 1 is reachable along one path only, so
+ * it is not memoised: a dict of a million small lists costs no memo traffic.
+ * The garbage collector is paused during the walk, and copied containers that
+ * hold only atoms are untracked: the skeleton is private and never mutated.
+ */
+#include "flor.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------------ */
+/* Pointer-keyed open-addressing map.                                   */
+
+typedef struct {
+    uintptr_t *keys;
+    uintptr_t *vals;
+    size_t cap; /* power of two, or 0 */
+    size_t n;
+} pmap;
+
+static inline size_t
+pmap_hash(uintptr_t k)
+{
+    uint64_t x = (uint64_t)k;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return (size_t)x;
+}
+
+static int
+pmap_get(const pmap *m, uintptr_t k, uintptr_t *v)
+{
+    size_t i;
+    if (m->cap == 0) {
+        return 0;
+    }
+    for (i = pmap_hash(k) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
+        if (m->keys[i] == k) {
+            *v = m->vals[i];
+            return 1;
+        }
+        if (m->keys[i] == 0) {
+            return 0;
+        }
+    }
+}
+
+static int pmap_put(pmap *m, uintptr_t k, uintptr_t v);
+
+static int
+pmap_grow(pmap *m)
+{
+    pmap n = {0};
+    size_t i;
+    n.cap = m->cap ? m->cap * 2 : 64;
+    n.keys = calloc(n.cap, sizeof(uintptr_t));
+    n.vals = calloc(n.cap, sizeof(uintptr_t));
+    if (n.keys == NULL || n.vals == NULL) {
+        free(n.keys);
+        free(n.vals);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i < m->cap; i++) {
+        if (m->keys[i] != 0) {
+            (void)pmap_put(&n, m->keys[i], m->vals[i]);
+        }
+    }
+    free(m->keys);
+    free(m->vals);
+    *m = n;
+    return 0;
+}
+
+static int
+pmap_put(pmap *m, uintptr_t k, uintptr_t v)
+{
+    size_t i;
+    if ((m->n + 1) * 2 > m->cap && pmap_grow(m) < 0) {
+        return -1;
+    }
+    for (i = pmap_hash(k) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
+        if (m->keys[i] == 0 || m->keys[i] == k) {
+            if (m->keys[i] == 0) {
+                m->n++;
+            }
+            m->keys[i] = k;
+            m->vals[i] = v;
+            return 0;
+        }
+    }
+}
+
+static void
+pmap_free(pmap *m)
+{
+    free(m->keys);
+    free(m->vals);
+    memset(m, 0, sizeof(*m));
+}
+
+/* ------------------------------------------------------------------ */
+/* Ref: the placeholder a skeleton holds in place of bytes.            */
+
+typedef struct {
+    PyObject_HEAD
+    int kind;
+    Py_ssize_t index;
+    PyObject *payload;
+} FlorRef;
+
+PyObject *
+flor_ref_new(flor_state *st, int kind, Py_ssize_t index, PyObject *payload)
+{
+    FlorRef *r = PyObject_New(FlorRef, st->RefType);
+    if (r == NULL) {
+        return NULL;
+    }
+    r->kind = kind;
+    r->index = index;
+    r->payload = Py_NewRef(payload != NULL ? payload : Py_None);
+    return (PyObject *)r;
+}
+
+static void
+ref_dealloc(FlorRef *r)
+{
+    PyTypeObject *tp = Py_TYPE(r);
+    Py_XDECREF(r->payload);
+    PyObject_Free(r);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+ref_reduce(FlorRef *r, PyObject *Py_UNUSED(ignored))
+{
+    flor_state *st = flor_state_of_type(Py_TYPE(r));
+    if (st == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("O(inO)", st->rebuild, r->kind, r->index, r->payload);
+}
+
+static PyObject *
+ref_repr(FlorRef *r)
+{
+    return PyUnicode_FromFormat("<flor Ref kind=%d index=%zd payload=%R>", r->kind, r->index,
+                                r->payload);
+}
+
+static PyMethodDef ref_methods[] = {
+    {"__reduce__", FLOR_CFUNC(ref_reduce), METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot ref_slots[] = {
+    {Py_tp_dealloc, ref_dealloc},
+    {Py_tp_methods, ref_methods},
+    {Py_tp_repr, ref_repr},
+    {Py_tp_doc, "Placeholder for staged bytes inside a snapshot skeleton."},
+    {0, NULL},
+};
+
+PyType_Spec flor_ref_spec = {
+    .name = "flor._core.Ref",
+    .basicsize = sizeof(FlorRef),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = ref_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* The walker.                                                          */
+
+enum walk_kind {
+    K_ATOM = 1,
+    K_TENSOR,
+    K_NAMED,
+    K_DEVICE,
+    K_SIZE,
+    K_GENERATOR,
+    K_NDARRAY,
+    K_BYTEARRAY,
+    K_SET,
+    K_FROZENSET,
+    K_STATEFUL,
+    K_DEEPCOPY,
+    K_REDUCE,
+};
+
+typedef struct {
+    flor_state *st;
+    pmap memo;     /* id(original) -> copy */
+    pmap storages; /* tensor StorageImpl address -> blob index + 1 */
+    PyObject *keep; /* strong refs for memo keys and values */
+    PyObject *path; /* segments gathered while an error unwinds */
+    flor_entry *entries;
+    flor_blob *blobs;
+    uint32_t n_entries, cap_entries, n_blobs, cap_blobs;
+    int any_cuda;
+} walker;
+
+static PyObject *walk(walker *w, PyObject *o, int shared);
+
+static inline int
+is_atom(PyObject *o)
+{
+    PyTypeObject *tp = Py_TYPE(o);
+    return tp == &PyLong_Type || tp == &PyUnicode_Type || tp == &PyFloat_Type || o == Py_None ||
+           tp == &PyBool_Type || tp == &PyBytes_Type;
+}
+
+/* Walk an item reached through a borrowed reference from its container. */
+static inline PyObject *
+walk_child(walker *w, PyObject *item)
+{
+    PyObject *r;
+    int shared;
+    if (is_atom(item)) {
+        return Py_NewRef(item);
+    }
+    shared = Py_REFCNT(item) > 1;
+    Py_INCREF(item);
+    r = walk(w, item, shared);
+    Py_DECREF(item);
+    return r;
+}
+
+/* Record a path segment while an exception propagates. */
+static void
+path_push(walker *w, const char *fmt, ...)
+{
+    PyObject *type, *value, *tb, *seg;
+    va_list va;
+    PyErr_Fetch(&type, &value, &tb);
+    va_start(va, fmt);
+    seg = PyUnicode_FromFormatV(fmt, va);
+    va_end(va);
+    if (seg == NULL || PyList_Append(w->path, seg) < 0) {
+        PyErr_Clear();
+    }
+    Py_XDECREF(seg);
+    PyErr_Restore(type, value, tb);
+}
+
+static int
+memo_put(walker *w, PyObject *orig, PyObject *copy)
+{
+    if (PyList_Append(w->keep, orig) < 0 || PyList_Append(w->keep, copy) < 0) {
+        return -1;
+    }
+    return pmap_put(&w->memo, (uintptr_t)orig, (uintptr_t)copy);
+}
+
+static void
+untrack_if_flat(PyObject *c, PyObject *const *items, Py_ssize_t n)
+{
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        if (PyObject_GC_IsTracked(items[i])) {
+            return;
+        }
+    }
+    if (PyObject_GC_IsTracked(c)) {
+        PyObject_GC_UnTrack(c);
+    }
+}
+
+static Py_ssize_t
+add_entry(walker *w)
+{
+    if (w->n_entries == w->cap_entries) {
+        uint32_t cap = w->cap_entries ? w->cap_entries * 2 : 16;
+        flor_entry *e = realloc(w->entries, cap * sizeof(*e));
+        if (e == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        w->entries = e;
+        w->cap_entries = cap;
+    }
+    memset(&w->entries[w->n_entries], 0, sizeof(flor_entry));
+    return w->n_entries++;
+}
+
+static Py_ssize_t
+add_blob(walker *w)
+{
+    if (w->n_blobs == w->cap_blobs) {
+        uint32_t cap = w->cap_blobs ? w->cap_blobs * 2 : 16;
+        flor_blob *b = realloc(w->blobs, cap * sizeof(*b));
+        if (b == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        w->blobs = b;
+        w->cap_blobs = cap;
+    }
+    memset(&w->blobs[w->n_blobs], 0, sizeof(flor_blob));
+    return w->n_blobs++;
+}
+
+static int
+set_name(char *dst, PyObject *name, const char *what)
+{
+    Py_ssize_t len;
+    const char *s = PyUnicode_AsUTF8AndSize(name, &len);
+    if (s == NULL) {
+        return -1;
+    }
+    if (len >= FLOR_NAME_MAX) {
+        PyErr_Format(PyExc_ValueError, "flor.snapshot: %s name %R is too long", what, name);
+        return -1;
+    }
+    memcpy(dst, s, (size_t)len + 1);
+    return 0;
+}
+
+static int
+fill_dims(flor_entry *e, PyObject *shape, PyObject *stride)
+{
+    Py_ssize_t nd = PyTuple_GET_SIZE(shape), i;
+    if (nd > FLOR_MAX_NDIM || (stride != NULL && PyTuple_GET_SIZE(stride) != nd)) {
+        PyErr_SetString(PyExc_ValueError, "flor.snapshot: unsupported number of dimensions");
+        return -1;
+    }
+    e->ndim = (uint8_t)nd;
+    if (nd == 0) {
+        return 0;
+    }
+    e->dims = malloc(2 * (size_t)nd * sizeof(int64_t));
+    if (e->dims == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i < nd; i++) {
+        e->dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        if (stride != NULL) {
+            e->dims[nd + i] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, i));
+        }
+    }
+    if (stride == NULL) { /* C-contiguous, in elements */
+        int64_t s = 1;
+        for (i = nd - 1; i >= 0; i--) {
+            e->dims[nd + i] = s;
+            s *= e->dims[i];
+        }
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Find or add the blob holding a tensor's storage. */
+static Py_ssize_t
+tensor_blob(walker *w, int is_cpu, int is_cuda, PyObject *storage)
+{
+    Py_ssize_t idx = -1;
+    uintptr_t key, found;
+    PyObject *cdata = NULL, *nbytes = NULL, *ptr = NULL, *host = NULL;
+    flor_blob *b;
+
+    cdata = PyObject_GetAttrString(storage, "_cdata");
+    if (cdata == NULL) {
+        goto cleanup;
+    }
+    key = (uintptr_t)PyLong_AsVoidPtr(cdata);
+    if (PyErr_Occurred()) {
+        goto cleanup;
+    }
+    if (pmap_get(&w->storages, key, &found)) {
+        idx = (Py_ssize_t)found - 1;
+        goto cleanup;
+    }
+    nbytes = PyObject_CallMethod(storage, "nbytes", NULL);
+    if (nbytes == NULL) {
+        goto cleanup;
+    }
+    if (is_cpu) {
+        host = Py_NewRef(storage);
+    }
+    else if (!is_cuda) {
+        /* Another accelerator: a synchronous copy to the host. */
+        host = PyObject_CallMethod(storage, "cpu", NULL);
+        if (host == NULL) {
+            goto cleanup;
+        }
+    }
+    if (host != NULL) {
+        ptr = PyObject_CallMethod(host, "data_ptr", NULL);
+        if (ptr == NULL) {
+            goto cleanup;
+        }
+    }
+    idx = add_blob(w);
+    if (idx < 0) {
+        goto cleanup;
+    }
+    b = &w->blobs[idx];
+    b->nbytes = PyLong_AsUnsignedLongLong(nbytes);
+    if (host != NULL) {
+        b->where = FLOR_BLOB_HOST;
+        b->src = (const char *)PyLong_AsVoidPtr(ptr);
+        b->owner = Py_NewRef(host);
+    }
+    else {
+        b->where = FLOR_BLOB_CUDA;
+        b->owner = Py_NewRef(storage);
+        w->any_cuda = 1;
+    }
+    if (PyErr_Occurred() || pmap_put(&w->storages, key, (uintptr_t)idx + 1) < 0) {
+        idx = -1;
+        goto cleanup;
+    }
+cleanup:
+    Py_XDECREF(cdata);
+    Py_XDECREF(nbytes);
+    Py_XDECREF(ptr);
+    Py_XDECREF(host);
+    return idx;
+}
+
+static PyObject *
+walk_tensor(walker *w, PyObject *t)
+{
+    flor_state *st = w->st;
+    PyObject *const orig = t;
+    const char *nm;
+    PyObject *res = NULL, *layout = NULL, *dtype = NULL, *name, *resolved = NULL, *flag = NULL;
+    PyObject *storage = NULL, *shape = NULL, *stride = NULL, *offset = NULL, *device = NULL;
+    PyObject *devstr = NULL, *cls = Py_None;
+    int is_cpu, is_cuda = 0, rg;
+    Py_ssize_t bidx, eidx;
+    flor_entry *e;
+
+    layout = PyObject_GetAttrString(t, "layout");
+    if (layout == NULL) {
+        goto cleanup;
+    }
+    if (layout != st->strided) {
+        PyErr_Format(PyExc_TypeError,
+                     "flor.snapshot copies dense tensors only; got a tensor with layout %R "
+                     "(convert it with .to_dense() before checkpointing)",
+                     layout);
+        goto cleanup;
+    }
+    dtype = PyObject_GetAttrString(t, "dtype");
+    if (dtype == NULL) {
+        goto cleanup;
+    }
+    name = PyDict_GetItemWithError(st->atom_names, dtype);
+    if (name == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError, "flor.snapshot: unsupported tensor dtype %R", dtype);
+        }
+        goto cleanup;
+    }
+    nm = PyUnicode_AsUTF8(name);
+    if (nm == NULL) {
+        goto cleanup;
+    }
+    if (strncmp(nm, "complex", 7) == 0) {
+        /* A lazily conjugated or negated view: store resolved values. */
+        resolved = PyObject_CallMethod(t, "resolve_conj", NULL);
+        if (resolved != NULL) {
+            Py_SETREF(resolved, PyObject_CallMethod(resolved, "resolve_neg", NULL));
+        }
+        if (resolved == NULL) {
+            goto cleanup;
+        }
+        t = resolved;
+    }
+    flag = PyObject_GetAttrString(t, "is_cpu");
+    if (flag == NULL) {
+        goto cleanup;
+    }
+    is_cpu = flag == Py_True;
+    if (!is_cpu) {
+        Py_SETREF(flag, PyObject_GetAttrString(t, "is_cuda"));
+        if (flag == NULL) {
+            goto cleanup;
+        }
+        is_cuda = flag == Py_True;
+        device = PyObject_GetAttrString(t, "device");
+        if (device == NULL || (devstr = PyObject_Str(device)) == NULL) {
+            goto cleanup;
+        }
+        if (PyUnicode_CompareWithASCIIString(devstr, "meta") == 0) {
+            PyErr_SetString(PyExc_TypeError,
+                            "flor.snapshot: a tensor on the 'meta' device has no data to copy");
+            goto cleanup;
+        }
+    }
+    storage = PyObject_CallMethod(t, "untyped_storage", NULL);
+    if (storage == NULL) {
+        goto cleanup;
+    }
+    bidx = tensor_blob(w, is_cpu, is_cuda, storage);
+    if (bidx < 0) {
+        goto cleanup;
+    }
+    shape = PyObject_GetAttrString(t, "shape");
+    stride = PyObject_CallMethod(t, "stride", NULL);
+    offset = PyObject_CallMethod(t, "storage_offset", NULL);
+    Py_XSETREF(flag, PyObject_GetAttrString(t, "requires_grad"));
+    if (shape == NULL || stride == NULL || offset == NULL || flag == NULL) {
+        goto cleanup;
+    }
+    if (!PyTuple_Check(shape) || !PyTuple_Check(stride)) {
+        PyErr_SetString(PyExc_TypeError, "flor.snapshot: tensor shape or stride is not a tuple");
+        goto cleanup;
+    }
+    rg = flag == Py_True;
+    eidx = add_entry(w);
+    if (eidx < 0) {
+        goto cleanup;
+    }
+    e = &w->entries[eidx];
+    e->kind = FLOR_REF_TENSOR;
+    e->blob = (uint32_t)bidx;
+    e->storage_offset = PyLong_AsLongLong(offset);
+    if (PyErr_Occurred() || fill_dims(e, shape, stride) < 0 || set_name(e->dtype, name, "dtype") < 0) {
+        goto cleanup;
+    }
+    if (is_cpu) {
+        memcpy(e->device, "cpu", 4);
+    }
+    else if (set_name(e->device, devstr, "device") < 0) {
+        goto cleanup;
+    }
+    if (rg) {
+        e->flags |= FLOR_ENTRY_REQUIRES_GRAD;
+    }
+    if (PyObject_TypeCheck(orig, (PyTypeObject *)st->Parameter)) {
+        e->flags |= FLOR_ENTRY_PARAMETER;
+    }
+    if ((PyObject *)Py_TYPE(orig) != st->Tensor && (PyObject *)Py_TYPE(orig) != st->Parameter) {
+        cls = (PyObject *)Py_TYPE(orig);
+    }
+    res = flor_ref_new(st, FLOR_REF_TENSOR, eidx, cls);
+cleanup:
+    Py_XDECREF(layout);
+    Py_XDECREF(dtype);
+    Py_XDECREF(resolved);
+    Py_XDECREF(flag);
+    Py_XDECREF(storage);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(offset);
+    Py_XDECREF(device);
+    Py_XDECREF(devstr);
+    return res;
+}
+
+/* numpy arrays and bytearrays: bytes through the buffer protocol.
+ * Returns NULL without an exception when the array must take the reduce path. */
+static PyObject *
+walk_buffer(walker *w, PyObject *o, int kind)
+{
+    PyObject *res = NULL, *dtype = NULL, *attr = NULL, *dstr = NULL, *shape = NULL;
+    Py_buffer *view = NULL;
+    Py_ssize_t bidx, eidx, i;
+    flor_entry *e;
+    flor_blob *b;
+
+    if (kind == FLOR_REF_ARRAY) {
+        dtype = PyObject_GetAttrString(o, "dtype");
+        if (dtype == NULL || (attr = PyObject_GetAttrString(dtype, "hasobject")) == NULL) {
+            goto cleanup;
+        }
+        if (attr == Py_True) {
+            goto cleanup; /* object arrays hold references: reduce path */
+        }
+        Py_SETREF(attr, PyObject_GetAttrString(dtype, "fields"));
+        if (attr == NULL) {
+            goto cleanup;
+        }
+        if (attr != Py_None) {
+            goto cleanup; /* structured dtype: reduce path */
+        }
+        dstr = PyObject_GetAttrString(dtype, "str");
+        if (dstr == NULL) {
+            goto cleanup;
+        }
+        if (PyUnicode_GET_LENGTH(dstr) >= FLOR_NAME_MAX) {
+            goto cleanup;
+        }
+    }
+    view = calloc(1, sizeof(Py_buffer));
+    if (view == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    if (PyObject_GetBuffer(o, view, PyBUF_STRIDES) < 0) {
+        free(view);
+        view = NULL;
+        if (kind == FLOR_REF_ARRAY && PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear(); /* e.g. datetime64: no buffer export, reduce path */
+        }
+        goto cleanup;
+    }
+    shape = PyTuple_New(view->ndim);
+    if (shape == NULL) {
+        goto cleanup;
+    }
+    for (i = 0; i < view->ndim; i++) {
+        PyObject *d = PyLong_FromSsize_t(view->shape ? view->shape[i] : view->len);
+        if (d == NULL) {
+            goto cleanup;
+        }
+        PyTuple_SET_ITEM(shape, i, d);
+    }
+    bidx = add_blob(w);
+    if (bidx < 0) {
+        goto cleanup;
+    }
+    b = &w->blobs[bidx];
+    b->where = FLOR_BLOB_BUFFER;
+    b->nbytes = (uint64_t)view->len;
+    b->src = view->buf;
+    b->view = view;
+    view = NULL;
+    eidx = add_entry(w);
+    if (eidx < 0) {
+        goto cleanup;
+    }
+    e = &w->entries[eidx];
+    e->kind = (uint8_t)kind;
+    e->blob = (uint32_t)bidx;
+    memcpy(e->device, "cpu", 4);
+    if (fill_dims(e, shape, NULL) < 0) {
+        goto cleanup;
+    }
+    if (dstr != NULL && set_name(e->dtype, dstr, "dtype") < 0) {
+        goto cleanup;
+    }
+    if (dstr == NULL) {
+        memcpy(e->dtype, "|u1", 4);
+    }
+    res = flor_ref_new(w->st, kind, eidx, NULL);
+cleanup:
+    if (view != NULL) {
+        PyBuffer_Release(view);
+        free(view);
+    }
+    Py_XDECREF(dtype);
+    Py_XDECREF(attr);
+    Py_XDECREF(dstr);
+    Py_XDECREF(shape);
+    return res;
+}
+
+static PyObject *
+walk_list(walker *w, PyObject *o, int shared)
+{
+    Py_ssize_t n = PyList_GET_SIZE(o), i;
+    PyObject *res = PyList_New(n);
+    if (res == NULL) {
+        return NULL;
+    }
+    if (shared && memo_put(w, o, res) < 0) {
+        goto error;
+    }
+    if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
+        goto error;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *c;
+        if (PyList_GET_SIZE(o) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "list changed size during flor.snapshot");
+            Py_LeaveRecursiveCall();
+            goto error;
+        }
+        c = walk_child(w, PyList_GET_ITEM(o, i));
+        if (c == NULL) {
+            path_push(w, "[%zd]", i);
+            Py_LeaveRecursiveCall();
+            goto error;
+        }
+        PyList_SET_ITEM(res, i, c);
+    }
+    Py_LeaveRecursiveCall();
+    untrack_if_flat(res, PySequence_Fast_ITEMS(res), n);
+    return res;
+error:
+    Py_DECREF(res);
+    return NULL;
+}
+
+static PyObject *
+walk_tuple(walker *w, PyObject *o, int shared)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(o), i, j;
+    PyObject *res = NULL;
+    uintptr_t found;
+    if (n == 0) {
+        return Py_NewRef(o);
+    }
+    if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
+        return NULL;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(o, i);
+        PyObject *c = walk_child(w, item);
+        if (c == NULL) {
+            path_push(w, "[%zd]", i);
+            Py_LeaveRecursiveCall();
+            Py_XDECREF(res);
+            return NULL;
+        }
+        if (res == NULL && c != item) {
+            res = PyTuple_New(n);
+            if (res == NULL) {
+                Py_DECREF(c);
+                Py_LeaveRecursiveCall();
+                return NULL;
+            }
+            for (j = 0; j < i; j++) {
+                PyTuple_SET_ITEM(res, j, Py_NewRef(PyTuple_GET_ITEM(o, j)));
+            }
+        }
+        if (res != NULL) {
+            PyTuple_SET_ITEM(res, i, c);
+        }
+        else {
+            Py_DECREF(c);
+        }
+    }
+    Py_LeaveRecursiveCall();
+    if (res == NULL) {
+        return Py_NewRef(o); /* nothing inside needed copying */
+    }
+    if (shared) {
+        if (pmap_get(&w->memo, (uintptr_t)o, &found)) {
+            /* A cycle through a mutable item already copied this tuple. */
+            Py_DECREF(res);
+            return Py_NewRef((PyObject *)found);
+        }
+        if (memo_put(w, o, res) < 0) {
+            Py_DECREF(res);
+            return NULL;
+        }
+    }
+    return res;
+}
+
+static int
+simple_keys(PyObject *d)
+{
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        if (!is_atom(k)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *
+walk_dict(walker *w, PyObject *o, int shared)
+{
+    Py_ssize_t pos = 0, n0 = PyDict_GET_SIZE(o);
+    PyObject *k, *v, *res;
+    int fast = simple_keys(o);
+    int flat = 1;
+
+    /* Fast path: clone the table, then replace the values that need a copy. */
+    res = fast ? PyDict_Copy(o) : PyDict_New();
+    if (res == NULL) {
+        return NULL;
+    }
+    if (shared && memo_put(w, o, res) < 0) {
+        goto error;
+    }
+    if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
+        goto error;
+    }
+    while (PyDict_Next(o, &pos, &k, &v)) {
+        PyObject *ck, *cv;
+        int rc;
+        if (fast && is_atom(v)) {
+            continue;
+        }
+        Py_INCREF(k);
+        if (fast) {
+            /* res holds one more reference to v than o alone does. */
+            int vshared = Py_REFCNT(v) > 2;
+            Py_INCREF(v);
+            ck = Py_NewRef(k);
+            cv = walk(w, v, vshared);
+            Py_DECREF(v);
+        }
+        else {
+            ck = walk_child(w, k);
+            cv = ck == NULL ? NULL : walk_child(w, v);
+        }
+        if (cv == NULL) {
+            path_push(w, "[%R]", k);
+            Py_XDECREF(ck);
+            Py_DECREF(k);
+            Py_LeaveRecursiveCall();
+            goto error;
+        }
+        if (PyObject_GC_IsTracked(cv)) {
+            flat = 0;
+        }
+        rc = PyDict_SetItem(res, ck, cv);
+        Py_DECREF(ck);
+        Py_DECREF(cv);
+        Py_DECREF(k);
+        if (rc < 0) {
+            Py_LeaveRecursiveCall();
+            goto error;
+        }
+        if (PyDict_GET_SIZE(o) != n0) {
+            PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during flor.snapshot");
+            Py_LeaveRecursiveCall();
+            goto error;
+        }
+    }
+    Py_LeaveRecursiveCall();
+    if (flat && fast) {
+        /* Every value is now an atom or a Ref: nothing here can form a cycle. */
+        pos = 0;
+        while (PyDict_Next(res, &pos, &k, &v)) {
+            if (PyObject_GC_IsTracked(v)) {
+                flat = 0;
+                break;
+            }
+        }
+        if (flat && PyObject_GC_IsTracked(res)) {
+            PyObject_GC_UnTrack(res);
+        }
+    }
+    return res;
+error:
+    Py_DECREF(res);
+    return NULL;
+}
+
+static PyObject *
+walk_set(walker *w, PyObject *o, int shared, int frozen)
+{
+    PyObject *res = NULL, *items = NULL, *it = NULL, *item;
+    int changed = 0;
+
+    items = PyList_New(0);
+    if (items == NULL) {
+        return NULL;
+    }
+    if (!frozen) {
+        res = PySet_New(NULL);
+        if (res == NULL || (shared && memo_put(w, o, res) < 0)) {
+            goto error;
+        }
+    }
+    it = PyObject_GetIter(o);
+    if (it == NULL || Py_EnterRecursiveCall(" while taking a flor snapshot")) {
+        goto error;
+    }
+    while ((item = PyIter_Next(it)) != NULL) {
+        PyObject *c = walk_child(w, item);
+        int rc;
+        if (c == NULL) {
+            Py_DECREF(item);
+            Py_LeaveRecursiveCall();
+            goto error;
+        }
+        changed |= c != item;
+        rc = PyList_Append(items, c);
+        Py_DECREF(c);
+        Py_DECREF(item);
+        if (rc < 0) {
+            Py_LeaveRecursiveCall();
+            goto error;
+        }
+    }
+    Py_LeaveRecursiveCall();
+    if (PyErr_Occurred()) {
+        goto error;
+    }
+    if (frozen) {
+        res = changed ? PyFrozenSet_New(items) : Py_NewRef(o);
+        if (res == NULL || (changed && shared && memo_put(w, o, res) < 0)) {
+            goto error;
+        }
+    }
+    else {
+        Py_ssize_t i;
+        for (i = 0; i < PyList_GET_SIZE(items); i++) {
+            if (PySet_Add(res, PyList_GET_ITEM(items, i)) < 0) {
+                goto error;
+            }
+        }
+    }
+    Py_DECREF(it);
+    Py_DECREF(items);
+    return res;
+error:
+    Py_XDECREF(it);
+    Py_XDECREF(items);
+    Py_XDECREF(res);
+    return NULL;
+}
+
+static int
+apply_state(walker *w, PyObject *y, PyObject *state, PyObject *setstate)
+{
+    int rc = -1;
+    PyObject *cstate = NULL, *meth = NULL, *r = NULL, *dict = NULL, *slots = NULL;
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+
+    cstate = walk_child(w, state);
+    if (cstate == NULL) {
+        goto cleanup;
+    }
+    if (setstate != Py_None) {
+        r = PyObject_CallFunctionObjArgs(setstate, y, cstate, NULL);
+        rc = r == NULL ? -1 : 0;
+        goto cleanup;
+    }
+    meth = PyObject_GetAttr(y, w->st->s_setstate);
+    if (meth != NULL) {
+        r = PyObject_CallOneArg(meth, cstate);
+        rc = r == NULL ? -1 : 0;
+        goto cleanup;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        goto cleanup;
+    }
+    PyErr_Clear();
+    if (PyTuple_Check(cstate) && PyTuple_GET_SIZE(cstate) == 2) {
+        slots = PyTuple_GET_ITEM(cstate, 1);
+        Py_SETREF(cstate, Py_NewRef(PyTuple_GET_ITEM(cstate, 0)));
+    }
+    if (cstate != Py_None) {
+        dict = PyObject_GetAttr(y, w->st->s_dict);
+        if (dict == NULL) {
+            goto cleanup;
+        }
+        r = PyObject_CallMethod(dict, "update", "O", cstate);
+        if (r == NULL) {
+            goto cleanup;
+        }
+    }
+    if (slots != NULL && slots != Py_None) {
+        if (!PyDict_Check(slots)) {
+            PyErr_SetString(PyExc_TypeError, "flor.snapshot: slot state is not a dict");
+            goto cleanup;
+        }
+        while (PyDict_Next(slots, &pos, &k, &v)) {
+            if (PyObject_SetAttr(y, k, v) < 0) {
+                goto cleanup;
+            }
+        }
+    }
+    rc = 0;
+cleanup:
+    Py_XDECREF(cstate);
+    Py_XDECREF(meth);
+    Py_XDECREF(r);
+    Py_XDECREF(dict);
+    return rc;
+}
+
+/* copy._reconstruct, with every component copied by this walk. */
+static PyObject *
+walk_reduce(walker *w, PyObject *o, int shared)
+{
+    flor_state *st = w->st;
+    PyObject *reductor, *rv = NULL, *res = NULL, *cargs = NULL, *it = NULL, *item = NULL;
+    PyObject *callable, *args, *state = Py_None, *listitems = Py_None, *dictitems = Py_None;
+    PyObject *setstate = Py_None;
+    Py_ssize_t n;
+
+    reductor = PyDict_GetItemWithError(st->copyreg_dispatch, (PyObject *)Py_TYPE(o));
+    if (reductor != NULL) {
+        rv = PyObject_CallOneArg(reductor, o);
+    }
+    else if (!PyErr_Occurred()) {
+        rv = PyObject_CallMethod(o, "__reduce_ex__", "i", 4);
+    }
+    if (rv == NULL) {
+        goto cleanup;
+    }
+    if (PyUnicode_Check(rv)) {
+        res = Py_NewRef(o); /* a global: shared like an atom */
+        goto cleanup;
+    }
+    n = PyTuple_Check(rv) ? PyTuple_GET_SIZE(rv) : 0;
+    if (n < 2 || n > 6) {
+        PyErr_Format(PyExc_TypeError,
+                     "flor.snapshot: cannot copy a %.200s: its __reduce_ex__ returned %R",
+                     Py_TYPE(o)->tp_name, rv);
+        goto cleanup;
+    }
+    callable = PyTuple_GET_ITEM(rv, 0);
+    args = PyTuple_GET_ITEM(rv, 1);
+    if (n > 2) state = PyTuple_GET_ITEM(rv, 2);
+    if (n > 3) listitems = PyTuple_GET_ITEM(rv, 3);
+    if (n > 4) dictitems = PyTuple_GET_ITEM(rv, 4);
+    if (n > 5) setstate = PyTuple_GET_ITEM(rv, 5);
+
+    cargs = walk_child(w, args);
+    if (cargs == NULL) {
+        goto cleanup;
+    }
+    if (!PyTuple_Check(cargs)) {
+        PyErr_Format(PyExc_TypeError, "flor.snapshot: reduce arguments of a %.200s are not a tuple",
+                     Py_TYPE(o)->tp_name);
+        goto cleanup;
+    }
+    res = PyObject_Call(callable, cargs, NULL);
+    if (res == NULL) {
+        goto cleanup;
+    }
+    if (shared && memo_put(w, o, res) < 0) {
+        Py_CLEAR(res);
+        goto cleanup;
+    }
+    if (state != Py_None && apply_state(w, res, state, setstate) < 0) {
+        Py_CLEAR(res);
+        goto cleanup;
+    }
+    if (listitems != Py_None) {
+        it = PyObject_GetIter(listitems);
+        if (it == NULL) {
+            Py_CLEAR(res);
+            goto cleanup;
+        }
+        while ((item = PyIter_Next(it)) != NULL) {
+            PyObject *c = walk_child(w, item), *r;
+            Py_CLEAR(item);
+            r = c == NULL ? NULL : PyObject_CallMethodOneArg(res, st->s_append, c);
+            Py_XDECREF(c);
+            if (r == NULL) {
+                Py_CLEAR(res);
+                goto cleanup;
+            }
+            Py_DECREF(r);
+        }
+        if (PyErr_Occurred()) {
+            Py_CLEAR(res);
+            goto cleanup;
+        }
+        Py_CLEAR(it);
+    }
+    if (dictitems != Py_None) {
+        it = PyObject_GetIter(dictitems);
+        if (it == NULL) {
+            Py_CLEAR(res);
+            goto cleanup;
+        }
+        while ((item = PyIter_Next(it)) != NULL) {
+            PyObject *ck = NULL, *cv = NULL;
+            int rc = -1;
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+                PyErr_SetString(PyExc_TypeError, "flor.snapshot: dict items must be pairs");
+            }
+            else if ((ck = walk_child(w, PyTuple_GET_ITEM(item, 0))) == NULL) {
+            }
+            else if ((cv = walk_child(w, PyTuple_GET_ITEM(item, 1))) == NULL) {
+                path_push(w, "[%R]", PyTuple_GET_ITEM(item, 0));
+            }
+            else {
+                rc = PyObject_SetItem(res, ck, cv);
+            }
+            Py_XDECREF(ck);
+            Py_XDECREF(cv);
+            Py_CLEAR(item);
+            if (rc < 0) {
+                Py_CLEAR(res);
+                goto cleanup;
+            }
+        }
+        if (PyErr_Occurred()) {
+            Py_CLEAR(res);
+            goto cleanup;
+        }
+    }
+cleanup:
+    Py_XDECREF(it);
+    Py_XDECREF(rv);
+    Py_XDECREF(cargs);
+    return res;
+}
+
+/* 1 if the type has a callable attribute `name`, 0 if not, -1 on error. */
+static int
+optional_callable(PyTypeObject *tp, PyObject *name)
+{
+    int r;
+    PyObject *attr = PyObject_GetAttr((PyObject *)tp, name);
+    if (attr == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return -1;
+        }
+        PyErr_Clear();
+        return 0;
+    }
+    r = PyCallable_Check(attr);
+    Py_DECREF(attr);
+    return r;
+}
+
+static int
+classify(flor_state *st, PyTypeObject *tp)
+{
+    PyObject *cached, *val;
+    int kind = K_REDUCE;
+
+    cached = PyDict_GetItemWithError(st->kind_cache, (PyObject *)tp);
+    if (cached != NULL) {
+        return (int)PyLong_AsLong(cached);
+    }
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (PyType_IsSubtype(tp, &PyType_Type) || tp == &PyFunction_Type ||
+        tp == &PyCFunction_Type || tp == &PyCode_Type || tp == &PyModule_Type ||
+        tp == &PyRange_Type || tp == &PyComplex_Type || tp == Py_TYPE(Py_Ellipsis) ||
+        tp == Py_TYPE(Py_NotImplemented) || tp == &PyProperty_Type || (PyObject *)tp == st->weakref_t) {
+        kind = K_ATOM;
+    }
+    else if (st->torch_ready && PyType_IsSubtype(tp, (PyTypeObject *)st->Tensor)) {
+        kind = K_TENSOR;
+    }
+    else if (st->torch_ready && ((PyObject *)tp == st->dtype_t || (PyObject *)tp == st->layout_t ||
+                                 (PyObject *)tp == st->memfmt_t)) {
+        kind = K_NAMED;
+    }
+    else if (st->torch_ready && (PyObject *)tp == st->device_t) {
+        kind = K_DEVICE;
+    }
+    else if (st->torch_ready && (PyObject *)tp == st->Size) {
+        kind = K_SIZE;
+    }
+    else if (st->torch_ready && PyType_IsSubtype(tp, (PyTypeObject *)st->Generator)) {
+        kind = K_GENERATOR;
+    }
+    else if (st->ndarray != NULL && (PyObject *)tp == st->ndarray) {
+        kind = K_NDARRAY;
+    }
+    else if (tp == &PyByteArray_Type) {
+        kind = K_BYTEARRAY;
+    }
+    else if (tp == &PySet_Type) {
+        kind = K_SET;
+    }
+    else if (tp == &PyFrozenSet_Type) {
+        kind = K_FROZENSET;
+    }
+    else {
+        int has_sd = optional_callable(tp, st->s_state_dict);
+        int has_load = has_sd > 0 ? optional_callable(tp, st->s_load_state_dict) : 0;
+        int has_dc = optional_callable(tp, st->s_deepcopy_attr);
+        if (has_sd < 0 || has_load < 0 || has_dc < 0) {
+            return -1;
+        }
+        if (has_sd && has_load) {
+            kind = K_STATEFUL;
+        }
+        else if (has_dc) {
+            kind = K_DEEPCOPY;
+        }
+    }
+    if (PyDict_GET_SIZE(st->kind_cache) > 4096) {
+        PyDict_Clear(st->kind_cache);
+    }
+    val = PyLong_FromLong(kind);
+    if (val == NULL || PyDict_SetItem(st->kind_cache, (PyObject *)tp, val) < 0) {
+        Py_XDECREF(val);
+        return -1;
+    }
+    Py_DECREF(val);
+    return kind;
+}
+
+static PyObject *
+walk(walker *w, PyObject *o, int shared)
+{
+    flor_state *st = w->st;
+    PyTypeObject *tp = Py_TYPE(o);
+    PyObject *res = NULL, *tmp = NULL, *payload = NULL;
+    uintptr_t found;
+    int kind;
+
+    if (is_atom(o)) {
+        return Py_NewRef(o);
+    }
+    if (shared && pmap_get(&w->memo, (uintptr_t)o, &found)) {
+        return Py_NewRef((PyObject *)found);
+    }
+    if (tp == &PyDict_Type) {
+        return walk_dict(w, o, shared);
+    }
+    if (tp == &PyList_Type) {
+        return walk_list(w, o, shared);
+    }
+    if (tp == &PyTuple_Type) {
+        return walk_tuple(w, o, shared);
+    }
+    kind = classify(st, tp);
+    switch (kind) {
+    case K_ATOM:
+        return Py_NewRef(o);
+    case K_TENSOR:
+        res = walk_tensor(w, o);
+        break;
+    case K_NAMED:
+        payload = PyDict_GetItemWithError(st->atom_names, o);
+        if (payload == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_TypeError, "flor.snapshot: unknown torch constant %R", o);
+            }
+            return NULL;
+        }
+        res = flor_ref_new(st, FLOR_REF_NAMED, -1, payload);
+        break;
+    case K_DEVICE:
+        payload = PyObject_Str(o);
+        res = payload == NULL ? NULL : flor_ref_new(st, FLOR_REF_DEVICE, -1, payload);
+        Py_XDECREF(payload);
+        break;
+    case K_SIZE:
+        payload = PySequence_Tuple(o);
+        res = payload == NULL ? NULL : flor_ref_new(st, FLOR_REF_SIZE, -1, payload);
+        Py_XDECREF(payload);
+        break;
+    case K_GENERATOR: {
+        PyObject *state = NULL, *sref = NULL, *dev = NULL, *devs = NULL;
+        state = PyObject_CallMethod(o, "get_state", NULL);
+        if (state != NULL) {
+            sref = walk_tensor(w, state);
+        }
+        if (sref != NULL) {
+            dev = PyObject_GetAttrString(o, "device");
+        }
+        if (dev != NULL) {
+            devs = PyObject_Str(dev);
+        }
+        if (devs != NULL) {
+            payload = PyTuple_Pack(2, devs, sref);
+        }
+        if (payload != NULL) {
+            res = flor_ref_new(st, FLOR_REF_GENERATOR, -1, payload);
+        }
+        Py_XDECREF(state);
+        Py_XDECREF(sref);
+        Py_XDECREF(dev);
+        Py_XDECREF(devs);
+        Py_XDECREF(payload);
+        break;
+    }
+    case K_NDARRAY:
+    case K_BYTEARRAY:
+        res = walk_buffer(w, o, kind == K_NDARRAY ? FLOR_REF_ARRAY : FLOR_REF_BYTEARRAY);
+        if (res == NULL && !PyErr_Occurred()) {
+            return walk_reduce(w, o, shared);
+        }
+        break;
+    case K_SET:
+    case K_FROZENSET:
+        return walk_set(w, o, shared, kind == K_FROZENSET);
+    case K_STATEFUL:
+        tmp = PyObject_CallMethodNoArgs(o, st->s_state_dict);
+        if (tmp == NULL) {
+            path_push(w, ".state_dict()");
+            return NULL;
+        }
+        res = walk(w, tmp, Py_REFCNT(tmp) > 1);
+        Py_DECREF(tmp);
+        if (res == NULL) {
+            path_push(w, ".state_dict()");
+            return NULL;
+        }
+        break;
+    case K_DEEPCOPY:
+        res = PyObject_CallOneArg(st->deepcopy, o);
+        break;
+    case K_REDUCE:
+        return walk_reduce(w, o, shared);
+    default:
+        return NULL; /* classify() failed with an exception set */
+    }
+    if (res != NULL && shared && memo_put(w, o, res) < 0) {
+        Py_CLEAR(res);
+    }
+    return res;
+}
+
+/* ------------------------------------------------------------------ */
+/* Copy phase.                                                          */
+
+static void
+blobs_release(flor_blob *b, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; i++) {
+        if (b[i].view != NULL) {
+            PyBuffer_Release(b[i].view);
+            free(b[i].view);
+            b[i].view = NULL;
+        }
+        Py_CLEAR(b[i].owner);
+        b[i].src = NULL;
+    }
+}
+
+void
+flor_entries_free(flor_entry *e, uint32_t n)
+{
+    uint32_t i;
+    if (e == NULL) {
+        return;
+    }
+    for (i = 0; i < n; i++) {
+        free(e[i].dims);
+    }
+    free(e);
+}
+
+/* Start a non-blocking device-to-host copy of every CUDA blob. */
+static int
+cuda_start(flor_state *st, FlorSnapshot *s, PyObject *devices)
+{
+    int rc = -1;
+    uint32_t i;
+    PyObject *mv = NULL, *host = NULL, *kw = NULL;
+
+    mv = PyMemoryView_FromMemory(s->arena->base, (Py_ssize_t)s->data_bytes, PyBUF_WRITE);
+    if (mv == NULL) {
+        goto cleanup;
+    }
+    kw = Py_BuildValue("{s:O}", "dtype", st->uint8);
+    if (kw == NULL) {
+        goto cleanup;
+    }
+    {
+        PyObject *frombuffer = PyObject_GetAttrString(st->torch, "frombuffer");
+        PyObject *a = frombuffer == NULL ? NULL : PyTuple_Pack(1, mv);
+        host = a == NULL ? NULL : PyObject_Call(frombuffer, a, kw);
+        Py_XDECREF(a);
+        Py_XDECREF(frombuffer);
+        if (host == NULL) {
+            goto cleanup;
+        }
+    }
+    for (i = 0; i < s->n_blobs; i++) {
+        flor_blob *b = &s->blobs[i];
+        PyObject *dst = NULL, *src = NULL, *dev = NULL, *r = NULL, *slice = NULL;
+        PyObject *lo = NULL, *hi = NULL;
+        int ok = 0;
+        if (b->where != FLOR_BLOB_CUDA || b->nbytes == 0) {
+            continue;
+        }
+        lo = PyLong_FromUnsignedLongLong(b->offset);
+        hi = PyLong_FromUnsignedLongLong(b->offset + b->nbytes);
+        slice = (lo && hi) ? PySlice_New(lo, hi, NULL) : NULL;
+        dst = slice ? PyObject_GetItem(host, slice) : NULL;
+        dev = dst ? PyObject_GetAttrString(b->owner, "device") : NULL;
+        if (dev != NULL && PySet_Add(devices, dev) == 0) {
+            src = PyObject_CallMethod(st->torch, "empty", "(i)", 0);
+            Py_XSETREF(src, src ? PyObject_CallMethod(src, "to", "OO", dev, st->uint8) : NULL);
+            Py_XSETREF(src, src ? PyObject_CallMethod(src, "set_", "O", b->owner) : NULL);
+            r = src ? PyObject_CallMethod(dst, "copy_", "OO", src,
+                                          s->arena->pinned ? Py_True : Py_False)
+                    : NULL;
+            ok = r != NULL;
+        }
+        Py_XDECREF(lo);
+        Py_XDECREF(hi);
+        Py_XDECREF(slice);
+        Py_XDECREF(dst);
+        Py_XDECREF(src);
+        Py_XDECREF(dev);
+        Py_XDECREF(r);
+        if (!ok) {
+            goto cleanup;
+        }
+    }
+    rc = 0;
+cleanup:
+    Py_XDECREF(host);
+    Py_XDECREF(mv);
+    Py_XDECREF(kw);
+    return rc;
+}
+
+static int
+cuda_finish(PyObject *devices)
+{
+    int rc = -1;
+    PyObject *cuda = NULL, *it = NULL, *dev;
+    cuda = PyImport_ImportModule("torch.cuda");
+    if (cuda == NULL || (it = PyObject_GetIter(devices)) == NULL) {
+        goto cleanup;
+    }
+    while ((dev = PyIter_Next(it)) != NULL) {
+        PyObject *r = PyObject_CallMethod(cuda, "synchronize", "O", dev);
+        Py_DECREF(dev);
+        if (r == NULL) {
+            goto cleanup;
+        }
+        Py_DECREF(r);
+    }
+    if (!PyErr_Occurred()) {
+        rc = 0;
+    }
+cleanup:
+    Py_XDECREF(it);
+    Py_XDECREF(cuda);
+    return rc;
+}
+
+static int
+copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx)
+{
+    flor_state *st = w->st;
+    uint64_t total = 0, payload = 0;
+    uint32_t i;
+    int rc = -1;
+    double t0;
+    char *base;
+    PyObject *devices = NULL;
+
+    for (i = 0; i < s->n_blobs; i++) {
+        s->blobs[i].offset = total;
+        total += flor_align_up(s->blobs[i].nbytes);
+        payload += s->blobs[i].nbytes;
+    }
+    s->data_bytes = total;
+    s->nbytes = payload;
+    if (reserve != NULL && reserve(ctx, total) < 0) {
+        goto cleanup;
+    }
+    if (total == 0) {
+        rc = 0;
+        goto cleanup;
+    }
+    s->arena = flor_pool_take(st, total, w->any_cuda);
+    if (s->arena == NULL) {
+        goto cleanup;
+    }
+    base = s->arena->base;
+    t0 = flor_now();
+    if (w->any_cuda) {
+        devices = PySet_New(NULL);
+        if (devices == NULL || cuda_start(st, s, devices) < 0) {
+            goto cleanup;
+        }
+    }
+    for (i = 0; i < s->n_blobs; i++) {
+        flor_blob *b = &s->blobs[i];
+        if (b->where == FLOR_BLOB_BUFFER && PyBuffer_IsContiguous(b->view, 'C')) {
+            b->where = FLOR_BLOB_HOST; /* the view stays held until released below */
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    /* Only raw memory here: sources are kept alive by blob owners/views. */
+    for (i = 0; i < s->n_blobs; i++) {
+        flor_blob *b = &s->blobs[i];
+        uint64_t pad = flor_align_up(b->nbytes) - b->nbytes;
+        if (b->where == FLOR_BLOB_HOST && b->nbytes > 0) {
+            memcpy(base + b->offset, b->src, b->nbytes);
+        }
+        if (pad) {
+            memset(base + b->offset + b->nbytes, 0, pad);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    for (i = 0; i < s->n_blobs; i++) {
+        flor_blob *b = &s->blobs[i];
+        if (b->where == FLOR_BLOB_BUFFER &&
+            PyBuffer_ToContiguous(base + b->offset, b->view, (Py_ssize_t)b->nbytes, 'C') < 0) {
+            goto cleanup;
+        }
+    }
+    if (w->any_cuda && cuda_finish(devices) < 0) {
+        goto cleanup;
+    }
+    s->copy_seconds = flor_now() - t0;
+    rc = 0;
+cleanup:
+    Py_XDECREF(devices);
+    blobs_release(s->blobs, s->n_blobs);
+    return rc;
+}
+
+static void
+add_path_note(walker *w)
+{
+    PyObject *type, *value, *tb, *sep = NULL, *rev = NULL, *joined = NULL, *note = NULL, *r = NULL;
+    if (PyList_GET_SIZE(w->path) == 0) {
+        return;
+    }
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    rev = PyList_GetSlice(w->path, 0, PyList_GET_SIZE(w->path));
+    if (rev != NULL && PyList_Reverse(rev) == 0 && (sep = PyUnicode_FromString("")) != NULL &&
+        (joined = PyUnicode_Join(sep, rev)) != NULL &&
+        (note = PyUnicode_FromFormat("while taking a flor snapshot of obj%U", joined)) != NULL &&
+        value != NULL) {
+        r = PyObject_CallMethod(value, "add_note", "O", note);
+    }
+    if (r == NULL) {
+        PyErr_Clear();
+    }
+    Py_XDECREF(r);
+    Py_XDECREF(note);
+    Py_XDECREF(joined);
+    Py_XDECREF(sep);
+    Py_XDECREF(rev);
+    PyErr_Restore(type, value, tb);
+}
+
+PyObject *
+flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx)
+{
+    walker w;
+    FlorSnapshot *s = NULL;
+    PyObject *skeleton = NULL;
+    int gc_was;
+
+    memset(&w, 0, sizeof(w));
+    w.st = st;
+    if (flor_torch_init(st) < 0 || flor_numpy_init(st) < 0) {
+        return NULL;
+    }
+    w.keep = PyList_New(0);
+    w.path = PyList_New(0);
+    if (w.keep == NULL || w.path == NULL) {
+        goto error;
+    }
+    gc_was = PyGC_Disable();
+    skeleton = walk(&w, obj, 1);
+    if (gc_was) {
+        PyGC_Enable();
+    }
+    if (skeleton == NULL) {
+        add_path_note(&w);
+        goto error;
+    }
+    s = PyObject_New(FlorSnapshot, st->SnapshotType);
+    if (s == NULL) {
+        goto error;
+    }
+    s->skeleton = skeleton;
+    skeleton = NULL;
+    s->entries = w.entries;
+    s->n_entries = w.n_entries;
+    s->blobs = w.blobs;
+    s->n_blobs = w.n_blobs;
+    s->arena = NULL;
+    s->nbytes = s->data_bytes = 0;
+    s->owner = getpid();
+    s->copy_seconds = 0.0;
+    w.entries = NULL;
+    w.blobs = NULL;
+    /* The memo must not outlive the walk: drop it before copying bytes. */
+    pmap_free(&w.memo);
+    pmap_free(&w.storages);
+    Py_CLEAR(w.keep);
+    if (copy_phase(&w, s, reserve, ctx) < 0) {
+        Py_CLEAR(s);
+    }
+    Py_XDECREF(w.path);
+    return (PyObject *)s;
+error:
+    Py_XDECREF(skeleton);
+    blobs_release(w.blobs, w.n_blobs);
+    free(w.blobs);
+    flor_entries_free(w.entries, w.n_entries);
+    pmap_free(&w.memo);
+    pmap_free(&w.storages);
+    Py_XDECREF(w.keep);
+    Py_XDECREF(w.path);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Snapshot type.                                                       */
+
+static void
+snapshot_dealloc(FlorSnapshot *s)
+{
+    PyTypeObject *tp = Py_TYPE(s);
+    flor_state *st = flor_state_of_type(tp);
+    Py_XDECREF(s->skeleton);
+    blobs_release(s->blobs, s->n_blobs);
+    free(s->blobs);
+    flor_entries_free(s->entries, s->n_entries);
+    if (s->arena != NULL) {
+        if (st != NULL) {
+            flor_pool_give(st, s->arena);
+        }
+        else {
+            PyErr_Clear();
+        }
+    }
+    PyObject_Free(s);
+    Py_DECREF(tp);
+}
+
+static int
+snapshot_check_owner(FlorSnapshot *s)
+{
+    if (s->owner != getpid()) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "this flor snapshot was taken in process %ld; its staging memory is not "
+                     "inherited by forked children. Take the snapshot in this process.",
+                     (long)s->owner);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *
+flor_snapshot_restore(FlorSnapshot *s)
+{
+    flor_state *st = flor_state_of_type(Py_TYPE(s));
+    PyObject *meta = NULL, *res = NULL;
+    flor_loader ld;
+    if (st == NULL || snapshot_check_owner(s) < 0) {
+        return NULL;
+    }
+    meta = flor_pickle_skeleton(st, s->skeleton);
+    if (meta == NULL) {
+        return NULL;
+    }
+    memset(&ld, 0, sizeof(ld));
+    ld.entries = s->entries;
+    ld.n_entries = s->n_entries;
+    ld.blobs = s->blobs;
+    ld.n_blobs = s->n_blobs;
+    ld.data = s->arena != NULL ? s->arena->base : NULL;
+    ld.path = "<snapshot>";
+    res = flor_unpickle(st, meta, &ld);
+    Py_DECREF(meta);
+    return res;
+}
+
+static PyObject *
+snapshot_restore_meth(FlorSnapshot *s, PyObject *Py_UNUSED(ignored))
+{
+    return flor_snapshot_restore(s);
+}
+
+static PyObject *
+snapshot_get_nbytes(FlorSnapshot *s, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(s->nbytes);
+}
+
+static PyObject *
+snapshot_get_copy_seconds(FlorSnapshot *s, void *Py_UNUSED(closure))
+{
+    return PyFloat_FromDouble(s->copy_seconds);
+}
+
+static PyObject *
+snapshot_get_ntensors(FlorSnapshot *s, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLong(s->n_entries);
+}
+
+static PyObject *
+snapshot_repr(FlorSnapshot *s)
+{
+    return PyUnicode_FromFormat("<flor.Snapshot %u arrays, %llu bytes>", s->n_entries,
+                                (unsigned long long)s->nbytes);
+}
+
+PyDoc_STRVAR(snapshot_restore_doc,
+             "restore($self, /)\n--\n\n"
+             "Return a fresh copy of the captured object.\n\n"
+             "Tensors come back on the CPU; objects captured through state_dict()\n"
+             "come back as their state dict. Each call returns new objects.");
+
+static PyMethodDef snapshot_methods[] = {
+    {"restore", FLOR_CFUNC(snapshot_restore_meth), METH_NOARGS, snapshot_restore_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef snapshot_getset[] = {
+    {"nbytes", (getter)snapshot_get_nbytes, NULL, "Bytes of tensor and array data held.", NULL},
+    {"copy_seconds", (getter)snapshot_get_copy_seconds, NULL,
+     "Seconds spent copying bytes into the staging buffer.", NULL},
+    {"narrays", (getter)snapshot_get_ntensors, NULL, "Number of tensors and arrays held.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot snapshot_slots[] = {
+    {Py_tp_dealloc, snapshot_dealloc},
+    {Py_tp_methods, snapshot_methods},
+    {Py_tp_getset, snapshot_getset},
+    {Py_tp_repr, snapshot_repr},
+    {Py_tp_doc, "An isolated copy of an object, taken by flor.snapshot()."},
+    {0, NULL},
+};
+
+PyType_Spec flor_snapshot_spec = {
+    .name = "flor.Snapshot",
+    .basicsize = sizeof(FlorSnapshot),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = snapshot_slots,
+};

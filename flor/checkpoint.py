@@ -1,0 +1,149 @@
+"""Checkpoint files: flor.save, flor.load and in-place flor.restore.
+
+The file format is written and read by the C core (see docs/FORMAT.md); this
+module turns its raw results into PyTorch-style behaviour and clear errors.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+from . import _core
+from .errors import CheckpointCorrupt, CheckpointWriteError
+
+__all__ = ["save", "load", "restore"]
+
+
+def save(obj, path) -> None:
+    """Write ``obj`` to ``path`` atomically: temp file, fsync, rename, fsync of
+    the directory.  A crash at any moment leaves either the old file or the
+    complete new one under ``path``, never a partial one."""
+    path = os.fspath(path)
+    _nbytes, err, step = _core.save(obj, path)
+    if err:
+        raise CheckpointWriteError([(path, err, step, "")])
+
+
+def _location_hook(map_location):
+    """Return hook(storage, recorded_device) -> storage, as torch.load does.
+
+    torch is imported when the hook first runs, which is only for files that
+    hold tensors."""
+    if callable(map_location):
+        return map_location
+
+    def move(storage, recorded):
+        import torch
+
+        if map_location is None:
+            target = recorded
+        elif isinstance(map_location, Mapping):
+            target = map_location.get(recorded, recorded)
+        elif isinstance(map_location, (str, torch.device)):
+            target = map_location
+        else:
+            raise TypeError(
+                "map_location must be None, a device, a dict or a callable, "
+                f"not {type(map_location).__name__}"
+            )
+        device = torch.device(target)
+        if device.type == "cpu":
+            return storage
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"the checkpoint holds tensors from {recorded} but CUDA is not available "
+                "here; pass map_location='cpu' to load them on the CPU"
+            )
+        return storage.to(device=device)
+
+    return move
+
+
+def load(path, map_location=None):
+    """Read a checkpoint written by :func:`save` or a :class:`Materializer`.
+
+    Every section is checked against its CRC-32C before use; a damaged or
+    truncated file raises :class:`CheckpointCorrupt` naming the file and the
+    section.  Tensor data is memory-mapped (copy-on-write), not copied.
+
+    ``map_location`` works as in ``torch.load``: ``None`` puts tensors back on
+    the device they were saved from, a device moves all of them there, a dict
+    maps recorded device names to new ones, and a callable
+    ``f(storage, recorded_device) -> storage`` decides per storage.
+    Objects saved through ``state_dict()`` load as their state dict.
+    """
+    try:
+        return _core.load(os.fspath(path), _location_hook(map_location))
+    except _core.FormatError as e:
+        raise CheckpointCorrupt(*e.args) from None
+
+
+def restore(live, saved):
+    """Copy the state ``saved`` (from :func:`load` or ``Snapshot.restore()``)
+    into the live object ``live`` in place, and return the restored object.
+
+    - an object with ``load_state_dict`` (module, optimizer, scheduler, scaler)
+      gets ``live.load_state_dict(saved)``;
+    - a tensor gets ``live.copy_(saved)`` (any device; shapes must match);
+    - dicts, lists and sets are updated item by item, in place;
+    - a tuple, or anything immutable, cannot change in place: the restored
+      value is returned, so rebind it (``x = flor.restore(x, saved)``).
+    """
+    return _restore(live, saved, "obj")
+
+
+def _restore(live, saved, where):
+    load_sd = getattr(live, "load_state_dict", None)
+    if callable(load_sd) and isinstance(saved, Mapping) and not isinstance(live, Mapping):
+        load_sd(saved)
+        return live
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
+        if live.shape != saved.shape:
+            raise ValueError(
+                f"cannot restore {where}: the live tensor has shape {tuple(live.shape)}, "
+                f"the saved one {tuple(saved.shape)}"
+            )
+        with torch.no_grad():
+            live.copy_(saved)
+        return live
+    if type(live) is dict or (isinstance(live, dict) and isinstance(saved, Mapping)):
+        if not isinstance(saved, Mapping):
+            return saved
+        for key in [k for k in live if k not in saved]:
+            del live[key]
+        for key, value in saved.items():
+            live[key] = _restore(live[key], value, f"{where}[{key!r}]") if key in live else value
+        return live
+    if isinstance(live, list) and isinstance(saved, list):
+        if len(live) == len(saved):
+            for i, value in enumerate(saved):
+                live[i] = _restore(live[i], value, f"{where}[{i}]")
+        else:
+            live[:] = saved
+        return live
+    if isinstance(live, set) and isinstance(saved, (set, frozenset)):
+        live.clear()
+        live.update(saved)
+        return live
+    if isinstance(live, tuple) and isinstance(saved, tuple) and len(live) == len(saved):
+        items = [_restore(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(live, saved))]
+        if all(a is b for a, b in zip(items, live)):
+            return live
+        return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(live, np.ndarray) and isinstance(saved, np.ndarray):
+        if live.shape == saved.shape and live.dtype == saved.dtype and live.flags.writeable:
+            live[...] = saved
+            return live
+        return saved
+    if (
+        type(live) is type(saved)
+        and hasattr(live, "__dict__")
+        and not isinstance(live, type)
+        and hasattr(saved, "__dict__")
+    ):
+        _restore(live.__dict__, dict(saved.__dict__), where)
+        return live
+    return saved

@@ -1,0 +1,54 @@
+"""The exceptions flor raises for damaged files and failed writes."""
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+__all__ = ["CheckpointCorrupt", "CheckpointWriteError"]
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint file is truncated or damaged.
+
+    ``path`` names the file and ``section`` the damaged part: ``"header"``,
+    ``"metadata"``, ``"tensor table"`` or ``"data"``.
+    """
+
+    def __init__(self, path: str, section: str, detail: str):
+        self.path = path
+        self.section = section
+        self.detail = detail
+        super().__init__(f"{path}: damaged {section}: {detail}")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.section, self.detail))
+
+
+def _describe(path, err, step, message):
+    if err == -1:
+        return f"{path}: {message or 'error'} (during {step})"
+    name = _errno.errorcode.get(err, str(err))
+    return f"{path}: [Errno {err}] {os.strerror(err)} ({name}, during {step})"
+
+
+class CheckpointWriteError(OSError):
+    """One or more checkpoints could not be written.
+
+    ``failures`` lists ``(path, errno, step, message)`` for each; ``errno``
+    and ``filename`` describe the first.  An errno of -1 means a Python
+    error (for example an object that cannot be pickled); ``message`` says which.
+    """
+
+    def __init__(self, failures):
+        self.failures = [(os.fsdecode(p), e, s, m) for p, e, s, m in failures]
+        first = self.failures[0]
+        lines = "\n  ".join(_describe(*f) for f in self.failures)
+        n = len(self.failures)
+        super().__init__(
+            first[1] if first[1] > 0 else _errno.EIO,
+            f"flor could not write {n} checkpoint{'s' if n != 1 else ''}:\n  {lines}",
+        )
+        self.filename = first[0]
+
+    def __str__(self):
+        return self.args[1]

@@ -1,0 +1,193 @@
+"""flor.Materializer: snapshot now, write in the background.
+
+The engine (buffering, the writer thread, fork and reaping, backpressure) is
+C, in csrc/materializer.c.  This wrapper names files, validates arguments,
+turns raw failures into CheckpointWriteError, and flushes at exit.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import sys
+import weakref
+
+from . import _core
+from .errors import CheckpointWriteError
+
+__all__ = ["Materializer", "DEFAULT_MODE", "MODES"]
+
+MODES = {"inline": 0, "thread": 1, "fork": 2}
+
+#: Chosen by benchmarks/materialize.py; README.md ("Choosing the default
+#: materializer mode") gives the figures.
+DEFAULT_MODE = "thread"
+
+DEFAULT_MAX_BUFFER_BYTES = 1 << 30
+SUFFIX = ".flor"
+_TMP = re.compile(r"^(?P<final>.+)\.tmp\.(?P<pid>\d+)\.\d+$")
+
+_live: "weakref.WeakSet[Materializer]" = weakref.WeakSet()
+
+
+def _check_name(name):
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"checkpoint name must be a non-empty string, not {name!r}")
+    if "/" in name or "\0" in name or (os.altsep and os.altsep in name) or name in (".", ".."):
+        raise ValueError(
+            f"checkpoint name {name!r} must be a plain file name (no '/', no NUL), "
+            "for example 'epoch-3'"
+        )
+    if name.startswith("."):
+        raise ValueError(f"checkpoint name {name!r} must not start with '.' (reserved for temp files)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_temp_files(directory) -> list:
+    """Remove temp files left by writers that were killed mid-write (their
+    process is gone).  A temp file never holds a completed checkpoint: that
+    one was renamed to its final name.  Returns the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _TMP.match(name)
+        if m and m["final"].endswith(SUFFIX) and not _pid_alive(int(m["pid"])):
+            path = os.path.join(directory, name)
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+class Materializer:
+    """Writes snapshots of objects to ``directory`` without blocking training.
+
+    ``submit(name, obj)`` copies ``obj`` at memory speed (tensors into warm
+    staging buffers, containers rebuilt) and returns; the file
+    ``directory/name.flor`` is written later.  ``flush()`` returns once every
+    submitted checkpoint is durable and raises :class:`CheckpointWriteError`
+    if any write failed.  Use it as a context manager, or call ``close()``;
+    an exit hook flushes materializers still open when Python exits.
+
+    Modes:
+
+    - ``"thread"`` (default): a C writer thread writes while training goes on.
+      It takes the GIL only to pickle the snapshot's small Python skeleton.
+    - ``"fork"``: snapshots are batched; when the batch passes ``batch_bytes``
+      or ``batch_count`` the process forks and the child pickles and writes
+      the batch, then exits.  At most ``max_children`` children live at once.
+    - ``"inline"``: writes during ``submit``; the baseline.
+
+    ``max_buffer_bytes`` bounds the staged bytes not yet written; ``submit``
+    waits when a new snapshot would pass it (backpressure).
+    """
+
+    def __init__(
+        self,
+        directory,
+        mode: str = DEFAULT_MODE,
+        max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+        max_children: int = 2,
+        batch_bytes: int | None = None,
+        batch_count: int = 5000,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
+        if max_buffer_bytes <= 0:
+            raise ValueError(f"max_buffer_bytes must be positive, not {max_buffer_bytes}")
+        if not 1 <= max_children <= 64:
+            raise ValueError(f"max_children must be between 1 and 64, not {max_children}")
+        if batch_count < 1:
+            raise ValueError(f"batch_count must be at least 1, not {batch_count}")
+        if batch_bytes is None:
+            batch_bytes = max(1, max_buffer_bytes // (max_children + 1))
+        self.directory = os.path.abspath(os.fspath(directory))
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:
+            raise OSError(
+                e.errno, f"cannot create the checkpoint directory: {e.strerror}", self.directory
+            ) from None
+        if not os.path.isdir(self.directory):
+            raise NotADirectoryError(
+                f"checkpoint directory {self.directory!r} exists and is not a directory"
+            )
+        sweep_temp_files(self.directory)
+        self.mode = mode
+        self._engine = _core.Materializer(
+            MODES[mode], max_buffer_bytes, max_children, batch_bytes, batch_count
+        )
+        _live.add(self)
+
+    def path_for(self, name: str) -> str:
+        _check_name(name)
+        return os.path.join(self.directory, name + SUFFIX)
+
+    def submit(self, name: str, obj) -> int:
+        """Snapshot ``obj`` now; write it to ``directory/name.flor`` later.
+        Returns the bytes of tensor and array data captured."""
+        path = self.path_for(name)
+        return self._engine.submit(path, obj)
+
+    def flush(self) -> None:
+        """Block until every submitted checkpoint is durable on disk.
+
+        Raises :class:`CheckpointWriteError` naming each failed file, its
+        errno and the step that failed (for example ENOSPC during write)."""
+        failures = self._engine.flush()
+        if failures:
+            raise CheckpointWriteError(failures)
+
+    def close(self) -> None:
+        """Flush, stop the writer, and raise if any write failed."""
+        failures = self._engine.close()
+        _live.discard(self)
+        if failures:
+            raise CheckpointWriteError(failures)
+
+    def stats(self) -> dict:
+        """Counters: submitted, written, failed, bytes_written, write_seconds,
+        block_seconds, max_block_seconds, forks, held_bytes, pending."""
+        return self._engine.stats()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except CheckpointWriteError as e:
+                exc.add_note(str(e))
+
+    def __repr__(self):
+        return f"<flor.Materializer mode={self.mode!r} directory={self.directory!r}>"
+
+
+@atexit.register
+def _close_all():
+    for m in list(_live):
+        if m._engine is None:
+            continue
+        try:
+            m.close()
+        except CheckpointWriteError as e:
+            print(f"flor: at exit: {e}", file=sys.stderr)
+        except RuntimeError:
+            pass  # a forked copy: the parent owns these writes
