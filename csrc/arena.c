@@ -8,8 +8,8 @@
  *                 if pinned: cudaHostRegister(a)    # via torch.cuda.cudart()
  *             return a
  *         def give(self, a):
- *             self.free.append(a)
- *             self.trim(keep=2 * largest_request_seen)
+ *             self.free.insert(0, a)
+ *             drop least recently used arenas while free bytes > 2 * largest request
  *
  * Why: the first write to fresh memory page-faults, and on a VM that costs
  * ten times the copy itself.  A snapshot copies into an arena that an earlier
@@ -187,16 +187,14 @@ flor_pool_trim(flor_state *st, size_t keep)
 {
     pool_check_owner(st);
     while (st->pool.free_bytes > keep && st->pool.free_list != NULL) {
-        /* Drop the largest free arena first. */
-        flor_arena **pp, **big = &st->pool.free_list;
+        /* give() pushes at the head: the tail is the least recently used. */
+        flor_arena **pp = &st->pool.free_list;
         flor_arena *a;
-        for (pp = &st->pool.free_list; *pp != NULL; pp = &(*pp)->next) {
-            if ((*pp)->cap > (*big)->cap) {
-                big = pp;
-            }
+        while ((*pp)->next != NULL) {
+            pp = &(*pp)->next;
         }
-        a = *big;
-        *big = a->next;
+        a = *pp;
+        *pp = NULL;
         st->pool.free_bytes -= a->cap;
         arena_free(a);
     }

@@ -122,6 +122,7 @@ typedef struct {
 
     /* Python helpers, looked up at module exec. */
     PyObject *copyreg_dispatch, *deepcopy, *dumps, *loads, *weakref_t;
+    PyObject *Pickler, *BytesIO; /* cloudpickle.Pickler, io.BytesIO */
 
     /* Interned attribute names. */
     PyObject *s_state_dict, *s_load_state_dict, *s_deepcopy_attr, *s_reduce_ex;
@@ -170,6 +171,7 @@ typedef struct {
     uint64_t data_bytes;  /* payload plus 64-byte alignment padding */
     pid_t owner;
     double copy_seconds;  /* time spent copying bytes */
+    int tree;             /* no object in the skeleton is referenced twice */
 } FlorSnapshot;
 
 /* Called after the walk, before any byte is copied: may wait (backpressure).
@@ -191,7 +193,7 @@ typedef struct {
 
 int flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
                     flor_ioerr *err);
-PyObject *flor_pickle_skeleton(flor_state *st, PyObject *skeleton);
+PyObject *flor_pickle_skeleton(flor_state *st, PyObject *skeleton, int tree);
 PyObject *flor_load_file(flor_state *st, PyObject *path, PyObject *hook);
 extern PyType_Spec flor_mapping_spec;
 

@@ -297,19 +297,56 @@ cleanup_renamed:
     return rc;
 }
 
+/* Pickle a tree without the pickler's memo: no object in it is referenced
+ * twice, so the memo would only cost time (4-5x on many small containers). */
+static PyObject *
+pickle_tree(flor_state *st, PyObject *skeleton)
+{
+    PyObject *bio = NULL, *p = NULL, *r = NULL, *res = NULL;
+    bio = PyObject_CallNoArgs(st->BytesIO);
+    p = bio == NULL ? NULL : PyObject_CallFunction(st->Pickler, "Oi", bio, 5);
+    if (p == NULL || PyObject_SetAttrString(p, "fast", Py_True) < 0) {
+        goto cleanup;
+    }
+    r = PyObject_CallMethod(p, "dump", "(O)", skeleton);
+    if (r != NULL) {
+        res = PyObject_CallMethod(bio, "getvalue", NULL);
+    }
+cleanup:
+    Py_XDECREF(bio);
+    Py_XDECREF(p);
+    Py_XDECREF(r);
+    return res;
+}
+
 PyObject *
-flor_pickle_skeleton(flor_state *st, PyObject *skeleton)
+flor_pickle_skeleton(flor_state *st, PyObject *skeleton, int tree)
 {
     if (st->dumps == NULL) {
-        PyObject *cp = PyImport_ImportModule("cloudpickle");
+        PyObject *cp = PyImport_ImportModule("cloudpickle"), *io = NULL;
         if (cp == NULL) {
             return NULL;
         }
+        io = PyImport_ImportModule("io");
         st->dumps = PyObject_GetAttrString(cp, "dumps");
+        st->Pickler = PyObject_GetAttrString(cp, "Pickler");
+        st->BytesIO = io == NULL ? NULL : PyObject_GetAttrString(io, "BytesIO");
         Py_DECREF(cp);
-        if (st->dumps == NULL) {
+        Py_XDECREF(io);
+        if (st->dumps == NULL || st->Pickler == NULL || st->BytesIO == NULL) {
+            Py_CLEAR(st->dumps);
+            Py_CLEAR(st->Pickler);
+            Py_CLEAR(st->BytesIO);
             return NULL;
         }
+    }
+    if (tree) {
+        PyObject *res = pickle_tree(st, skeleton);
+        if (res != NULL) {
+            return res;
+        }
+        /* e.g. cloudpickle pickling a recursive function by value */
+        PyErr_Clear();
     }
     return PyObject_CallFunction(st->dumps, "Oi", skeleton, 5);
 }
@@ -866,13 +903,13 @@ build_tensor(flor_state *st, flor_loader *ld, Py_ssize_t index, PyObject *cls)
         goto cleanup;
     }
     if (cls != Py_None) {
-        Py_SETREF(t, PyObject_CallMethod(t, "as_subclass", "O", cls));
+        Py_SETREF(t, PyObject_CallMethod(t, "as_subclass", "(O)", cls));
         if (t == NULL) {
             goto cleanup;
         }
     }
     if (rg) {
-        PyObject *r = PyObject_CallMethod(t, "requires_grad_", "O", Py_True);
+        PyObject *r = PyObject_CallMethod(t, "requires_grad_", "(O)", Py_True);
         if (r == NULL) {
             goto cleanup;
         }
@@ -958,7 +995,7 @@ build_array(flor_state *st, flor_loader *ld, Py_ssize_t index)
         goto cleanup;
     }
     arr = PyObject_Call(fn, args, kw);
-    Py_XSETREF(arr, arr == NULL ? NULL : PyObject_CallMethod(arr, "reshape", "O", shape));
+    Py_XSETREF(arr, arr == NULL ? NULL : PyObject_CallMethod(arr, "reshape", "(O)", shape));
     if (arr == NULL) {
         goto cleanup;
     }
@@ -1028,16 +1065,16 @@ flor_rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             res = PyUnicode_Check(payload) ? PyObject_GetAttr(torch, payload) : NULL;
         }
         else if (kind == FLOR_REF_DEVICE) {
-            res = PyObject_CallMethod(torch, "device", "O", payload);
+            res = PyObject_CallMethod(torch, "device", "(O)", payload);
         }
         else if (kind == FLOR_REF_SIZE) {
-            res = PyObject_CallMethod(torch, "Size", "O", payload);
+            res = PyObject_CallMethod(torch, "Size", "(O)", payload);
         }
         else if (PyTuple_Check(payload) && PyTuple_GET_SIZE(payload) == 2) {
             PyObject *r;
-            res = PyObject_CallMethod(torch, "Generator", "O", PyTuple_GET_ITEM(payload, 0));
+            res = PyObject_CallMethod(torch, "Generator", "(O)", PyTuple_GET_ITEM(payload, 0));
             r = res == NULL ? NULL
-                            : PyObject_CallMethod(res, "set_state", "O", PyTuple_GET_ITEM(payload, 1));
+                            : PyObject_CallMethod(res, "set_state", "(O)", PyTuple_GET_ITEM(payload, 1));
             if (r == NULL) {
                 Py_CLEAR(res);
             }

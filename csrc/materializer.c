@@ -16,13 +16,19 @@
  *             write everything submitted; return the failures (path, errno, step, msg)
  *
  * The fork happens between PyOS_BeforeFork() and PyOS_AfterFork_*().  The
- * child runs no torch, CUDA or OpenMP code: the skeleton it pickles holds only
- * plain Python objects and Refs, and the bytes it writes sit in arenas.  It
+ * child runs no tensor operation, no CUDA and no OpenMP parallel region: the
+ * skeleton it pickles holds only plain Python objects and Refs, and the bytes
+ * it writes sit in arenas.  (The Python at-fork hooks that
+ * PyOS_AfterFork_Child runs include torch's, which reads the thread count.)  It
  * pauses the garbage collector (no finalizer runs), blocks SIGINT/SIGTERM/SIGHUP
  * so a batch in progress is finished, and leaves with _exit().  Children are
  * reaped by pid; their results travel on a pipe, so a SIGCHLD disposition set
  * by the user (even SIG_IGN) or a stray waitpid(-1) elsewhere changes nothing.
  * No signal disposition of the process is ever changed.
+ *
+ * One thread at a time drives an engine (flor.Materializer holds a lock around
+ * submit, flush and close); the writer thread shares only the queue, the done
+ * list and the byte counts, under `mu`.
  */
 #include "flor.h"
 
@@ -51,6 +57,7 @@ typedef struct flor_job {
     const char *step;
     char *msg;
     int done;
+    double seconds; /* spent pickling and writing */
 } flor_job;
 
 typedef struct {
@@ -76,7 +83,7 @@ typedef struct {
     int thread_started, stopping, busy;
     flor_job *queue_head, *queue_tail;
     flor_job *done; /* finished, awaiting the GIL to be released */
-    uint64_t held_bytes;
+    uint64_t held_bytes, peak_held_bytes;
     uint64_t reserved; /* what the snapshot in progress reserved */
 
     flor_job *batch_head, *batch_tail;
@@ -116,10 +123,13 @@ job_pickle(flor_state *st, flor_job *j)
 {
     PyObject *t, *v, *tb, *s;
     const char *u;
+    double t0 = flor_now();
     if (j->meta != NULL) {
         return;
     }
-    j->meta = flor_pickle_skeleton(st, ((FlorSnapshot *)j->snapshot)->skeleton);
+    j->meta = flor_pickle_skeleton(st, ((FlorSnapshot *)j->snapshot)->skeleton,
+                                   ((FlorSnapshot *)j->snapshot)->tree);
+    j->seconds += flor_now() - t0;
     if (j->meta != NULL) {
         return;
     }
@@ -142,6 +152,7 @@ static void
 job_write(flor_job *j)
 {
     flor_ioerr e;
+    double t0 = flor_now();
     if (j->meta == NULL) {
         return;
     }
@@ -150,6 +161,7 @@ job_write(flor_job *j)
         j->err = e.err;
         j->step = e.step;
     }
+    j->seconds += flor_now() - t0;
 }
 
 /* Release finished jobs and collect their failures (GIL held). */
@@ -189,6 +201,7 @@ push_done_locked(FlorMaterializer *m, flor_job *j)
     j->next = m->done;
     m->done = j;
     m->held_bytes -= j->bytes;
+    m->write_seconds += j->seconds;
 }
 
 /* ------------------------------------------------------------------ */
@@ -202,7 +215,6 @@ writer_main(void *arg)
     pthread_mutex_lock(&m->mu);
     for (;;) {
         flor_job *j;
-        double t0;
         while (m->queue_head == NULL && !m->stopping) {
             pthread_cond_wait(&m->cv, &m->mu);
         }
@@ -236,11 +248,9 @@ writer_main(void *arg)
             }
             PyGILState_Release(g);
         }
-        t0 = flor_now();
         job_write(j);
 
         pthread_mutex_lock(&m->mu);
-        m->write_seconds += flor_now() - t0;
         push_done_locked(m, j);
         m->busy = 0;
         pthread_cond_broadcast(&m->cv);
@@ -301,11 +311,13 @@ write_full(int fd, const void *buf, size_t len)
 }
 
 /* Result record on the pipe: u32 index, i32 err, u16 step length,
- * u16 message length, step bytes, message bytes. */
+ * u16 message length, f64 seconds, step bytes, message bytes. */
+#define REC_HEAD 20
+
 static void
 child_report(int fd, uint32_t index, const flor_job *j)
 {
-    unsigned char rec[12 + 64 + MSG_MAX];
+    unsigned char rec[REC_HEAD + 64 + MSG_MAX];
     size_t sl = j->step ? strlen(j->step) : 0, ml = j->msg ? strlen(j->msg) : 0;
     int32_t err = j->err;
     uint16_t s16, m16;
@@ -321,13 +333,14 @@ child_report(int fd, uint32_t index, const flor_job *j)
     memcpy(rec + 4, &err, 4);
     memcpy(rec + 8, &s16, 2);
     memcpy(rec + 10, &m16, 2);
+    memcpy(rec + 12, &j->seconds, 8);
     if (sl) {
-        memcpy(rec + 12, j->step, sl);
+        memcpy(rec + REC_HEAD, j->step, sl);
     }
     if (ml) {
-        memcpy(rec + 12 + sl, j->msg, ml);
+        memcpy(rec + REC_HEAD + sl, j->msg, ml);
     }
-    (void)write_full(fd, rec, 12 + sl + ml);
+    (void)write_full(fd, rec, REC_HEAD + sl + ml);
 }
 
 static void
@@ -356,7 +369,7 @@ static int
 parse_results(flor_child *c)
 {
     size_t pos = 0;
-    while (c->len - pos >= 12) {
+    while (c->len - pos >= REC_HEAD) {
         uint32_t idx, k;
         int32_t err;
         uint16_t sl, ml;
@@ -365,7 +378,7 @@ parse_results(flor_child *c)
         memcpy(&err, c->buf + pos + 4, 4);
         memcpy(&sl, c->buf + pos + 8, 2);
         memcpy(&ml, c->buf + pos + 10, 2);
-        if (c->len - pos < 12u + sl + ml) {
+        if (c->len - pos < REC_HEAD + (size_t)sl + ml) {
             break;
         }
         for (j = c->jobs, k = 0; j != NULL && k < idx; j = j->next, k++) {
@@ -373,6 +386,7 @@ parse_results(flor_child *c)
         if (j != NULL) {
             j->done = 1;
             j->err = err;
+            memcpy(&j->seconds, c->buf + pos + 12, 8);
             if (err != 0) {
                 /* step names are static strings on this side */
                 static const char *const steps[] = {"create", "write", "fsync", "close",
@@ -381,17 +395,18 @@ parse_results(flor_child *c)
                 size_t s;
                 j->step = "write";
                 for (s = 0; s < sizeof(steps) / sizeof(steps[0]); s++) {
-                    if (strlen(steps[s]) == sl && memcmp(steps[s], c->buf + pos + 12, sl) == 0) {
+                    if (strlen(steps[s]) == sl &&
+                        memcmp(steps[s], c->buf + pos + REC_HEAD, sl) == 0) {
                         j->step = steps[s];
                     }
                 }
                 if (ml) {
                     free(j->msg);
-                    j->msg = strndup(c->buf + pos + 12 + sl, ml);
+                    j->msg = strndup(c->buf + pos + REC_HEAD + sl, ml);
                 }
             }
         }
-        pos += 12u + sl + ml;
+        pos += REC_HEAD + (size_t)sl + ml;
     }
     memmove(c->buf, c->buf + pos, c->len - pos);
     c->len -= pos;
@@ -598,15 +613,20 @@ reserve_cb(void *ctx, uint64_t need)
         if (ok) {
             m->held_bytes += need;
             m->reserved = need;
+            if (m->held_bytes > m->peak_held_bytes) {
+                m->peak_held_bytes = m->held_bytes;
+            }
         }
         pthread_mutex_unlock(&m->mu);
         if (ok) {
             return 0;
         }
         if (m->mode == MODE_THREAD) {
+            /* The writer broadcasts each time it finishes a job. */
             Py_BEGIN_ALLOW_THREADS
             pthread_mutex_lock(&m->mu);
-            while (m->done == NULL && (m->queue_head != NULL || m->busy)) {
+            while (m->done == NULL && m->held_bytes != 0 &&
+                   m->held_bytes + need > m->max_buffer_bytes) {
                 pthread_cond_wait(&m->cv, &m->mu);
             }
             pthread_mutex_unlock(&m->mu);
@@ -698,13 +718,10 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
     j->bytes = reserved;
     m->submitted++;
     if (m->mode == MODE_INLINE) {
-        double w0;
         job_pickle(st, j);
-        w0 = flor_now();
         Py_BEGIN_ALLOW_THREADS
         job_write(j);
         Py_END_ALLOW_THREADS
-        m->write_seconds += flor_now() - w0;
         pthread_mutex_lock(&m->mu);
         push_done_locked(m, j);
         pthread_mutex_unlock(&m->mu);
@@ -849,17 +866,19 @@ mat_close(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
 PyDoc_STRVAR(mat_stats_doc,
              "stats($self, /)\n--\n\n"
              "Counters: submitted, written, failed, bytes_written, write_seconds,\n"
-             "block_seconds, max_block_seconds, forks, fork_fallbacks, held_bytes, pending.");
+             "block_seconds, max_block_seconds, forks, fork_fallbacks, held_bytes,\n"
+             "peak_held_bytes, pending. write_seconds is time spent pickling and writing.");
 
 static PyObject *
 mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t held, pending;
+    uint64_t held, peak, pending;
     double ws;
     flor_job *j;
     int i;
     pthread_mutex_lock(&m->mu);
     held = m->held_bytes;
+    peak = m->peak_held_bytes;
     ws = m->write_seconds;
     pending = (uint64_t)m->busy;
     for (j = m->queue_head; j != NULL; j = j->next) {
@@ -872,14 +891,15 @@ mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
             pending += !j->done;
         }
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K}", "submitted",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K}", "submitted",
                          (unsigned long long)m->submitted, "written",
                          (unsigned long long)m->written, "failed", (unsigned long long)m->failed,
                          "bytes_written", (unsigned long long)m->bytes_written, "write_seconds", ws,
                          "block_seconds", m->block_seconds, "max_block_seconds",
                          m->max_block_seconds, "forks", (unsigned long long)m->forks,
                          "fork_fallbacks", (unsigned long long)m->fork_fallbacks, "held_bytes",
-                         (unsigned long long)held, "pending", (unsigned long long)pending);
+                         (unsigned long long)held, "peak_held_bytes",
+                         (unsigned long long)peak, "pending", (unsigned long long)pending);
 }
 
 static PyObject *
@@ -924,7 +944,7 @@ mat_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     /* The fork child pickles with cloudpickle: import it here, not there. */
     {
-        PyObject *probe = flor_pickle_skeleton(st, Py_None);
+        PyObject *probe = flor_pickle_skeleton(st, Py_None, 1);
         if (probe == NULL) {
             return NULL;
         }

@@ -231,7 +231,7 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (snap == NULL) {
         goto cleanup;
     }
-    meta = flor_pickle_skeleton(st, ((FlorSnapshot *)snap)->skeleton);
+    meta = flor_pickle_skeleton(st, ((FlorSnapshot *)snap)->skeleton, ((FlorSnapshot *)snap)->tree);
     if (meta == NULL) {
         goto cleanup;
     }
@@ -413,7 +413,8 @@ cleanup:
     X(SnapshotType) X(RefType) X(MappingType) X(MaterializerType) X(FormatError) X(kind_cache) \
     X(rebuild) X(loaders) X(torch) X(Tensor) X(Parameter) X(Generator) X(Size) X(dtype_t)      \
     X(device_t) X(layout_t) X(memfmt_t) X(strided) X(uint8) X(atom_names) X(ndarray)           \
-    X(copyreg_dispatch) X(deepcopy) X(dumps) X(loads) X(weakref_t) X(s_state_dict)             \
+    X(copyreg_dispatch) X(deepcopy) X(dumps) X(loads) X(weakref_t) X(Pickler) X(BytesIO)       \
+    X(s_state_dict)                                                                            \
     X(s_load_state_dict) X(s_deepcopy_attr) X(s_reduce_ex) X(s_setstate) X(s_dict) X(s_append) \
     X(s_items)
 

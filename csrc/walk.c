@@ -25,6 +25,8 @@
  * tensor keeps its dtype, shape, strides and offset) and makes cycles safe.
  * An object whose reference count is 1 is reachable along one path only, so
  * it is not memoised: a dict of a million small lists costs no memo traffic.
+ * When no object was reached twice the skeleton is a tree, and the writer
+ * pickles it without the pickler's memo (several times faster).
  * The garbage collector is paused during the walk, and copied containers that
  * hold only atoms are untracked: the skeleton is private and never mutated.
  */
@@ -224,6 +226,7 @@ typedef struct {
     flor_blob *blobs;
     uint32_t n_entries, cap_entries, n_blobs, cap_blobs;
     int any_cuda;
+    int reached_twice; /* the skeleton shares an object: not a tree */
 } walker;
 
 static PyObject *walk(walker *w, PyObject *o, int shared);
@@ -278,18 +281,11 @@ memo_put(walker *w, PyObject *orig, PyObject *copy)
     return pmap_put(&w->memo, (uintptr_t)orig, (uintptr_t)copy);
 }
 
-static void
-untrack_if_flat(PyObject *c, PyObject *const *items, Py_ssize_t n)
+/* Atoms and Refs cannot take part in a reference cycle. */
+static inline int
+is_leaf_copy(walker *w, PyObject *o)
 {
-    Py_ssize_t i;
-    for (i = 0; i < n; i++) {
-        if (PyObject_GC_IsTracked(items[i])) {
-            return;
-        }
-    }
-    if (PyObject_GC_IsTracked(c)) {
-        PyObject_GC_UnTrack(c);
-    }
+    return is_atom(o) || Py_TYPE(o) == w->st->RefType;
 }
 
 static Py_ssize_t
@@ -678,6 +674,7 @@ static PyObject *
 walk_list(walker *w, PyObject *o, int shared)
 {
     Py_ssize_t n = PyList_GET_SIZE(o), i;
+    int flat = 1;
     PyObject *res = PyList_New(n);
     if (res == NULL) {
         return NULL;
@@ -701,10 +698,15 @@ walk_list(walker *w, PyObject *o, int shared)
             Py_LeaveRecursiveCall();
             goto error;
         }
+        flat &= is_leaf_copy(w, c);
         PyList_SET_ITEM(res, i, c);
     }
     Py_LeaveRecursiveCall();
-    untrack_if_flat(res, PySequence_Fast_ITEMS(res), n);
+    if (flat) {
+        /* The skeleton is private and never mutated: a list of atoms can be
+         * left out of the garbage collector's generations. */
+        PyObject_GC_UnTrack(res);
+    }
     return res;
 error:
     Py_DECREF(res);
@@ -757,6 +759,7 @@ walk_tuple(walker *w, PyObject *o, int shared)
     if (shared) {
         if (pmap_get(&w->memo, (uintptr_t)o, &found)) {
             /* A cycle through a mutable item already copied this tuple. */
+            w->reached_twice = 1;
             Py_DECREF(res);
             return Py_NewRef((PyObject *)found);
         }
@@ -826,9 +829,7 @@ walk_dict(walker *w, PyObject *o, int shared)
             Py_LeaveRecursiveCall();
             goto error;
         }
-        if (PyObject_GC_IsTracked(cv)) {
-            flat = 0;
-        }
+        flat &= is_leaf_copy(w, cv);
         rc = PyDict_SetItem(res, ck, cv);
         Py_DECREF(ck);
         Py_DECREF(cv);
@@ -844,18 +845,10 @@ walk_dict(walker *w, PyObject *o, int shared)
         }
     }
     Py_LeaveRecursiveCall();
-    if (flat && fast) {
-        /* Every value is now an atom or a Ref: nothing here can form a cycle. */
-        pos = 0;
-        while (PyDict_Next(res, &pos, &k, &v)) {
-            if (PyObject_GC_IsTracked(v)) {
-                flat = 0;
-                break;
-            }
-        }
-        if (flat && PyObject_GC_IsTracked(res)) {
-            PyObject_GC_UnTrack(res);
-        }
+    if (flat && fast && PyObject_GC_IsTracked(res)) {
+        /* Every value is an atom or a Ref (the atoms were skipped above):
+         * nothing here can form a cycle. */
+        PyObject_GC_UnTrack(res);
     }
     return res;
 error:
@@ -964,7 +957,7 @@ apply_state(walker *w, PyObject *y, PyObject *state, PyObject *setstate)
         if (dict == NULL) {
             goto cleanup;
         }
-        r = PyObject_CallMethod(dict, "update", "O", cstate);
+        r = PyObject_CallMethod(dict, "update", "(O)", cstate);
         if (r == NULL) {
             goto cleanup;
         }
@@ -1215,6 +1208,7 @@ walk(walker *w, PyObject *o, int shared)
         return Py_NewRef(o);
     }
     if (shared && pmap_get(&w->memo, (uintptr_t)o, &found)) {
+        w->reached_twice = 1;
         return Py_NewRef((PyObject *)found);
     }
     if (tp == &PyDict_Type) {
@@ -1388,7 +1382,7 @@ cuda_start(flor_state *st, FlorSnapshot *s, PyObject *devices)
         if (dev != NULL && PySet_Add(devices, dev) == 0) {
             src = PyObject_CallMethod(st->torch, "empty", "(i)", 0);
             Py_XSETREF(src, src ? PyObject_CallMethod(src, "to", "OO", dev, st->uint8) : NULL);
-            Py_XSETREF(src, src ? PyObject_CallMethod(src, "set_", "O", b->owner) : NULL);
+            Py_XSETREF(src, src ? PyObject_CallMethod(src, "set_", "(O)", b->owner) : NULL);
             r = src ? PyObject_CallMethod(dst, "copy_", "OO", src,
                                           s->arena->pinned ? Py_True : Py_False)
                     : NULL;
@@ -1423,7 +1417,7 @@ cuda_finish(PyObject *devices)
         goto cleanup;
     }
     while ((dev = PyIter_Next(it)) != NULL) {
-        PyObject *r = PyObject_CallMethod(cuda, "synchronize", "O", dev);
+        PyObject *r = PyObject_CallMethod(cuda, "synchronize", "(O)", dev);
         Py_DECREF(dev);
         if (r == NULL) {
             goto cleanup;
@@ -1527,7 +1521,7 @@ add_path_note(walker *w)
         (joined = PyUnicode_Join(sep, rev)) != NULL &&
         (note = PyUnicode_FromFormat("while taking a flor snapshot of obj%U", joined)) != NULL &&
         value != NULL) {
-        r = PyObject_CallMethod(value, "add_note", "O", note);
+        r = PyObject_CallMethod(value, "add_note", "(O)", note);
     }
     if (r == NULL) {
         PyErr_Clear();
@@ -1581,6 +1575,7 @@ flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *c
     s->nbytes = s->data_bytes = 0;
     s->owner = getpid();
     s->copy_seconds = 0.0;
+    s->tree = !w.reached_twice;
     w.entries = NULL;
     w.blobs = NULL;
     /* The memo must not outlive the walk: drop it before copying bytes. */
@@ -1650,7 +1645,7 @@ flor_snapshot_restore(FlorSnapshot *s)
     if (st == NULL || snapshot_check_owner(s) < 0) {
         return NULL;
     }
-    meta = flor_pickle_skeleton(st, s->skeleton);
+    meta = flor_pickle_skeleton(st, s->skeleton, s->tree);
     if (meta == NULL) {
         return NULL;
     }

@@ -10,6 +10,7 @@ import atexit
 import os
 import re
 import sys
+import threading
 import weakref
 
 from . import _core
@@ -126,11 +127,18 @@ class Materializer:
             raise NotADirectoryError(
                 f"checkpoint directory {self.directory!r} exists and is not a directory"
             )
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise PermissionError(
+                f"checkpoint directory {self.directory!r} is not writable by this process; "
+                "choose another directory or fix its permissions"
+            )
         sweep_temp_files(self.directory)
         self.mode = mode
         self._engine = _core.Materializer(
             MODES[mode], max_buffer_bytes, max_children, batch_bytes, batch_count
         )
+        # One caller at a time: the engine's fork bookkeeping is not shared.
+        self._lock = threading.Lock()
         _live.add(self)
 
     def path_for(self, name: str) -> str:
@@ -141,20 +149,23 @@ class Materializer:
         """Snapshot ``obj`` now; write it to ``directory/name.flor`` later.
         Returns the bytes of tensor and array data captured."""
         path = self.path_for(name)
-        return self._engine.submit(path, obj)
+        with self._lock:
+            return self._engine.submit(path, obj)
 
     def flush(self) -> None:
         """Block until every submitted checkpoint is durable on disk.
 
         Raises :class:`CheckpointWriteError` naming each failed file, its
         errno and the step that failed (for example ENOSPC during write)."""
-        failures = self._engine.flush()
+        with self._lock:
+            failures = self._engine.flush()
         if failures:
             raise CheckpointWriteError(failures)
 
     def close(self) -> None:
         """Flush, stop the writer, and raise if any write failed."""
-        failures = self._engine.close()
+        with self._lock:
+            failures = self._engine.close()
         _live.discard(self)
         if failures:
             raise CheckpointWriteError(failures)
@@ -183,8 +194,6 @@ class Materializer:
 @atexit.register
 def _close_all():
     for m in list(_live):
-        if m._engine is None:
-            continue
         try:
             m.close()
         except CheckpointWriteError as e:
