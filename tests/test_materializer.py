@@ -1,0 +1,286 @@
+"""flor.Materializer: background writes in every mode, across real processes."""
+import os
+import threading
+
+import pytest
+import torch
+
+import flor
+
+from conftest import run_py
+
+MODES = ["inline", "thread", "fork"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_roundtrip_and_isolation(tmp_path, mode):
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    expected = []
+    with flor.Materializer(tmp_path, mode=mode, batch_count=3) as m:
+        for step in range(7):
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+            expected.append({k: v.clone() for k, v in model.state_dict().items()})
+            m.submit(f"step-{step}", {"model": model, "opt": opt, "step": step})
+            # training goes on in place right after submit
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-3.0)
+        m.flush()
+        assert m.stats()["written"] == 7 and m.stats()["failed"] == 0
+    for step in range(7):
+        saved = flor.load(tmp_path / f"step-{step}.flor")
+        assert saved["step"] == step
+        for k, v in expected[step].items():
+            assert torch.equal(saved["model"][k], v), (step, k)
+        assert saved["opt"]["param_groups"][0]["momentum"] == 0.9
+
+
+def test_submit_returns_bytes_and_names_files(tmp_path):
+    with flor.Materializer(tmp_path) as m:
+        assert m.submit("a", {"t": torch.zeros(100)}) == 400
+        assert m.path_for("a") == str(tmp_path / "a.flor")
+        for bad in ("", "x/y", ".hidden", "..", "a\0b"):
+            with pytest.raises(ValueError, match="name"):
+                m.submit(bad, 1)
+    with pytest.raises(ValueError, match="closed"):
+        m.submit("late", 1)
+
+
+def test_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="mode"):
+        flor.Materializer(tmp_path, mode="async")
+    with pytest.raises(ValueError, match="max_buffer_bytes"):
+        flor.Materializer(tmp_path, max_buffer_bytes=0)
+    with pytest.raises(ValueError, match="max_children"):
+        flor.Materializer(tmp_path, max_children=0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError):
+        flor.Materializer(tmp_path / "file")
+
+
+class Gate:
+    """Pickling this object (which the writer does, not the snapshot) blocks
+    until the test writes a byte to a pipe: a deterministic stall of the
+    writer, in the writer thread or in a forked writer child alike."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce_ex__(self, protocol):
+        if protocol < 5:  # the snapshot's copy keeps the pipe
+            return (Gate, (self.fd,))
+        if self.fd is not None:
+            os.read(self.fd, 1)
+        return (Gate, (None,))
+
+
+@pytest.mark.parametrize("mode", ["thread", "fork"])
+def test_memory_is_bounded_in_bytes(tmp_path, mode):
+    """With the writer stalled, staged bytes never pass max_buffer_bytes:
+    further submits wait instead of growing the buffer."""
+    one = 4 << 20
+    limit = 3 * one + 4096
+    rfd, wfd = os.pipe()
+    m = flor.Materializer(tmp_path, mode=mode, max_buffer_bytes=limit, batch_count=100,
+                          batch_bytes=1 << 40)
+
+    def trainer():
+        for i in range(10):
+            obj = {"w": torch.full((one // 4,), float(i))}
+            if i == 0:
+                obj["gate"] = Gate(rfd)
+            m.submit(f"c{i}", obj)
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    try:
+        while m.stats()["held_bytes"] < 3 * one:
+            assert t.is_alive(), "the trainer finished with the writer stalled"
+    finally:
+        os.write(wfd, b"x")  # open the gate
+        t.join(timeout=120)
+        os.close(rfd)
+        os.close(wfd)
+    assert not t.is_alive()
+    m.close()
+    stats = m.stats()
+    assert stats["peak_held_bytes"] <= limit
+    assert stats["written"] == 10
+    for i in range(10):
+        assert flor.load(tmp_path / f"c{i}.flor")["w"][0] == i
+
+
+def test_single_snapshot_larger_than_the_bound_is_written_alone(tmp_path):
+    with flor.Materializer(tmp_path, max_buffer_bytes=1024) as m:
+        m.submit("big", torch.zeros(10_000))
+        m.submit("big2", torch.ones(10_000))
+    assert flor.load(tmp_path / "big2.flor").sum() == 10_000
+
+
+class FailsToPickle:
+    """Copies fine (the walk uses protocol 4) but cannot be pickled (5)."""
+
+    def __reduce_ex__(self, protocol):
+        if protocol >= 5:
+            raise RuntimeError("refusing to be pickled")
+        return (FailsToPickle, ())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_background_failure_is_raised_by_flush(tmp_path, mode):
+    m = flor.Materializer(tmp_path, mode=mode)
+    m.submit("good", {"a": 1})
+    m.submit("bad", {"x": FailsToPickle()})
+    with pytest.raises(flor.CheckpointWriteError) as info:
+        m.flush()
+    m.close()
+    assert len(info.value.failures) == 1
+    path, err, step, message = info.value.failures[0]
+    assert path.endswith("bad.flor") and err == -1 and step == "pickle"
+    assert "refusing to be pickled" in message
+    assert sorted(os.listdir(tmp_path)) == ["good.flor"]
+
+
+FORK_SCRIPT = r"""
+import os, signal, subprocess, sys
+import torch, flor
+from torch.utils.data import DataLoader, TensorDataset
+sys.path.insert(0, {tests!r})
+from conftest import zombies_of
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
+loader = DataLoader(data, batch_size=32, shuffle=True, num_workers=2)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+m = flor.Materializer({directory!r}, mode="fork", batch_count=1, max_children=2)
+statuses, seen, expected = [], 0, []
+for epoch in range(4):
+    for x, y in loader:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        seen += len(y)
+    expected.append(model.weight.detach().clone())
+    # (the DataLoader installs its own SIGCHLD handler; flor changes none)
+    sigchld = signal.getsignal(signal.SIGCHLD)
+    m.submit(f"epoch-{{epoch}}", {{"model": model, "opt": opt}})
+    assert signal.getsignal(signal.SIGCHLD) is sigchld
+    statuses.append(subprocess.run(["sh", "-c", f"exit {{epoch + 3}}"]).returncode)
+    child = os.fork()
+    if child == 0:
+        os._exit(7)
+    statuses.append(os.waitpid(child, 0)[1] >> 8)
+sigchld = signal.getsignal(signal.SIGCHLD)
+m.close()
+assert signal.getsignal(signal.SIGCHLD) is sigchld
+assert seen == 4 * 256, seen
+assert statuses == [3, 7, 4, 7, 5, 7, 6, 7], statuses
+assert m.stats()["forks"] == 4, m.stats()
+assert zombies_of(os.getpid()) == [], zombies_of(os.getpid())
+for epoch in range(4):
+    w = flor.load(os.path.join({directory!r}, f"epoch-{{epoch}}.flor"))["model"]["weight"]
+    assert torch.equal(w, expected[epoch]), epoch
+print("ok")
+"""
+
+
+def test_fork_mode_alongside_dataloader_workers_and_subprocesses(tmp_path):
+    tests = os.path.dirname(__file__)
+    out = run_py(FORK_SCRIPT.format(tests=tests, directory=str(tmp_path)))
+    assert out.stdout.strip() == "ok"
+    assert out.stderr == ""
+
+
+@pytest.mark.parametrize("disposition", ["ignore", "reaping-handler"])
+def test_fork_mode_survives_the_users_sigchld_choices(tmp_path, disposition):
+    """SIG_IGN auto-reaps, and a handler may waitpid(-1) our children away:
+    results still arrive (through the pipe), and nothing is reported lost."""
+    code = f"""
+        import os, signal, torch, flor
+        if {disposition!r} == "ignore":
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        else:
+            def reap(signum, frame):
+                try:
+                    while os.waitpid(-1, os.WNOHANG)[0]:
+                        pass
+                except ChildProcessError:
+                    pass
+            signal.signal(signal.SIGCHLD, reap)
+        with flor.Materializer({str(tmp_path)!r}, mode="fork", batch_count=1) as m:
+            for i in range(5):
+                m.submit(f"c{{i}}", {{"w": torch.full((1000,), float(i))}})
+        print(sorted(os.listdir({str(tmp_path)!r})))
+    """
+    out = run_py(code)
+    assert out.stdout.strip() == str([f"c{i}.flor" for i in range(5)])
+
+
+@pytest.mark.parametrize("mode", ["thread", "fork"])
+@pytest.mark.parametrize("ending", ["normal", "exception"])
+def test_exit_hook_flushes(tmp_path, mode, ending):
+    code = f"""
+        import torch, flor
+        m = flor.Materializer({str(tmp_path)!r}, mode={mode!r})
+        for i in range(3):
+            m.submit(f"c{{i}}", {{"w": torch.full((100_000,), float(i))}})
+        if {ending!r} == "exception":
+            raise SystemExit("training crashed")
+    """
+    proc = run_py(code, check=False)
+    assert proc.returncode == (0 if ending == "normal" else 1), proc.stderr
+    for i in range(3):
+        assert flor.load(tmp_path / f"c{i}.flor")["w"][0] == i
+
+
+def test_forked_copy_is_inert(tmp_path):
+    """A child forked by the user neither uses nor writes the parent's buffer."""
+    code = f"""
+        import os, sys, flor
+        m = flor.Materializer({str(tmp_path)!r}, mode="fork", batch_count=100)
+        m.submit("parent", {{"a": 1}})
+        pid = os.fork()
+        if pid == 0:
+            try:
+                m.submit("child", {{"b": 2}})
+            except RuntimeError as e:
+                assert "belongs to process" in str(e)
+                sys.exit(0)  # runs the exit hook in the child
+            sys.exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, status
+        assert os.listdir({str(tmp_path)!r}) == [], "the child wrote the parent's batch"
+        m.close()
+        print(os.listdir({str(tmp_path)!r}))
+    """
+    assert run_py(code).stdout.strip() == "['parent.flor']"
+
+
+def test_context_manager_keeps_the_training_error(tmp_path):
+    with pytest.raises(KeyError):
+        with flor.Materializer(tmp_path) as m:
+            m.submit("bad", {"x": FailsToPickle()})
+            raise KeyError("training failed")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_concurrent_submitters(tmp_path, mode):
+    """Several training threads may share one materializer."""
+    m = flor.Materializer(tmp_path, mode=mode, batch_count=2, max_buffer_bytes=1 << 20)
+
+    def work(k):
+        for i in range(15):
+            m.submit(f"t{k}-{i}", {"w": torch.full((20_000,), float(k * 100 + i))})
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    m.close()
+    assert m.stats()["written"] == 45
+    for k in range(3):
+        for i in range(15):
+            assert flor.load(tmp_path / f"t{k}-{i}.flor")["w"][0] == k * 100 + i

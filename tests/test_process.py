@@ -1,0 +1,113 @@
+"""Process hygiene: quiet import, multi-phase init, no leaks."""
+import gc
+import os
+import sys
+
+import numpy as np
+import torch
+
+import flor
+from flor import _core
+
+from conftest import run_py
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_import_is_silent_and_light():
+    out = run_py(
+        """
+        import sys, threading
+        import flor
+        assert "torch" not in sys.modules, "import flor imported torch"
+        assert "numpy" not in sys.modules
+        assert threading.active_count() == 1
+        """
+    )
+    assert out.stdout == "" and out.stderr == ""
+
+
+def test_fresh_reimport_gives_a_fresh_module():
+    out = run_py(
+        """
+        import importlib, sys
+        import flor._core as first
+        del sys.modules["flor._core"]
+        second = importlib.import_module("flor._core")
+        assert first is not second
+        assert first.Snapshot is not second.Snapshot
+        assert first.snapshot([1, {"a": 2}]).restore() == [1, {"a": 2}]
+        assert second.snapshot([3]).restore() == [3]
+        print("ok")
+        """
+    )
+    assert out.stdout.strip() == "ok"
+
+
+def test_c_functions_have_signatures():
+    import inspect
+
+    assert str(inspect.signature(_core.snapshot)) == "(obj, /)"
+    assert str(inspect.signature(_core.load)) == "(path, hook, /)"
+
+
+def _training_state():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    return {"model": model, "opt": opt, "rows": [[i, str(i)] for i in range(200)],
+            "arr": np.arange(100.0), "t": (torch.ones(3), torch.float16)}
+
+
+def test_snapshot_restore_does_not_leak():
+    obj = _training_state()
+    weight = obj["model"][0].weight
+    refs_before = sys.getrefcount(weight)
+    for _ in range(50):
+        flor.snapshot(obj).restore()
+    gc.collect()
+    objects_before, rss_before = len(gc.get_objects()), rss_bytes()
+    for _ in range(1000):
+        snap = flor.snapshot(obj)
+        out = snap.restore()
+        del snap, out
+    gc.collect()
+    assert len(gc.get_objects()) - objects_before < 100
+    assert rss_bytes() - rss_before < 16 << 20
+    assert sys.getrefcount(weight) == refs_before
+
+
+def test_save_load_and_materializer_do_not_leak(tmp_path):
+    obj = _training_state()
+    path = tmp_path / "x.flor"
+    m = flor.Materializer(tmp_path / "m")
+    for _ in range(20):
+        flor.save(obj, path)
+        flor.load(path)
+        m.submit("c", obj)
+    m.flush()
+    gc.collect()
+    objects_before, rss_before = len(gc.get_objects()), rss_bytes()
+    for _ in range(300):
+        flor.save(obj, path)
+        flor.load(path)
+        m.submit("c", obj)
+    m.close()
+    gc.collect()
+    assert len(gc.get_objects()) - objects_before < 100
+    assert rss_bytes() - rss_before < 16 << 20
+
+
+def test_staging_buffers_are_reused():
+    obj = {"w": torch.ones(1 << 20)}
+    flor.snapshot(obj)
+    before = _core.pool_stats()
+    for _ in range(20):
+        flor.snapshot(obj)
+    after = _core.pool_stats()
+    assert after["takes"] - before["takes"] == 20
+    assert after["fresh"] == before["fresh"], "a snapshot mapped fresh memory instead of reusing"

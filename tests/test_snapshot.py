@@ -1,0 +1,311 @@
+"""flor.snapshot: isolated copies of containers, tensors, arrays and stateful objects."""
+import collections
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import flor
+
+from conftest import run_py
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Plain:
+    def __init__(self, t, n):
+        self.t = t
+        self.n = n
+
+
+class Slotted:
+    __slots__ = ("a", "b")
+
+    def __init__(self, a, b):
+        self.a = a
+        self.b = b
+
+
+class Tagged(dict):
+    """A dict subclass with an attribute of its own."""
+
+
+class OwnCopy:
+    def __init__(self, v):
+        self.v = v
+        self.copies = 0
+
+    def __deepcopy__(self, memo):
+        c = OwnCopy(copy.deepcopy(self.v, memo))
+        c.copies = self.copies + 1
+        return c
+
+
+def roundtrip(obj):
+    return flor.snapshot(obj).restore()
+
+
+def test_containers_are_copied_and_atoms_shared():
+    s = "a string"
+    inner = [1, 2.5, s, b"bytes", None, True]
+    obj = {"inner": inner, "t": (1, inner), "set": {1, 2}, "fs": frozenset({3})}
+    out = roundtrip(obj)
+    assert out == obj
+    assert out is not obj and out["inner"] is not inner
+    assert out["t"][1] is out["inner"]  # sharing kept inside the copy
+    assert out["inner"][2] == s
+
+
+def test_subclasses_keep_type_and_attributes():
+    od = collections.OrderedDict([("b", 1), ("a", 2)])
+    od.extra = "kept"
+    dd = collections.defaultdict(list, {"k": [1]})
+    tagged = Tagged(x=1)
+    tagged.note = "n"
+    obj = [od, dd, Point(1, [2]), tagged, collections.Counter("aab")]
+    out = roundtrip(obj)
+    assert type(out[0]) is collections.OrderedDict and list(out[0]) == ["b", "a"]
+    assert out[0].extra == "kept"
+    assert type(out[1]) is collections.defaultdict and out[1].default_factory is list
+    out[1]["new"].append(3)
+    assert out[2] == Point(1, [2]) and type(out[2]) is Point
+    assert type(out[3]) is Tagged and out[3].note == "n" and out[3] == {"x": 1}
+    assert out[4] == collections.Counter("aab")
+
+
+def test_cycles_and_shared_references():
+    a = [1]
+    a.append(a)
+    d = {"self": None}
+    d["self"] = d
+    shared = [9]
+    obj = {"a": a, "d": d, "s1": shared, "s2": (shared,)}
+    out = roundtrip(obj)
+    assert out["a"][1] is out["a"]
+    assert out["d"]["self"] is out["d"]
+    assert out["s2"][0] is out["s1"]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.bool, torch.int64,
+              torch.float64, torch.complex64, torch.uint8]
+)
+def test_tensor_dtypes(dtype):
+    base = torch.arange(24).reshape(4, 6)
+    t = (base % 2).to(dtype) if dtype is torch.bool else base.to(dtype)
+    out = roundtrip({"t": t})["t"]
+    assert out.dtype == dtype and torch.equal(out, t)
+
+
+def test_tensor_shapes_views_and_strides():
+    base = torch.arange(60.0).reshape(3, 4, 5)
+    obj = {
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "transposed": base.transpose(0, 2),
+        "stepped": base[:, ::2, 1:],
+        "base": base,
+        "view": base[1],
+    }
+    out = roundtrip(obj)
+    for k, v in obj.items():
+        assert torch.equal(out[k], v), k
+        assert out[k].shape == v.shape and out[k].stride() == v.stride(), k
+    assert out["scalar"].dim() == 0
+    # views of one storage still share it after the round trip
+    assert out["view"].untyped_storage().data_ptr() == out["base"].untyped_storage().data_ptr()
+    out["base"][1, 0, 0] = -1
+    assert out["view"][0, 0] == -1
+
+
+def test_cpu_tensors_are_copied_not_aliased():
+    t = torch.ones(1000)
+    p = torch.nn.Parameter(torch.zeros(10))
+    snap = flor.snapshot({"t": t, "p": p})
+    t.add_(5)
+    with torch.no_grad():
+        p.add_(7)
+    out = snap.restore()
+    assert torch.equal(out["t"], torch.ones(1000))
+    assert torch.equal(out["p"], torch.zeros(10))
+    assert out["t"].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_parameters_and_requires_grad():
+    p = torch.nn.Parameter(torch.randn(3))
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    leaf = torch.randn(4, requires_grad=True)
+    out = roundtrip([p, frozen, leaf])
+    assert type(out[0]) is torch.nn.Parameter and out[0].requires_grad
+    assert type(out[1]) is torch.nn.Parameter and not out[1].requires_grad
+    assert type(out[2]) is torch.Tensor and out[2].requires_grad and out[2].is_leaf
+    assert torch.equal(out[0], p)
+
+
+def test_tied_weights_stay_tied():
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    sd = roundtrip(model)
+    assert set(sd) == {"emb.weight", "head.weight"}
+    assert sd["emb.weight"].untyped_storage().data_ptr() == sd["head.weight"].untyped_storage().data_ptr()
+    snap = flor.snapshot(model)
+    assert snap.nbytes == 10 * 4 * 4  # one storage, copied once
+
+
+def _train_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        loss = model(torch.randn(5, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _fresh_state():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def assert_same_state(a, b):
+    ma, oa, sa = a
+    mb, ob, sb = b
+    for (ka, va), (kb, vb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    sda, sdb = oa.state_dict(), ob.state_dict()
+    assert sda["param_groups"] == sdb["param_groups"]
+    for k in sda["state"]:
+        for name, v in sda["state"][k].items():
+            assert torch.equal(v, sdb["state"][k][name]), (k, name)
+    assert sa.state_dict() == sb.state_dict()
+
+
+def test_model_optimizer_scheduler_restore_in_place():
+    live = _train_state()
+    snap = flor.snapshot(list(live))
+    # training goes on after the snapshot
+    model, opt, sched = live
+    loss = model(torch.randn(5, 8)).sum()
+    loss.backward()
+    opt.step()
+    sched.step()
+    fresh = _fresh_state()
+    flor.restore(list(fresh), snap.restore())
+    expected = _train_state()
+    assert_same_state(fresh, expected)
+
+
+def test_numpy_arrays_and_buffers():
+    a = np.arange(12, dtype=np.float64).reshape(3, 4)
+    obj = {
+        "a": a,
+        "strided": a[:, ::2],
+        "zero_d": np.array(5, dtype=np.int16),
+        "bools": np.array([True, False]),
+        "objects": np.array([{"k": 1}, None], dtype=object),
+        "dt": np.array(["2020-01-01"], dtype="datetime64[D]"),
+        "ba": bytearray(b"abc"),
+        "scalar": np.float32(2.5),
+    }
+    snap = flor.snapshot(obj)
+    a[0, 0] = 99
+    obj["ba"][0] = ord("z")
+    out = snap.restore()
+    assert out["a"][0, 0] == 0 and np.array_equal(out["strided"], np.arange(12.0).reshape(3, 4)[:, ::2])
+    assert out["zero_d"].shape == () and out["zero_d"] == 5
+    assert out["bools"].dtype == bool
+    assert out["objects"][0] == {"k": 1} and out["objects"][0] is not obj["objects"][0]
+    assert out["dt"][0] == np.datetime64("2020-01-01")
+    assert out["ba"] == bytearray(b"abc")
+    assert out["scalar"] == np.float32(2.5)
+
+
+def test_user_objects_are_copied_through_their_protocol():
+    t = torch.ones(3)
+    obj = [Plain(t, 1), Slotted([1], t), OwnCopy([5])]
+    snap = flor.snapshot(obj)
+    t.add_(1)
+    obj[1].a.append(2)
+    out = snap.restore()
+    assert torch.equal(out[0].t, torch.ones(3)) and out[0].n == 1
+    assert out[1].a == [1] and torch.equal(out[1].b, torch.ones(3))
+    assert out[2].v == [5] and out[2].copies == 1
+
+
+def test_torch_constants_and_generators():
+    g = torch.Generator().manual_seed(7)
+    obj = {"dtype": torch.float16, "device": torch.device("cpu"), "size": torch.Size([2, 3]),
+           "layout": torch.strided, "fmt": torch.channels_last, "gen": g}
+    snap = flor.snapshot(obj)
+    expected = torch.rand(4, generator=g)  # advances the live generator
+    out = snap.restore()
+    assert out["dtype"] is torch.float16 and out["device"] == torch.device("cpu")
+    assert out["size"] == torch.Size([2, 3]) and type(out["size"]) is torch.Size
+    assert out["layout"] is torch.strided and out["fmt"] is torch.channels_last
+    assert torch.equal(torch.rand(4, generator=out["gen"]), expected)
+
+
+def test_nbytes_counts_each_storage_once():
+    t = torch.zeros(256)  # 1 KiB
+    snap = flor.snapshot({"a": t, "b": t, "c": t[10:20], "n": np.zeros(8, np.int32)})
+    assert snap.nbytes == 1024 + 32
+    assert snap.narrays == 3  # "a" and "b" are one tensor object: one entry
+
+
+def test_uncopyable_object_names_its_path():
+    obj = {"ok": [1], "loader": {"lock": threading.Lock()}}
+    with pytest.raises(TypeError) as info:
+        flor.snapshot(obj)
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "obj['loader']" in notes and "lock" in notes
+
+
+def test_sparse_and_meta_tensors_are_refused_clearly():
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(TypeError, match="to_dense"):
+        flor.snapshot({"s": sparse})
+    with pytest.raises(TypeError, match="meta"):
+        flor.snapshot(torch.empty(3, device="meta"))
+
+
+def test_snapshot_of_plain_objects_does_not_import_torch():
+    out = run_py(
+        """
+        import sys, flor
+        s = flor.snapshot({"a": [1, 2, {"b": (3, 4)}], "c": bytearray(b"x")})
+        assert s.restore() == {"a": [1, 2, {"b": (3, 4)}], "c": bytearray(b"x")}
+        print("torch" in sys.modules)
+        """
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_walk_does_not_initialise_cuda():
+    out = run_py(
+        """
+        import torch, flor
+        m = torch.nn.Linear(4, 4)
+        s = flor.snapshot({"m": m, "o": torch.optim.SGD(m.parameters(), lr=0.1)})
+        s.restore()
+        print(torch.cuda.is_initialized())
+        """
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_large_dict_of_small_lists():
+    obj = {i: [i, i + 1, i + 2] for i in range(100_000)}
+    snap = flor.snapshot(obj)
+    obj[5].append(0)
+    out = snap.restore()
+    assert out[5] == [5, 6, 7] and len(out) == 100_000
