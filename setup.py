@@ -15,12 +15,15 @@ cflags = ["-std=c11", "-Wall", "-Wextra", "-O2", "-pthread"]
 ldflags = ["-pthread"]
 if os.environ.get("FLOR_WERROR") == "1":
     cflags.append("-Werror")
+options = {}
 if os.environ.get("FLOR_SANITIZE") == "1":
     san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
     cflags = [f for f in cflags if f != "-O2"] + ["-O1", "-g"] + san
     ldflags += san
+    options = {"build": {"build_base": os.path.join("build", "sanitize")}}
 
 setup(
+    options=options,
     ext_modules=[
         Extension(
             "flor._core",

@@ -1,0 +1,43 @@
+# Entry points (README.md): `make demo` and `make test`. Both set up first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ASAN_VENV ?= .venv-asan
+# The CPU wheel on this machine. An unpinned torch would pull gigabytes of CUDA
+# packages, so torch is installed first, pinned, and never by pip's resolver.
+TORCH := torch==2.13.0
+PIP := pip install -q --disable-pip-version-check
+
+.PHONY: setup demo test test-asan bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+setup: $(BIN)/python
+	$(BIN)/$(PIP) $(TORCH) 'setuptools>=64' wheel
+	$(BIN)/$(PIP) --no-build-isolation -e '.[test,examples]'
+
+demo: setup
+	$(BIN)/python examples/snapshot_demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+# The suite against an AddressSanitizer + UndefinedBehaviorSanitizer build,
+# installed (not editable) in its own environment and built in build/sanitize.
+ASAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:quarantine_size_mb=0 PYTHONMALLOC=malloc
+
+test-asan:
+	test -x $(ASAN_VENV)/bin/python || $(PYTHON) -m venv $(ASAN_VENV)
+	$(ASAN_VENV)/bin/$(PIP) $(TORCH) 'setuptools>=64' wheel numpy pytest cloudpickle
+	FLOR_SANITIZE=1 $(ASAN_VENV)/bin/$(PIP) --no-build-isolation --force-reinstall --no-deps .
+	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/python -c \
+		"import flor._core as c, sys; sys.exit(0 if '$(ASAN_VENV)' in c.__file__ else 'not the sanitizer build: ' + c.__file__)"
+	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider .
+
+bench: setup
+	$(BIN)/python benchmarks/materialize.py
+
+clean:
+	rm -rf build $(VENV) $(ASAN_VENV) flor/*.so *.egg-info
