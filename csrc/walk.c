@@ -479,6 +479,14 @@ walk_tensor(walker *w, PyObject *t)
     if (nm == NULL) {
         goto cleanup;
     }
+    if (nm[0] == 'q') {
+        /* qint8, quint8, ...: the bytes alone lose scale and zero point. */
+        PyErr_Format(PyExc_TypeError,
+                     "flor.snapshot does not copy quantized tensors (dtype %s); "
+                     "checkpoint t.dequantize() or the int_repr() and its quantization parameters",
+                     nm);
+        goto cleanup;
+    }
     if (strncmp(nm, "complex", 7) == 0) {
         /* A lazily conjugated or negated view: store resolved values. */
         resolved = PyObject_CallMethod(t, "resolve_conj", NULL);

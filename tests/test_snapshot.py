@@ -276,6 +276,10 @@ def test_sparse_and_meta_tensors_are_refused_clearly():
         flor.snapshot({"s": sparse})
     with pytest.raises(TypeError, match="meta"):
         flor.snapshot(torch.empty(3, device="meta"))
+    with pytest.warns(UserWarning, match="deprecated"):  # torch deprecates quantized dtypes
+        q = torch.quantize_per_tensor(torch.ones(4), scale=0.1, zero_point=0, dtype=torch.qint8)
+    with pytest.raises(TypeError, match="quantized"):
+        flor.snapshot([q])
 
 
 def test_snapshot_of_plain_objects_does_not_import_torch():
