@@ -87,10 +87,14 @@ arena_free(flor_arena *a)
 {
     if (a->owner == getpid()) {
         if (a->pinned) {
-            /* Best effort: a failure here only leaks a registration. */
+            /* Best effort: a failure here only leaks a registration.  This
+             * may run while an exception propagates: keep it. */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
             if (cuda_host_call("cudaHostUnregister", a, 0) < 0) {
                 PyErr_Clear();
             }
+            PyErr_Restore(t, v, tb);
         }
         munmap(a->base, a->cap);
     }

@@ -76,6 +76,7 @@ typedef struct {
     PyObject *owner; /* keeps the source alive */
     const char *src;
     Py_buffer *view;
+    int recheck;     /* owner is a live CPU storage: re-read src before copying */
 } flor_blob;
 
 /* ------------------------------------------------------------------ */
@@ -123,6 +124,7 @@ typedef struct {
     /* Python helpers, looked up at module exec. */
     PyObject *copyreg_dispatch, *deepcopy, *dumps, *loads, *weakref_t;
     PyObject *Pickler, *BytesIO; /* cloudpickle.Pickler, io.BytesIO */
+    PyObject *tree_safe;         /* {OrderedDict, defaultdict, Counter, deque} */
 
     /* Interned attribute names. */
     PyObject *s_state_dict, *s_load_state_dict, *s_deepcopy_attr, *s_reduce_ex;
@@ -172,6 +174,7 @@ typedef struct {
     pid_t owner;
     double copy_seconds;  /* time spent copying bytes */
     int tree;             /* no object in the skeleton is referenced twice */
+    int foreign;          /* holds objects copied by their own __deepcopy__ */
 } FlorSnapshot;
 
 /* Called after the walk, before any byte is copied: may wait (backpressure).

@@ -150,7 +150,7 @@ int
 flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
                 flor_ioerr *err)
 {
-    int rc = -1, fd = -1;
+    int rc = -1, fd = -1, created = 0;
     char *tmp = NULL;
     unsigned char *table = NULL, header[HEADER_SIZE];
     uint64_t table_len = 8 + (uint64_t)BLOB_REC * s->n_blobs, meta_off = HEADER_SIZE;
@@ -187,6 +187,7 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         err->step = "create";
         goto cleanup;
     }
+    created = 1;
 
     /* Data first, checksumming each blob while its bytes are in cache. */
     p = table + 8;
@@ -288,7 +289,7 @@ cleanup:
     if (fd >= 0) {
         close(fd);
     }
-    if (tmp != NULL && err->step != NULL && strcmp(err->step, "create") != 0) {
+    if (created) {
         unlink(tmp);
     }
 cleanup_renamed:
@@ -421,7 +422,8 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
     uint32_t i;
 
     if (h->table_len < 8 || get32(t) != h->n_blobs || get32(t + 4) != h->n_entries ||
-        (uint64_t)h->n_blobs * BLOB_REC > h->table_len - 8) {
+        (uint64_t)h->n_blobs * BLOB_REC > h->table_len - 8 ||
+        (uint64_t)h->n_entries * ENTRY_FIXED > h->table_len - 8 - (uint64_t)h->n_blobs * BLOB_REC) {
         flor_format_error(st, path, "tensor table", "counts disagree with the header");
         goto error;
     }
@@ -483,6 +485,9 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
         }
         memcpy(e->dtype, p + ENTRY_FIXED + 16 * (size_t)e->ndim, dl);
         memcpy(e->device, p + ENTRY_FIXED + 16 * (size_t)e->ndim + dl, vl);
+        if (align8(need) > (size_t)(end - p)) {
+            goto overrun; /* its padding would run past the table */
+        }
         p += align8(need);
     }
     *entries_out = entries;
@@ -579,9 +584,13 @@ flor_load_file(flor_state *st, PyObject *path_obj, PyObject *hook)
     h.n_entries = get32(b + 76);
     h.meta_crc = get32(b + 80);
     h.table_crc = get32(b + 84);
-    if (h.meta_off != HEADER_SIZE || h.meta_len > h.file_size || h.table_off < h.meta_off + h.meta_len ||
-        h.table_len > h.file_size || h.data_off < h.table_off + h.table_len ||
-        h.data_len > h.file_size || h.data_off + h.data_len != h.file_size) {
+    /* Overflow-safe: each section lies inside file_size, in order. */
+    if (h.meta_off != HEADER_SIZE || h.meta_len > h.file_size ||
+        h.meta_off > h.file_size - h.meta_len || h.table_len > h.file_size ||
+        h.table_off > h.file_size - h.table_len || h.table_off < h.meta_off + h.meta_len ||
+        h.data_len > h.file_size || h.data_off > h.file_size - h.data_len ||
+        h.data_off < h.table_off + h.table_len || h.data_off + h.data_len != h.file_size ||
+        h.data_off % FLOR_ALIGN != 0) {
         flor_format_error(st, path, "header", "section offsets are inconsistent");
         goto cleanup;
     }

@@ -177,8 +177,11 @@ reap_done(FlorMaterializer *m)
     for (; j != NULL; j = next) {
         next = j->next;
         if (j->err != 0) {
-            PyObject *f = Py_BuildValue("(yiss)", j->path, j->err, j->step ? j->step : "",
-                                        j->msg ? j->msg : "");
+            /* A child may cut a long message inside a UTF-8 sequence. */
+            const char *msg = j->msg ? j->msg : "";
+            PyObject *f = Py_BuildValue("(yisN)", j->path, j->err, j->step ? j->step : "",
+                                        PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg),
+                                                             "replace"));
             m->failed++;
             if (f == NULL || PyList_Append(m->failures, f) < 0) {
                 rc = -1;
@@ -256,6 +259,13 @@ writer_main(void *arg)
         pthread_cond_broadcast(&m->cv);
     }
     pthread_mutex_unlock(&m->mu);
+    {
+        /* Drop the reference ensure_thread() took for this thread.  close()
+         * (which stopped us) holds another, so this never frees the engine. */
+        PyGILState_STATE g = PyGILState_Ensure();
+        Py_DECREF(m);
+        PyGILState_Release(g);
+    }
     return NULL;
 }
 
@@ -266,8 +276,13 @@ ensure_thread(FlorMaterializer *m)
     if (m->thread_started) {
         return 0;
     }
+    /* The thread owns a reference: the engine cannot be freed (for instance
+     * by a collection triggered from code the writer runs) while it works. */
+    Py_INCREF(m);
+    m->stopping = 0;
     e = pthread_create(&m->thread, NULL, writer_main, m);
     if (e != 0) {
+        Py_DECREF(m);
         errno = e;
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
@@ -486,7 +501,7 @@ children_poll(FlorMaterializer *m, int block)
         for (i = m->nchildren - 1; i >= 0; i--) {
             flor_child *c = &m->children[i];
             ssize_t got;
-            if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) {
+            if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL))) {
                 continue;
             }
             if (c->cap - c->len < 4096) {
@@ -749,6 +764,11 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
         handed = 1;
     }
     else {
+        if (((FlorSnapshot *)snap)->foreign) {
+            /* Copied by a class's own __deepcopy__: may hold live torch
+             * objects, which the child must not pickle. */
+            job_pickle(st, j);
+        }
         if (m->batch_tail != NULL) {
             m->batch_tail->next = j;
         }
@@ -833,6 +853,7 @@ stop_thread(FlorMaterializer *m)
     pthread_join(m->thread, NULL);
     Py_END_ALLOW_THREADS
     m->thread_started = 0;
+    m->stopping = 0;
 }
 
 PyDoc_STRVAR(mat_close_doc,

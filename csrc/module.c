@@ -52,7 +52,7 @@ flor_format_error(flor_state *st, const char *path, const char *section, const c
     if (detail == NULL) {
         return NULL;
     }
-    args = Py_BuildValue("(ssN)", path, section, detail);
+    args = Py_BuildValue("(NsN)", PyUnicode_DecodeFSDefault(path), section, detail);
     if (args != NULL) {
         PyErr_SetObject(st->FormatError, args);
         Py_DECREF(args);
@@ -379,6 +379,20 @@ module_exec(PyObject *module)
     if (copyreg == NULL || copy == NULL || pickle == NULL || weakref == NULL) {
         goto cleanup;
     }
+    {
+        PyObject *coll = PyImport_ImportModule("collections"), *names = NULL;
+        names = coll == NULL ? NULL
+                             : Py_BuildValue("(NNNN)", PyObject_GetAttrString(coll, "OrderedDict"),
+                                             PyObject_GetAttrString(coll, "defaultdict"),
+                                             PyObject_GetAttrString(coll, "Counter"),
+                                             PyObject_GetAttrString(coll, "deque"));
+        st->tree_safe = names == NULL ? NULL : PyFrozenSet_New(names);
+        Py_XDECREF(names);
+        Py_XDECREF(coll);
+        if (st->tree_safe == NULL) {
+            goto cleanup;
+        }
+    }
     st->copyreg_dispatch = PyObject_GetAttrString(copyreg, "dispatch_table");
     st->deepcopy = PyObject_GetAttrString(copy, "deepcopy");
     st->loads = PyObject_GetAttrString(pickle, "loads");
@@ -414,6 +428,7 @@ cleanup:
     X(rebuild) X(loaders) X(torch) X(Tensor) X(Parameter) X(Generator) X(Size) X(dtype_t)      \
     X(device_t) X(layout_t) X(memfmt_t) X(strided) X(uint8) X(atom_names) X(ndarray)           \
     X(copyreg_dispatch) X(deepcopy) X(dumps) X(loads) X(weakref_t) X(Pickler) X(BytesIO)       \
+    X(tree_safe)                                                                               \
     X(s_state_dict)                                                                            \
     X(s_load_state_dict) X(s_deepcopy_attr) X(s_reduce_ex) X(s_setstate) X(s_dict) X(s_append) \
     X(s_items)

@@ -34,6 +34,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ */
@@ -226,7 +227,8 @@ typedef struct {
     flor_blob *blobs;
     uint32_t n_entries, cap_entries, n_blobs, cap_blobs;
     int any_cuda;
-    int reached_twice; /* the skeleton shares an object: not a tree */
+    int not_tree; /* an object may appear twice in the skeleton */
+    int foreign;  /* holds a result of a class's own __deepcopy__ */
 } walker;
 
 static PyObject *walk(walker *w, PyObject *o, int shared);
@@ -288,38 +290,34 @@ is_leaf_copy(walker *w, PyObject *o)
     return is_atom(o) || Py_TYPE(o) == w->st->RefType;
 }
 
+/* Append one zeroed element to a growable array; returns its index or -1. */
 static Py_ssize_t
-add_entry(walker *w)
+grow(void **items, uint32_t *n, uint32_t *cap, size_t size)
 {
-    if (w->n_entries == w->cap_entries) {
-        uint32_t cap = w->cap_entries ? w->cap_entries * 2 : 16;
-        flor_entry *e = realloc(w->entries, cap * sizeof(*e));
-        if (e == NULL) {
+    if (*n == *cap) {
+        uint32_t c = *cap ? *cap * 2 : 16;
+        void *p = realloc(*items, (size_t)c * size);
+        if (p == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        w->entries = e;
-        w->cap_entries = cap;
+        *items = p;
+        *cap = c;
     }
-    memset(&w->entries[w->n_entries], 0, sizeof(flor_entry));
-    return w->n_entries++;
+    memset((char *)*items + (size_t)*n * size, 0, size);
+    return (*n)++;
+}
+
+static Py_ssize_t
+add_entry(walker *w)
+{
+    return grow((void **)&w->entries, &w->n_entries, &w->cap_entries, sizeof(flor_entry));
 }
 
 static Py_ssize_t
 add_blob(walker *w)
 {
-    if (w->n_blobs == w->cap_blobs) {
-        uint32_t cap = w->cap_blobs ? w->cap_blobs * 2 : 16;
-        flor_blob *b = realloc(w->blobs, cap * sizeof(*b));
-        if (b == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        w->blobs = b;
-        w->cap_blobs = cap;
-    }
-    memset(&w->blobs[w->n_blobs], 0, sizeof(flor_blob));
-    return w->n_blobs++;
+    return grow((void **)&w->blobs, &w->n_blobs, &w->cap_blobs, sizeof(flor_blob));
 }
 
 static int
@@ -400,9 +398,10 @@ tensor_blob(walker *w, int is_cpu, int is_cuda, PyObject *storage)
         host = Py_NewRef(storage);
     }
     else if (!is_cuda) {
-        /* Another accelerator: a synchronous copy to the host. */
+        /* Another accelerator: a synchronous copy to the host.  The source
+         * stays referenced so that its address (the memo key) is not reused. */
         host = PyObject_CallMethod(storage, "cpu", NULL);
-        if (host == NULL) {
+        if (host == NULL || PyList_Append(w->keep, storage) < 0) {
             goto cleanup;
         }
     }
@@ -422,6 +421,7 @@ tensor_blob(walker *w, int is_cpu, int is_cuda, PyObject *storage)
         b->where = FLOR_BLOB_HOST;
         b->src = (const char *)PyLong_AsVoidPtr(ptr);
         b->owner = Py_NewRef(host);
+        b->recheck = is_cpu;
     }
     else {
         b->where = FLOR_BLOB_CUDA;
@@ -446,7 +446,8 @@ walk_tensor(walker *w, PyObject *t)
     flor_state *st = w->st;
     PyObject *const orig = t;
     const char *nm;
-    PyObject *res = NULL, *layout = NULL, *dtype = NULL, *name, *resolved = NULL, *flag = NULL;
+    PyObject *res = NULL, *layout = NULL, *dtype = NULL, *name = NULL, *resolved = NULL;
+    PyObject *flag = NULL;
     PyObject *storage = NULL, *shape = NULL, *stride = NULL, *offset = NULL, *device = NULL;
     PyObject *devstr = NULL, *cls = Py_None;
     int is_cpu, is_cuda = 0, rg;
@@ -475,6 +476,7 @@ walk_tensor(walker *w, PyObject *t)
         }
         goto cleanup;
     }
+    Py_INCREF(name);
     nm = PyUnicode_AsUTF8(name);
     if (nm == NULL) {
         goto cleanup;
@@ -487,17 +489,18 @@ walk_tensor(walker *w, PyObject *t)
                      nm);
         goto cleanup;
     }
-    if (strncmp(nm, "complex", 7) == 0) {
-        /* A lazily conjugated or negated view: store resolved values. */
-        resolved = PyObject_CallMethod(t, "resolve_conj", NULL);
-        if (resolved != NULL) {
-            Py_SETREF(resolved, PyObject_CallMethod(resolved, "resolve_neg", NULL));
-        }
-        if (resolved == NULL) {
-            goto cleanup;
-        }
-        t = resolved;
+    /* A lazily negated (any dtype, e.g. z.conj().imag) or conjugated
+     * (complex) view: its storage bytes alone have the wrong values, so
+     * copy the resolved values.  Both calls return t itself when no bit is set. */
+    resolved = strncmp(nm, "complex", 7) == 0 ? PyObject_CallMethod(t, "resolve_conj", NULL)
+                                               : Py_NewRef(t);
+    if (resolved != NULL) {
+        Py_SETREF(resolved, PyObject_CallMethod(resolved, "resolve_neg", NULL));
     }
+    if (resolved == NULL) {
+        goto cleanup;
+    }
+    t = resolved;
     flag = PyObject_GetAttrString(t, "is_cpu");
     if (flag == NULL) {
         goto cleanup;
@@ -569,6 +572,7 @@ walk_tensor(walker *w, PyObject *t)
 cleanup:
     Py_XDECREF(layout);
     Py_XDECREF(dtype);
+    Py_XDECREF(name);
     Py_XDECREF(resolved);
     Py_XDECREF(flag);
     Py_XDECREF(storage);
@@ -687,8 +691,15 @@ walk_list(walker *w, PyObject *o, int shared)
     if (res == NULL) {
         return NULL;
     }
-    if (shared && memo_put(w, o, res) < 0) {
-        goto error;
+    if (shared) {
+        /* Reachable through the memo while its items are copied (a cycle may
+         * hand it to Python code): never let that code see NULL slots. */
+        for (i = 0; i < n; i++) {
+            PyList_SET_ITEM(res, i, Py_NewRef(Py_None));
+        }
+        if (memo_put(w, o, res) < 0) {
+            goto error;
+        }
     }
     if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
         goto error;
@@ -707,7 +718,12 @@ walk_list(walker *w, PyObject *o, int shared)
             goto error;
         }
         flat &= is_leaf_copy(w, c);
-        PyList_SET_ITEM(res, i, c);
+        if (shared) {
+            Py_SETREF(PySequence_Fast_ITEMS(res)[i], c);
+        }
+        else {
+            PyList_SET_ITEM(res, i, c);
+        }
     }
     Py_LeaveRecursiveCall();
     if (flat) {
@@ -767,7 +783,7 @@ walk_tuple(walker *w, PyObject *o, int shared)
     if (shared) {
         if (pmap_get(&w->memo, (uintptr_t)o, &found)) {
             /* A cycle through a mutable item already copied this tuple. */
-            w->reached_twice = 1;
+            w->not_tree = 1;
             Py_DECREF(res);
             return Py_NewRef((PyObject *)found);
         }
@@ -779,15 +795,18 @@ walk_tuple(walker *w, PyObject *o, int shared)
     return res;
 }
 
+/* 1 if every key is an atom; counts the values that are not atoms. */
 static int
-simple_keys(PyObject *d)
+simple_keys(PyObject *d, Py_ssize_t *nonatom)
 {
     Py_ssize_t pos = 0;
     PyObject *k, *v;
+    *nonatom = 0;
     while (PyDict_Next(d, &pos, &k, &v)) {
         if (!is_atom(k)) {
             return 0;
         }
+        *nonatom += !is_atom(v);
     }
     return 1;
 }
@@ -795,9 +814,9 @@ simple_keys(PyObject *d)
 static PyObject *
 walk_dict(walker *w, PyObject *o, int shared)
 {
-    Py_ssize_t pos = 0, n0 = PyDict_GET_SIZE(o);
+    Py_ssize_t pos = 0, n0 = PyDict_GET_SIZE(o), nonatom = 0, replaced = 0;
     PyObject *k, *v, *res;
-    int fast = simple_keys(o);
+    int fast = simple_keys(o, &nonatom);
     int flat = 1;
 
     /* Fast path: clone the table, then replace the values that need a copy. */
@@ -827,8 +846,10 @@ walk_dict(walker *w, PyObject *o, int shared)
             Py_DECREF(v);
         }
         else {
+            Py_INCREF(v); /* walking the key may run code that drops it */
             ck = walk_child(w, k);
             cv = ck == NULL ? NULL : walk_child(w, v);
+            Py_DECREF(v);
         }
         if (cv == NULL) {
             path_push(w, "[%R]", k);
@@ -838,6 +859,7 @@ walk_dict(walker *w, PyObject *o, int shared)
             goto error;
         }
         flat &= is_leaf_copy(w, cv);
+        replaced++;
         rc = PyDict_SetItem(res, ck, cv);
         Py_DECREF(ck);
         Py_DECREF(cv);
@@ -853,6 +875,12 @@ walk_dict(walker *w, PyObject *o, int shared)
         }
     }
     Py_LeaveRecursiveCall();
+    if (fast && (PyDict_GET_SIZE(res) != n0 || replaced != nonatom)) {
+        /* Code run by the walk swapped keys: the clone may still hold a
+         * value of the live dict that was never copied. */
+        PyErr_SetString(PyExc_RuntimeError, "dictionary changed during flor.snapshot");
+        goto error;
+    }
     if (flat && fast && PyObject_GC_IsTracked(res)) {
         /* Every value is an atom or a Ref (the atoms were skipped above):
          * nothing here can form a cycle. */
@@ -957,7 +985,7 @@ apply_state(walker *w, PyObject *y, PyObject *state, PyObject *setstate)
     }
     PyErr_Clear();
     if (PyTuple_Check(cstate) && PyTuple_GET_SIZE(cstate) == 2) {
-        slots = PyTuple_GET_ITEM(cstate, 1);
+        slots = Py_NewRef(PyTuple_GET_ITEM(cstate, 1));
         Py_SETREF(cstate, Py_NewRef(PyTuple_GET_ITEM(cstate, 0)));
     }
     if (cstate != Py_None) {
@@ -984,10 +1012,23 @@ apply_state(walker *w, PyObject *y, PyObject *state, PyObject *setstate)
     rc = 0;
 cleanup:
     Py_XDECREF(cstate);
+    Py_XDECREF(slots);
     Py_XDECREF(meth);
     Py_XDECREF(r);
     Py_XDECREF(dict);
     return rc;
+}
+
+/* Types whose reduce rebuilds them only from parts this walk copies, so
+ * any object the copy holds twice was also seen twice by the walk. */
+static int
+tree_safe(flor_state *st, PyTypeObject *tp)
+{
+    int r = PySet_Contains(st->tree_safe, (PyObject *)tp);
+    if (r != 0) {
+        return r;
+    }
+    return PyType_IsSubtype(tp, &PyTuple_Type) && PyObject_HasAttrString((PyObject *)tp, "_fields");
 }
 
 /* copy._reconstruct, with every component copied by this walk. */
@@ -1000,6 +1041,14 @@ walk_reduce(walker *w, PyObject *o, int shared)
     PyObject *setstate = Py_None;
     Py_ssize_t n;
 
+    switch (tree_safe(st, Py_TYPE(o))) {
+    case -1:
+        return NULL;
+    case 0:
+        /* A class's own constructor or __setstate__ may share objects
+         * inside the copy without the walk seeing them twice. */
+        w->not_tree = 1;
+    }
     reductor = PyDict_GetItemWithError(st->copyreg_dispatch, (PyObject *)Py_TYPE(o));
     if (reductor != NULL) {
         rv = PyObject_CallOneArg(reductor, o);
@@ -1216,7 +1265,7 @@ walk(walker *w, PyObject *o, int shared)
         return Py_NewRef(o);
     }
     if (shared && pmap_get(&w->memo, (uintptr_t)o, &found)) {
-        w->reached_twice = 1;
+        w->not_tree = 1;
         return Py_NewRef((PyObject *)found);
     }
     if (tp == &PyDict_Type) {
@@ -1304,7 +1353,14 @@ walk(walker *w, PyObject *o, int shared)
         }
         break;
     case K_DEEPCOPY:
+        /* The class copies itself.  Its copy may share objects internally
+         * and may hold tensors: it is pickled with the memo, and never in a
+         * forked writer (which must not run torch code). */
         res = PyObject_CallOneArg(st->deepcopy, o);
+        if (res != NULL && res != o) {
+            w->not_tree = 1;
+            w->foreign = 1;
+        }
         break;
     case K_REDUCE:
         return walk_reduce(w, o, shared);
@@ -1441,6 +1497,34 @@ cleanup:
     return rc;
 }
 
+/* Code run after the walk saw a storage (a __reduce_ex__, a state_dict(),
+ * another thread while backpressure waited) may have resized it: read its
+ * address again with the GIL held, just before the bytes are copied. */
+static int
+recheck_storage(flor_blob *b)
+{
+    int rc = -1;
+    PyObject *nbytes = NULL, *ptr = NULL;
+    nbytes = PyObject_CallMethod(b->owner, "nbytes", NULL);
+    ptr = nbytes == NULL ? NULL : PyObject_CallMethod(b->owner, "data_ptr", NULL);
+    if (ptr == NULL) {
+        goto cleanup;
+    }
+    if (PyLong_AsUnsignedLongLong(nbytes) != b->nbytes) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "a tensor's storage was resized while flor.snapshot was copying it");
+        }
+        goto cleanup;
+    }
+    b->src = (const char *)PyLong_AsVoidPtr(ptr);
+    rc = PyErr_Occurred() ? -1 : 0;
+cleanup:
+    Py_XDECREF(nbytes);
+    Py_XDECREF(ptr);
+    return rc;
+}
+
 static int
 copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx)
 {
@@ -1482,6 +1566,9 @@ copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx)
         flor_blob *b = &s->blobs[i];
         if (b->where == FLOR_BLOB_BUFFER && PyBuffer_IsContiguous(b->view, 'C')) {
             b->where = FLOR_BLOB_HOST; /* the view stays held until released below */
+        }
+        if (b->recheck && recheck_storage(b) < 0) {
+            goto cleanup;
         }
     }
     Py_BEGIN_ALLOW_THREADS
@@ -1583,7 +1670,8 @@ flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *c
     s->nbytes = s->data_bytes = 0;
     s->owner = getpid();
     s->copy_seconds = 0.0;
-    s->tree = !w.reached_twice;
+    s->tree = !w.not_tree;
+    s->foreign = w.foreign;
     w.entries = NULL;
     w.blobs = NULL;
     /* The memo must not outlive the walk: drop it before copying bytes. */
@@ -1624,7 +1712,15 @@ snapshot_dealloc(FlorSnapshot *s)
             flor_pool_give(st, s->arena);
         }
         else {
+            /* The module is gone (interpreter teardown): unmap directly. */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
             PyErr_Clear();
+            if (s->arena->owner == getpid()) {
+                munmap(s->arena->base, s->arena->cap);
+            }
+            free(s->arena);
+            PyErr_Restore(t, v, tb);
         }
     }
     PyObject_Free(s);

@@ -11,7 +11,6 @@ import os
 import re
 import sys
 import threading
-import weakref
 
 from . import _core
 from .errors import CheckpointWriteError
@@ -28,7 +27,8 @@ DEFAULT_MAX_BUFFER_BYTES = 1 << 30
 SUFFIX = ".flor"
 _TMP = re.compile(r"^(?P<final>.+)\.tmp\.(?P<pid>\d+)\.\d+$")
 
-_live: "weakref.WeakSet[Materializer]" = weakref.WeakSet()
+# Open materializers, closed (and so flushed) at exit even if dropped unclosed.
+_live: "set[Materializer]" = set()
 
 
 def _check_name(name):
@@ -196,7 +196,7 @@ def _close_all():
     for m in list(_live):
         try:
             m.close()
-        except CheckpointWriteError as e:
-            print(f"flor: at exit: {e}", file=sys.stderr)
         except RuntimeError:
-            pass  # a forked copy: the parent owns these writes
+            pass  # a forked copy of the process: the parent owns these writes
+        except Exception as e:  # report, and still close the others
+            print(f"flor: at exit: {e}", file=sys.stderr)
