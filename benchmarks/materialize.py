@@ -1,7 +1,9 @@
 """How long does a checkpoint stop training, and what does it cost afterwards?
 
 Two workloads, each checkpointed by every method, interleaved (the order is
-shuffled in every round) and repeated; the report gives medians.  Each
+shuffled in every round) and repeated: in each round every method takes
+three checkpoints and the round keeps their median; the report gives the
+median over rounds.  Each
 method runs in its own worker process, built identically: a method that
 forks (flor fork, the Queue's writer) splits its process's huge pages on
 copy-on-write, which would slow every later copy in a shared process.
@@ -30,7 +32,7 @@ For each checkpoint we measure
            staging pool, the memcpy target).  It sees copy-on-write copies in
            forked children that no per-process RSS shows.
 
-    python benchmarks/materialize.py                 # S = 256 MiB, 7 rounds
+    python benchmarks/materialize.py                 # S = 256 MiB, 5 rounds x 3
     python benchmarks/materialize.py --size-mib 64 --rounds 3 --objects 200000
 Writes bench-results/materialize.json and .md (see --out).
 """
@@ -358,7 +360,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=float, default=256, help="S: bytes of model+Adam state (MiB)")
     ap.add_argument("--objects", type=int, default=1_000_000, help="lists in the Python workload")
-    ap.add_argument("--rounds", type=int, default=7, help="measured rounds (after one warm-up)")
+    ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up)")
+    ap.add_argument("--per-round", type=int, default=3,
+                    help="checkpoints per method in each round; the round keeps their median")
     ap.add_argument("--out", default="bench-results/materialize", help="output path without suffix")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     ap.add_argument("--render", metavar="JSON", help="only rewrite the markdown of an earlier run")
@@ -396,10 +400,14 @@ def main():
                 order = methods[w][:]
                 rng.shuffle(order)
                 for m in order:
-                    r = workers[(w, m)].run(sampler)
                     if rnd == 0:
-                        cold[f"{w}/{m}"] = r  # first use: fresh memory, imports
+                        # first use: fresh memory, imports
+                        cold[f"{w}/{m}"] = r = workers[(w, m)].run(sampler)
                     else:
+                        runs = [workers[(w, m)].run(sampler) for _ in range(args.per_round)]
+                        r = {k: median([x[k] for x in runs]) for k in ("block", "step", "durable")}
+                        r["extra"] = max(x["extra"] for x in runs)
+                        r["runs"] = runs
                         results[w][m].append(r)
                     print(f"round {rnd} {w:6s} {m:12s} block {r['block'] * 1e3:8.1f} ms  "
                           f"step {r['step'] * 1e3:7.1f} ms  durable {r['durable'] * 1e3:8.1f} ms  "
@@ -459,7 +467,8 @@ def main():
         "command": "python benchmarks/materialize.py " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "state_bytes": nbytes, "state_tensors": ntensors, "python_objects": args.objects,
-        "rounds": args.rounds, "default_mode": flor.materializer.DEFAULT_MODE,
+        "rounds": args.rounds, "per_round": args.per_round,
+        "default_mode": flor.materializer.DEFAULT_MODE,
         "summary": summary, "targets": verdicts, "gpu": gpu, "cold": cold,
         "samples": results,
     }
@@ -480,7 +489,8 @@ def render(rep):
         f"{rep['machine']['memory_gib']} GiB, Linux {rep['machine']['kernel']}, "
         f"Python {rep['machine']['python']}, torch {rep['machine']['torch']} "
         f"({rep['machine']['threads']} thread), GPU: {rep['machine']['cuda'] or 'none'}  ",
-        f"Medians of {rep['rounds']} interleaved rounds after a warm-up round.",
+        f"Medians of {rep['rounds']} interleaved rounds after a warm-up round; each round's "
+        f"value is the median of {rep.get('per_round', 1)} checkpoints.",
         "",
     ]
     names = {"state": f"Model + Adam state, S = {S / MiB:.0f} MiB in {rep['state_tensors']} tensors",
