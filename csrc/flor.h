@@ -106,6 +106,7 @@ typedef struct {
     PyTypeObject *RefType;
     PyTypeObject *MappingType;
     PyTypeObject *MaterializerType;
+    PyTypeObject *SkipMachineType;
     PyObject *FormatError; /* raised with (path, section, detail) */
 
     PyObject *kind_cache; /* {type: walk kind} */
@@ -178,7 +179,8 @@ typedef struct {
 } FlorSnapshot;
 
 /* Called after the walk, before any byte is copied: may wait (backpressure).
- * Runs with the GIL held; returns -1 with an exception set to abort. */
+ * Runs with the GIL held; returns -1 with an exception set to abort, 1 to
+ * stop without copying (the snapshot then only knows its byte counts). */
 typedef int (*flor_reserve_fn)(void *ctx, uint64_t data_bytes);
 
 PyObject *flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx);
@@ -202,6 +204,12 @@ extern PyType_Spec flor_mapping_spec;
 
 /* materializer.c */
 extern PyType_Spec flor_materializer_spec;
+
+/* skipblock.c */
+extern PyType_Spec flor_skipmachine_spec;
+int flor_skipblock_constants(PyObject *module);
+PyObject *flor_rule(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+extern const char flor_rule_doc[];
 
 /* Active unpickling context: how _rebuild turns Refs back into objects. */
 typedef struct {

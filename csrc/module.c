@@ -1,12 +1,14 @@
 /* module.c: the flor._core extension module (multi-phase init, PEP 489).
  *
  *     snapshot(obj)              -> Snapshot          (walk.c)
+ *     measure(obj)               -> bytes a snapshot would hold, no copy
  *     save(obj, path)            -> bytes written     (walk.c + format.c)
  *     load(path, hook)           -> obj               (format.c)
  *     _rebuild(kind, i, payload) -> tensor / array    (unpickling helper)
  *     crc32c(data, crc=0)        -> int
  *     pool_stats() / trim_pool() -> staging-buffer bookkeeping
  *     Materializer               -> background writer (materializer.c)
+ *     SkipMachine                -> SkipBlock states and the checkpoint rule (skipblock.c)
  *
  * Nothing here imports torch: torch objects are looked up the first time a
  * snapshot or load runs after someone else imported torch.
@@ -207,6 +209,29 @@ mod_snapshot(PyObject *module, PyObject *obj)
     return flor_snapshot_ex(get_state(module), obj, NULL, NULL);
 }
 
+static int
+measure_only(void *Py_UNUSED(ctx), uint64_t Py_UNUSED(nbytes))
+{
+    return 1;
+}
+
+PyDoc_STRVAR(measure_doc,
+             "measure(obj, /)\n--\n\n"
+             "Bytes of tensor and array data a snapshot of obj would hold, found by\n"
+             "the same walk without copying any data.");
+
+static PyObject *
+mod_measure(PyObject *module, PyObject *obj)
+{
+    PyObject *s = flor_snapshot_ex(get_state(module), obj, measure_only, NULL), *r;
+    if (s == NULL) {
+        return NULL;
+    }
+    r = PyLong_FromUnsignedLongLong(((FlorSnapshot *)s)->nbytes);
+    Py_DECREF(s);
+    return r;
+}
+
 PyDoc_STRVAR(save_doc,
              "save(obj, path, /)\n--\n\n"
              "Snapshot obj and write it to path atomically (temp file, fsync, rename,\n"
@@ -325,12 +350,14 @@ PyDoc_STRVAR(rebuild_doc,
 
 static PyMethodDef module_methods[] = {
     {"snapshot", FLOR_CFUNC(mod_snapshot), METH_O, snapshot_doc},
+    {"measure", FLOR_CFUNC(mod_measure), METH_O, measure_doc},
     {"save", FLOR_CFUNC(mod_save), METH_FASTCALL, save_doc},
     {"load", FLOR_CFUNC(mod_load), METH_FASTCALL, load_doc},
     {"crc32c", FLOR_CFUNC(mod_crc32c), METH_FASTCALL, crc32c_doc},
     {"pool_stats", FLOR_CFUNC(mod_pool_stats), METH_NOARGS, pool_stats_doc},
     {"trim_pool", FLOR_CFUNC(mod_trim_pool), METH_NOARGS, trim_pool_doc},
     {"_rebuild", FLOR_CFUNC(flor_rebuild), METH_FASTCALL, rebuild_doc},
+    {"rule", FLOR_CFUNC(flor_rule), METH_FASTCALL, flor_rule_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -357,7 +384,9 @@ module_exec(PyObject *module)
     if (add_type(module, &st->SnapshotType, &flor_snapshot_spec) < 0 ||
         add_type(module, &st->RefType, &flor_ref_spec) < 0 ||
         add_type(module, &st->MappingType, &flor_mapping_spec) < 0 ||
-        add_type(module, &st->MaterializerType, &flor_materializer_spec) < 0) {
+        add_type(module, &st->MaterializerType, &flor_materializer_spec) < 0 ||
+        add_type(module, &st->SkipMachineType, &flor_skipmachine_spec) < 0 ||
+        flor_skipblock_constants(module) < 0) {
         goto cleanup;
     }
     st->FormatError = PyErr_NewExceptionWithDoc(
@@ -424,7 +453,8 @@ cleanup:
 }
 
 #define FLOR_STATE_OBJECTS(X)                                                                  \
-    X(SnapshotType) X(RefType) X(MappingType) X(MaterializerType) X(FormatError) X(kind_cache) \
+    X(SnapshotType) X(RefType) X(MappingType) X(MaterializerType) X(SkipMachineType)           \
+    X(FormatError) X(kind_cache)                                                               \
     X(rebuild) X(loaders) X(torch) X(Tensor) X(Parameter) X(Generator) X(Size) X(dtype_t)      \
     X(device_t) X(layout_t) X(memfmt_t) X(strided) X(uint8) X(atom_names) X(ndarray)           \
     X(copyreg_dispatch) X(deepcopy) X(dumps) X(loads) X(weakref_t) X(Pickler) X(BytesIO)       \

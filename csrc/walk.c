@@ -1543,8 +1543,15 @@ copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx)
     }
     s->data_bytes = total;
     s->nbytes = payload;
-    if (reserve != NULL && reserve(ctx, total) < 0) {
-        goto cleanup;
+    if (reserve != NULL) {
+        int r = reserve(ctx, total);
+        if (r < 0) {
+            goto cleanup;
+        }
+        if (r > 0) {
+            rc = 0; /* measure only */
+            goto cleanup;
+        }
     }
     if (total == 0) {
         rc = 0;

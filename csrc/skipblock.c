@@ -1,0 +1,538 @@
+/* skipblock.c: the SkipBlock state machine and the adaptive checkpoint rule.
+ *
+ *     class SkipMachine:                       # one per process
+ *         mode: RECORD or REPLAY;  phase: WORK or PSEUDORESUME (replay)
+ *         blocks[i]: n executions, k checkpoints, compute seconds, restores
+ *
+ *         def enter(i, probed, has_checkpoint):      # SkipBlock.step_into
+ *             if mode == RECORD:            state = EXECUTE
+ *             elif phase == PSEUDORESUME:   state = PSEUDORESUME if has_checkpoint else STEP_INTO
+ *             elif probed or not has_checkpoint: state = STEP_INTO
+ *             else:                         state = SKIP
+ *             push (i, state, now); return state  # the body runs for EXECUTE, STEP_INTO
+ *
+ *         def leave(i):                             # SkipBlock.end
+ *             pop (must be i); if the body ran: n += 1, compute += elapsed
+ *
+ *         def decide(i, nbytes, bandwidth):         # record: checkpoint now?
+ *             M = nbytes / bandwidth;  C = compute / n
+ *             limit = n / (k + 1) * min(1 / (1 + c), epsilon)     # the paper's Eq. 4
+ *             if M / C < limit or not adaptive: k += 1; return True, reason
+ *             return False, reason
+ *
+ * The joint invariant keeps k * M < n * epsilon * C (record overhead at most
+ * epsilon) and M + R < n / k * C with R = c * M (replay stays worth it).
+ */
+#include "flor.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { SB_RECORD = 0, SB_REPLAY = 1 };
+enum { PHASE_WORK = 0, PHASE_PSEUDORESUME = 1 };
+enum { ST_EXECUTE = 0, ST_SKIP = 1, ST_STEP_INTO = 2, ST_PSEUDORESUME = 3 };
+
+static const char *const state_names[] = {"execute", "skip", "step_into", "pseudoresume"};
+
+typedef struct {
+    PyObject *key;
+    uint64_t n, k, skips, steps, restores;
+    double compute, restore, materialize;
+    uint64_t nbytes;
+} sb_block;
+
+typedef struct {
+    Py_ssize_t block;
+    int state;
+    double start;
+} sb_frame;
+
+typedef struct {
+    PyObject_HEAD
+    int mode, phase, adaptive;
+    double epsilon, c;
+    sb_block *blocks;
+    Py_ssize_t nblocks, cap;
+    PyObject *index; /* {key: handle} */
+    sb_frame *stack;
+    Py_ssize_t depth, stack_cap;
+} FlorSkipMachine;
+
+static int
+check_handle(FlorSkipMachine *m, Py_ssize_t i)
+{
+    if (i < 0 || i >= m->nblocks) {
+        PyErr_Format(PyExc_IndexError, "no SkipBlock with handle %zd", i);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(sm_block_doc,
+             "block($self, key, /)\n--\n\n"
+             "The handle of the block identified by key, registering it if new.");
+
+static PyObject *
+sm_block(FlorSkipMachine *m, PyObject *key)
+{
+    PyObject *h = PyDict_GetItemWithError(m->index, key), *hv;
+    if (h != NULL) {
+        return Py_NewRef(h);
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (m->nblocks == m->cap) {
+        Py_ssize_t cap = m->cap ? m->cap * 2 : 8;
+        sb_block *b = realloc(m->blocks, (size_t)cap * sizeof(sb_block));
+        if (b == NULL) {
+            return PyErr_NoMemory();
+        }
+        m->blocks = b;
+        m->cap = cap;
+    }
+    hv = PyLong_FromSsize_t(m->nblocks);
+    if (hv == NULL || PyDict_SetItem(m->index, key, hv) < 0) {
+        Py_XDECREF(hv);
+        return NULL;
+    }
+    memset(&m->blocks[m->nblocks], 0, sizeof(sb_block));
+    m->blocks[m->nblocks].key = Py_NewRef(key);
+    m->nblocks++;
+    return hv;
+}
+
+PyDoc_STRVAR(sm_enter_doc,
+             "enter($self, handle, probed, has_checkpoint, /)\n--\n\n"
+             "Open a block and return its state: EXECUTE or STEP_INTO run the body,\n"
+             "SKIP or PSEUDORESUME skip it and restore its checkpoint at end().");
+
+static PyObject *
+sm_enter(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t i;
+    int probed, has_ckpt, state;
+    if (!flor_check_nargs("enter", nargs, 3, 3)) {
+        return NULL;
+    }
+    i = PyLong_AsSsize_t(args[0]);
+    probed = PyObject_IsTrue(args[1]);
+    has_ckpt = PyObject_IsTrue(args[2]);
+    if ((i == -1 && PyErr_Occurred()) || probed < 0 || has_ckpt < 0 || check_handle(m, i) < 0) {
+        return NULL;
+    }
+    if (m->mode == SB_RECORD) {
+        state = ST_EXECUTE;
+    }
+    else if (m->phase == PHASE_PSEUDORESUME) {
+        state = has_ckpt ? ST_PSEUDORESUME : ST_STEP_INTO;
+    }
+    else {
+        state = (probed || !has_ckpt) ? ST_STEP_INTO : ST_SKIP;
+    }
+    if (m->depth == m->stack_cap) {
+        Py_ssize_t cap = m->stack_cap ? m->stack_cap * 2 : 8;
+        sb_frame *f = realloc(m->stack, (size_t)cap * sizeof(sb_frame));
+        if (f == NULL) {
+            return PyErr_NoMemory();
+        }
+        m->stack = f;
+        m->stack_cap = cap;
+    }
+    m->stack[m->depth].block = i;
+    m->stack[m->depth].state = state;
+    m->stack[m->depth].start = flor_now();
+    m->depth++;
+    return PyLong_FromLong(state);
+}
+
+PyDoc_STRVAR(sm_leave_doc,
+             "leave($self, handle, /)\n--\n\n"
+             "Close the innermost block, which must be handle. Returns (state, seconds).");
+
+static PyObject *
+sm_leave(FlorSkipMachine *m, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    sb_frame f;
+    sb_block *b;
+    double dt;
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (m->depth == 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "flor.SkipBlock.end() without a matching flor.SkipBlock.step_into()");
+        return NULL;
+    }
+    f = m->stack[m->depth - 1];
+    if (f.block != i) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "flor.SkipBlock.end() does not match the innermost open block %R",
+                     m->blocks[f.block].key);
+        return NULL;
+    }
+    m->depth--;
+    dt = flor_now() - f.start;
+    b = &m->blocks[i];
+    switch (f.state) {
+    case ST_EXECUTE:
+        b->n++;
+        b->compute += dt;
+        break;
+    case ST_STEP_INTO:
+        b->steps++;
+        b->compute += dt;
+        break;
+    default:
+        b->skips++;
+        break;
+    }
+    return Py_BuildValue("(id)", f.state, dt);
+}
+
+/* Eq. 4: checkpoint iff M/C < n/(k+1) * min(1/(1+c), epsilon). */
+static int
+joint_invariant(double M, double C, uint64_t n, uint64_t k, double c, double eps, double *ratio,
+                double *limit)
+{
+    double floor = 1.0 / (1.0 + c) < eps ? 1.0 / (1.0 + c) : eps;
+    *limit = (double)n / (double)(k + 1) * floor;
+    *ratio = C > 0.0 ? M / C : (M > 0.0 ? 1e300 : 0.0);
+    return *ratio < *limit;
+}
+
+const char flor_rule_doc[] =
+             "rule(M, C, n, k, c, epsilon, /)\n--\n\n"
+             "The adaptive checkpoint rule alone: (checkpoint, M/C, limit) with\n"
+             "checkpoint = M/C < n/(k+1) * min(1/(1+c), epsilon).";
+
+PyObject *
+flor_rule(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    double M, C, c, eps, ratio, limit;
+    unsigned long long n, k;
+    int yes;
+    if (!flor_check_nargs("rule", nargs, 6, 6)) {
+        return NULL;
+    }
+    M = PyFloat_AsDouble(args[0]);
+    C = PyFloat_AsDouble(args[1]);
+    n = PyLong_AsUnsignedLongLong(args[2]);
+    k = PyLong_AsUnsignedLongLong(args[3]);
+    c = PyFloat_AsDouble(args[4]);
+    eps = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    yes = joint_invariant(M, C, n, k, c, eps, &ratio, &limit);
+    return Py_BuildValue("(Ndd)", PyBool_FromLong(yes), ratio, limit);
+}
+
+PyDoc_STRVAR(sm_decide_doc,
+             "decide($self, handle, nbytes, bandwidth, /)\n--\n\n"
+             "Record mode, after leave(): whether to checkpoint this execution, by\n"
+             "M/C < n/(k+1) * min(1/(1+c), epsilon) with M = nbytes / bandwidth and\n"
+             "C the mean compute time. Returns (checkpoint, reason, ratio, limit, M).");
+
+static PyObject *
+sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t i;
+    unsigned long long nbytes;
+    double bw, M, C, ratio, limit;
+    int yes;
+    sb_block *b;
+    char reason[320];
+
+    if (!flor_check_nargs("decide", nargs, 3, 3)) {
+        return NULL;
+    }
+    i = PyLong_AsSsize_t(args[0]);
+    nbytes = PyLong_AsUnsignedLongLong(args[1]);
+    bw = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred() || check_handle(m, i) < 0) {
+        return NULL;
+    }
+    if (!(bw > 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "bandwidth must be positive");
+        return NULL;
+    }
+    b = &m->blocks[i];
+    if (b->n == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "decide() before the block ever executed");
+        return NULL;
+    }
+    M = (double)nbytes / bw;
+    C = b->compute / (double)b->n;
+    yes = joint_invariant(M, C, b->n, b->k, m->c, m->epsilon, &ratio, &limit);
+    if (!m->adaptive) {
+        yes = 1;
+        snprintf(reason, sizeof(reason),
+                 "checkpoint: adaptivity off (the rule would %s: M/C = %.4g vs limit %.4g)",
+                 ratio < limit ? "checkpoint" : "not checkpoint", ratio, limit);
+    }
+    else {
+        snprintf(reason, sizeof(reason),
+                 "%s: M/C = %.4g (M = %llu B / %.4g B/s = %.4g s, C = %.4g s) %s "
+                 "n/(k+1) * min(1/(1+c), eps) = %llu/%llu * min(%.4g, %.4g) = %.4g",
+                 yes ? "checkpoint" : "no checkpoint", ratio, nbytes, bw, M, C,
+                 yes ? "<" : ">=", (unsigned long long)b->n, (unsigned long long)(b->k + 1),
+                 1.0 / (1.0 + m->c), m->epsilon, limit);
+    }
+    if (yes) {
+        b->k++;
+        b->materialize += M;
+        b->nbytes = nbytes;
+    }
+    return Py_BuildValue("(Nsddd)", PyBool_FromLong(yes), reason, ratio, limit, M);
+}
+
+PyDoc_STRVAR(sm_restored_doc,
+             "restored($self, handle, seconds, /)\n--\n\n"
+             "Account the time spent restoring a skipped block's checkpoint.");
+
+static PyObject *
+sm_restored(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t i;
+    double s;
+    if (!flor_check_nargs("restored", nargs, 2, 2)) {
+        return NULL;
+    }
+    i = PyLong_AsSsize_t(args[0]);
+    s = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred() || check_handle(m, i) < 0) {
+        return NULL;
+    }
+    m->blocks[i].restores++;
+    m->blocks[i].restore += s;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(sm_stats_doc,
+             "stats($self, /)\n--\n\n"
+             "Per-block counters: key, n, k, compute_s, materialize_s (estimated),\n"
+             "restore_s, restores, skips, steps, nbytes.");
+
+static PyObject *
+sm_stats(FlorSkipMachine *m, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *l = PyList_New(m->nblocks);
+    Py_ssize_t i;
+    if (l == NULL) {
+        return NULL;
+    }
+    for (i = 0; i < m->nblocks; i++) {
+        sb_block *b = &m->blocks[i];
+        PyObject *d = Py_BuildValue(
+            "{s:O,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K}", "key", b->key, "n",
+            (unsigned long long)b->n, "k", (unsigned long long)b->k, "compute_s", b->compute,
+            "materialize_s", b->materialize, "restore_s", b->restore, "restores",
+            (unsigned long long)b->restores, "skips", (unsigned long long)b->skips, "steps",
+            (unsigned long long)b->steps, "nbytes", (unsigned long long)b->nbytes);
+        if (d == NULL) {
+            Py_DECREF(l);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, i, d);
+    }
+    return l;
+}
+
+static PyObject *
+sm_get_phase(FlorSkipMachine *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(m->phase);
+}
+
+static int
+sm_set_phase(FlorSkipMachine *m, PyObject *v, void *Py_UNUSED(closure))
+{
+    long p;
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete phase");
+        return -1;
+    }
+    p = PyLong_AsLong(v);
+    if (p == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (p != PHASE_WORK && p != PHASE_PSEUDORESUME) {
+        PyErr_SetString(PyExc_ValueError, "phase must be WORK or PSEUDORESUME");
+        return -1;
+    }
+    if (m->mode != SB_REPLAY && p == PHASE_PSEUDORESUME) {
+        PyErr_SetString(PyExc_ValueError, "pseudoresume happens only in replay");
+        return -1;
+    }
+    m->phase = (int)p;
+    return 0;
+}
+
+static PyObject *
+sm_get_depth(FlorSkipMachine *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(m->depth);
+}
+
+static PyObject *
+sm_get_mode(FlorSkipMachine *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(m->mode);
+}
+
+static PyObject *
+sm_get_epsilon(FlorSkipMachine *m, void *Py_UNUSED(closure))
+{
+    return PyFloat_FromDouble(m->epsilon);
+}
+
+static PyObject *
+sm_get_c(FlorSkipMachine *m, void *Py_UNUSED(closure))
+{
+    return PyFloat_FromDouble(m->c);
+}
+
+static PyObject *
+sm_get_adaptive(FlorSkipMachine *m, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(m->adaptive);
+}
+
+static PyObject *
+sm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"mode", "epsilon", "c", "adaptive", NULL};
+    FlorSkipMachine *m;
+    int mode, adaptive = 1;
+    double eps, c;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "idd|p:SkipMachine", kwlist, &mode, &eps, &c,
+                                     &adaptive)) {
+        return NULL;
+    }
+    if (mode != SB_RECORD && mode != SB_REPLAY) {
+        PyErr_SetString(PyExc_ValueError, "mode must be RECORD or REPLAY");
+        return NULL;
+    }
+    if (!(eps > 0.0 && eps < 1.0) || !(c >= 0.0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "epsilon must be in (0, 1) and c at least 0 (got epsilon=%R, c=%R)",
+                     PyTuple_GET_ITEM(args, 1), PyTuple_GET_ITEM(args, 2));
+        return NULL;
+    }
+    m = (FlorSkipMachine *)type->tp_alloc(type, 0);
+    if (m == NULL) {
+        return NULL;
+    }
+    m->mode = mode;
+    m->epsilon = eps;
+    m->c = c;
+    m->adaptive = adaptive;
+    m->index = PyDict_New();
+    if (m->index == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return (PyObject *)m;
+}
+
+static int
+sm_traverse(FlorSkipMachine *m, visitproc visit, void *arg)
+{
+    Py_ssize_t i;
+    Py_VISIT(Py_TYPE(m));
+    Py_VISIT(m->index);
+    for (i = 0; i < m->nblocks; i++) {
+        Py_VISIT(m->blocks[i].key);
+    }
+    return 0;
+}
+
+static int
+sm_clear(FlorSkipMachine *m)
+{
+    Py_ssize_t i;
+    Py_CLEAR(m->index);
+    for (i = 0; i < m->nblocks; i++) {
+        Py_CLEAR(m->blocks[i].key);
+    }
+    return 0;
+}
+
+static void
+sm_dealloc(FlorSkipMachine *m)
+{
+    PyTypeObject *tp = Py_TYPE(m);
+    PyObject_GC_UnTrack(m);
+    sm_clear(m);
+    free(m->blocks);
+    free(m->stack);
+    tp->tp_free(m);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef sm_methods[] = {
+    {"block", FLOR_CFUNC(sm_block), METH_O, sm_block_doc},
+    {"enter", FLOR_CFUNC(sm_enter), METH_FASTCALL, sm_enter_doc},
+    {"leave", FLOR_CFUNC(sm_leave), METH_O, sm_leave_doc},
+    {"decide", FLOR_CFUNC(sm_decide), METH_FASTCALL, sm_decide_doc},
+    {"restored", FLOR_CFUNC(sm_restored), METH_FASTCALL, sm_restored_doc},
+    {"stats", FLOR_CFUNC(sm_stats), METH_NOARGS, sm_stats_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef sm_getset[] = {
+    {"phase", (getter)sm_get_phase, (setter)sm_set_phase, "WORK or PSEUDORESUME.", NULL},
+    {"depth", (getter)sm_get_depth, NULL, "Number of open blocks.", NULL},
+    {"mode", (getter)sm_get_mode, NULL, "RECORD or REPLAY.", NULL},
+    {"epsilon", (getter)sm_get_epsilon, NULL, "Record overhead tolerance.", NULL},
+    {"c", (getter)sm_get_c, NULL, "Restore/materialize time ratio.", NULL},
+    {"adaptive", (getter)sm_get_adaptive, NULL,
+     "False: checkpoint every execution (the rule is still evaluated and reported).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot sm_slots[] = {
+    {Py_tp_new, sm_new},
+    {Py_tp_dealloc, sm_dealloc},
+    {Py_tp_traverse, sm_traverse},
+    {Py_tp_clear, sm_clear},
+    {Py_tp_methods, sm_methods},
+    {Py_tp_getset, sm_getset},
+    {Py_tp_doc, "SkipMachine(mode, epsilon, c, adaptive=True)\n--\n\n"
+                "The SkipBlock state machine and the adaptive checkpoint rule."},
+    {0, NULL},
+};
+
+PyType_Spec flor_skipmachine_spec = {
+    .name = "flor._core.SkipMachine",
+    .basicsize = sizeof(FlorSkipMachine),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = sm_slots,
+};
+
+int
+flor_skipblock_constants(PyObject *module)
+{
+    size_t i;
+    if (PyModule_AddIntConstant(module, "RECORD", SB_RECORD) < 0 ||
+        PyModule_AddIntConstant(module, "REPLAY", SB_REPLAY) < 0 ||
+        PyModule_AddIntConstant(module, "WORK", PHASE_WORK) < 0 ||
+        PyModule_AddIntConstant(module, "PSEUDORESUME_PHASE", PHASE_PSEUDORESUME) < 0) {
+        return -1;
+    }
+    for (i = 0; i < sizeof(state_names) / sizeof(state_names[0]); i++) {
+        char name[32];
+        size_t k;
+        snprintf(name, sizeof(name), "%s", state_names[i]);
+        for (k = 0; name[k]; k++) {
+            name[k] = (char)(name[k] >= 'a' && name[k] <= 'z' ? name[k] - 32 : name[k]);
+        }
+        if (PyModule_AddIntConstant(module, name, (long)i) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
