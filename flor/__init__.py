@@ -1,21 +1,29 @@
 """Flor: record-replay for PyTorch training.
 
 Importing flor prints nothing and initialises nothing: torch and CUDA are
-touched only when a snapshot or load meets a tensor.
+touched only when a snapshot or load meets a tensor, and a run starts when a
+script first uses flor.generator, flor.SkipBlock or flor.log.
 """
 from ._core import Snapshot, snapshot
+from .api import SkipBlock, dataframe, generator, log
 from .checkpoint import load, restore, save
 from .errors import CheckpointCorrupt, CheckpointWriteError
 from .materializer import Materializer
+from .session import FlorReplayError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointCorrupt",
     "CheckpointWriteError",
+    "FlorReplayError",
     "Materializer",
+    "SkipBlock",
     "Snapshot",
+    "dataframe",
+    "generator",
     "load",
+    "log",
     "restore",
     "save",
     "snapshot",

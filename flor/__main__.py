@@ -1,0 +1,178 @@
+"""The flor command line.
+
+    python -m flor record [--epsilon E] [--no-adaptive] SCRIPT [ARGS...]
+    python -m flor replay [--jobs N] [--run ID] [--part I/N] SCRIPT [ARGS...]
+    python -m flor merge [REPLAY_ID]
+    python -m flor runs
+
+flor's options go before SCRIPT, or after the script's own arguments (a
+trailing ``--jobs 2`` is flor's); if the script takes an option of the same
+name, put flor's before SCRIPT.  flor's own messages go to stderr; replay's
+stdout is what the edited script prints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+from .replay import FlorError, merge, plan_replay, run_local, run_part, _begin, _describe
+from .session import Session
+from .store import Store
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+def _split(rest, options, flags=(), trailing=False):
+    """(flor options, SCRIPT, script args) from the words after the command.
+    `options` take a value; `flags` do not (their value is True)."""
+    opts, i = {}, 0
+    while i < len(rest) and rest[i].startswith("-"):
+        name, eq, value = rest[i].partition("=")
+        if name in flags and not eq:
+            opts[name] = True
+            i += 1
+            continue
+        if name not in options:
+            raise FlorError(f"unknown option {name}\n{USAGE}")
+        if not eq:
+            i += 1
+            if i >= len(rest):
+                raise FlorError(f"{name} needs a value")
+            value = rest[i]
+        opts[name] = value
+        i += 1
+    if i >= len(rest):
+        raise FlorError(f"missing SCRIPT\n{USAGE}")
+    script, args = rest[i], list(rest[i + 1:])
+    while trailing and args:
+        if len(args) >= 2 and args[-2] in options:
+            opts.setdefault(args[-2], args[-1])
+            del args[-2:]
+        elif args[-1].partition("=")[0] in options and "=" in args[-1]:
+            name, _, value = args.pop().partition("=")
+            opts.setdefault(name, value)
+        else:
+            break
+    if not os.path.isfile(script):
+        raise FlorError(f"no such script: {script}")
+    return opts, script, args
+
+
+def _run_script(script, args):
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return code, (e if code else None)
+    except BaseException as e:  # the script failed: report it as Python would
+        traceback.print_exc()
+        return 1, e
+    return 0, None
+
+
+def cmd_record(rest) -> int:
+    opts, script, args = _split(rest, {"--epsilon"}, flags={"--no-adaptive"})
+    epsilon = float(opts["--epsilon"]) if "--epsilon" in opts else None
+    adaptive = False if opts.get("--no-adaptive") else None
+    session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive)
+    code, error = _run_script(script, args)
+    session.finish(error)
+    run = session.store.run(session.run_id)
+    ckpts = [d for d in session.store.rows("decisions", session.run_id) if d["checkpoint"]]
+    size = sum(os.path.getsize(os.path.join(session.store.ckpt_dir(session.run_id), d["file"]))
+               for d in ckpts if d["file"] and os.path.exists(
+                   os.path.join(session.store.ckpt_dir(session.run_id), d["file"])))
+    print(f"flor: recorded run {session.run_id} of {os.path.basename(script)}: "
+          f"{run['iterations']} iterations of the main loop, {len(ckpts)} checkpoints "
+          f"({size / 2**20:.1f} MiB) in {session.store.root}", file=sys.stderr)
+    return code
+
+
+def _parse_part(text):
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise FlorError(f"--part takes I/N, for example 0/4, not {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise FlorError(f"--part {text}: need 0 <= I < N")
+    return i, n
+
+
+def cmd_replay(rest) -> int:
+    opts, script, args = _split(rest, {"--jobs", "--run", "--part"}, trailing=True)
+    store = Store()
+    if "--part" in opts:
+        i, n = _parse_part(opts["--part"])
+        plan, rec, cmp, source = plan_replay(store, script, args, n, opts.get("--run"), part=i)
+        nparts = len(plan["segments"])
+        if i >= nparts:
+            print(f"flor: the recorded checkpoints allow only {nparts} segments; "
+                  f"part {i}/{n} has nothing to replay", file=sys.stderr)
+            return 0
+        for note in _describe(plan, rec, cmp, args, json.loads(rec["argv"])):
+            print(f"flor: {note}", file=sys.stderr)
+        _begin(store, plan, rec, source, nparts, "parts")
+        code = run_part(plan, i, tee=True)
+        print(f"flor: part {i}/{nparts} of replay {plan['replay_id']} "
+              f"{'finished' if code == 0 else 'failed'}; once every part has run: "
+              f"python -m flor merge {plan['replay_id']}", file=sys.stderr)
+        return code
+    jobs = int(opts.get("--jobs", 1))
+    if jobs < 1:
+        raise FlorError("--jobs must be at least 1")
+    plan, rec, cmp, source = plan_replay(store, script, args, jobs, opts.get("--run"))
+    return run_local(store, plan, rec, cmp, source, args)
+
+
+def cmd_runs(rest) -> int:
+    store = Store()
+    runs = store.runs()
+    if not runs:
+        print(f"no runs in {store.root}")
+        return 0
+    ckpts = dict(store.db.execute(
+        "SELECT run_id, COUNT(*) FROM decisions WHERE checkpoint = 1 GROUP BY run_id").fetchall())
+    print(f"{'run':28} {'kind':7} {'script':18} {'started':19} {'seconds':>8} "
+          f"{'iters':>6} {'ckpts':>6} status")
+    for r in runs:
+        secs = f"{r['finished'] - r['started']:.1f}" if r["finished"] else "-"
+        kind = r["kind"] if r["kind"] == "record" else f"replay"
+        print(f"{r['run_id']:28} {kind:7} {(r['script_name'] or '-')[:18]:18} "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['started']))} "
+              f"{secs:>8} {r['iterations'] or 0:>6} {ckpts.get(r['run_id'], 0):>6} "
+              f"{r['status']}" + (f" (of {r['parent']})" if r["parent"] else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd == "record":
+            return cmd_record(rest)
+        if cmd == "replay":
+            return cmd_replay(rest)
+        if cmd == "merge":
+            return merge(Store(), rest[0] if rest else None)
+        if cmd == "runs":
+            return cmd_runs(rest)
+        if cmd == "_worker":
+            with open(rest[0]) as f:
+                return run_part(json.load(f), int(rest[1]))
+        raise FlorError(f"unknown command {cmd!r}\n{USAGE}")
+    except FlorError as e:
+        print(f"flor: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
