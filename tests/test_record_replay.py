@@ -1,0 +1,350 @@
+"""Record and replay end to end, across real processes.
+
+The example (examples/train_digits.py) trains a CNN on scikit-learn's digits
+with dropout, a shuffling DataLoader, StepLR and ReduceLROnPlateau stepped in
+the epoch loop; it is recorded once and copied into each test's directory."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from flor.checks import compare_logs, run_logs
+from flor.store import Store
+
+from conftest import ROOT
+
+EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+ARGS = ["--epochs", "4", "--limit", "300", "--width", "4"]
+
+
+def flor(cwd, *argv, env=None, check=True):
+    full_env = dict(os.environ, FLOR_DIR=os.path.join(cwd, ".flor"))
+    full_env.pop("FLOR_MODE", None)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-m", "flor", *argv], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        pytest.fail(f"flor {' '.join(argv)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def store(cwd):
+    return Store(os.path.join(cwd, ".flor"))
+
+
+def edit(path, anchor, line, after=True):
+    """Add `line` next to the line containing `anchor`, at its indentation."""
+    src = read(path).splitlines(keepends=True)
+    i = next(i for i, l in enumerate(src) if anchor in l)
+    indent = src[i][: len(src[i]) - len(src[i].lstrip())]
+    src.insert(i + 1 if after else i, indent + line + "\n")
+    with open(path, "w") as f:
+        f.write("".join(src))
+
+
+def values(st, run_id, name):
+    return [(r["iter"], r["seq"], json.loads(r["value"])) for r in run_logs(st, run_id)
+            if r["name"] == name]
+
+
+def runs(st, kind):
+    return [r for r in st.runs() if r["kind"] == kind]
+
+
+def block_stats(st, run_id, key):
+    rows = [r for r in st.rows("blocks", run_id) if r["block"] == key]
+    return {k: sum(r[k] for r in rows) for k in ("n", "skips", "steps", "restores")}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A recorded run of the example, made once for the module."""
+    d = str(tmp_path_factory.mktemp("recorded"))
+    shutil.copy(EXAMPLE, os.path.join(d, "train.py"))
+    # Adaptivity off: a checkpoint every epoch whatever this machine's timing
+    # (the rule is tested in test_rule.py and by test_sparse_checkpoints...).
+    proc = flor(d, "record", "--no-adaptive", "train.py", *ARGS)
+    return d, proc
+
+
+@pytest.fixture
+def workdir(recorded, tmp_path):
+    src, _ = recorded
+    d = str(tmp_path / "work")
+    shutil.copytree(src, d)
+    return d
+
+
+def test_record_stores_the_run(recorded):
+    d, proc = recorded
+    st = store(d)
+    (rec,) = runs(st, "record")
+    assert rec["status"] == "finished" and rec["iterations"] == 4
+    assert json.loads(rec["argv"]) == ["train.py", *ARGS]
+    assert st.source(rec["run_id"]) == read(EXAMPLE)
+    assert {"python", "flor", "torch", "numpy"} <= set(json.loads(rec["versions"]))
+    decisions = st.rows("decisions", rec["run_id"])
+    assert [d["main_iter"] for d in decisions] == [0, 1, 2, 3]
+    for d_ in decisions:
+        assert d_["checkpoint"] and d_["reason"].startswith("checkpoint: adaptivity off")
+        assert d_["nbytes"] > 0 and d_["bandwidth"] > 0 and d_["materialize_s"] > 0
+    ckpts = os.listdir(st.ckpt_dir(rec["run_id"]))
+    assert len(ckpts) == 4 and all(c.endswith(".flor") for c in ckpts)
+    assert "epoch 3:" in proc.stdout  # the tee: the user still sees the output
+    assert [v for _, _, v in values(st, rec["run_id"], "val_acc")]
+
+
+def test_unchanged_replay_skips_every_block_and_reproduces_the_run(workdir, recorded):
+    rec_out = recorded[1].stdout
+    proc = flor(workdir, "replay", "train.py", *ARGS)
+    assert proc.stdout == rec_out
+    assert "deferred checks passed: 8 logged values" in proc.stderr
+    st = store(workdir)
+    (rep,) = runs(st, "replay")
+    assert block_stats(st, rep["run_id"], "train") == {"n": 0, "skips": 4, "steps": 0,
+                                                       "restores": 4}
+
+
+def test_parallel_replay_equals_serial_replay(workdir):
+    edit(os.path.join(workdir, "train.py"), "loss.backward()",
+         'flor.log("grad_norm", torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))')
+    one = flor(workdir, "replay", "train.py", *ARGS)
+    two = flor(workdir, "replay", "--jobs", "2", "train.py", *ARGS)
+    assert one.stdout == two.stdout
+    assert "segments [0, 2), [2, 4)" in two.stderr
+    st = store(workdir)
+    r1, r2 = (r["run_id"] for r in runs(st, "replay"))
+    for name in ("grad_norm", "val_acc", "val_loss"):
+        assert values(st, r1, name) == values(st, r2, name), name
+    assert len(values(st, r2, "grad_norm")) == 4 * 4  # 4 epochs x 4 batches of 64
+    for r in (r1, r2):
+        assert compare_logs(st, runs(st, "record")[0]["run_id"], r).passed
+
+
+def test_hindsight_values_equal_a_run_that_had_the_statement(workdir, tmp_path):
+    line = 'flor.log("grad_norm", torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))'
+    edit(os.path.join(workdir, "train.py"), "loss.backward()", line)
+    flor(workdir, "replay", "train.py", *ARGS, "--jobs", "2")  # trailing flor option
+    st = store(workdir)
+    replayed = values(st, runs(st, "replay")[0]["run_id"], "grad_norm")
+    # A fresh run of the edited script, in its own store.
+    fresh = str(tmp_path / "fresh")
+    os.makedirs(fresh)
+    shutil.copy(os.path.join(workdir, "train.py"), os.path.join(fresh, "train.py"))
+    flor(fresh, "record", "--no-adaptive", "train.py", *ARGS)
+    fst = store(fresh)
+    assert replayed == values(fst, runs(fst, "record")[0]["run_id"], "grad_norm")
+
+
+def test_epoch_loop_probe_runs_no_training(workdir):
+    edit(os.path.join(workdir, "train.py"), 'flor.log("val_acc", val_acc)',
+         'flor.log("weight_norm", sum(p.norm() for p in model.parameters()))')
+    proc = flor(workdir, "replay", "train.py", *ARGS)
+    assert "no block changed: every block is skipped" in proc.stderr
+    st = store(workdir)
+    rep = runs(st, "replay")[0]["run_id"]
+    assert block_stats(st, rep, "train")["steps"] == 0
+    assert len(values(st, rep, "weight_norm")) == 4
+
+
+def test_partial_replay_loads_no_training_data(tmp_path):
+    d = str(tmp_path)
+    for f in ("counted.py", "counting.py"):
+        shutil.copy(os.path.join(SCRIPTS, f), d)
+    count = str(tmp_path / "count")
+    flor(d, "record", "--no-adaptive", "counted.py", env={"COUNT_FILE": count})
+    loaded = [int(read(os.path.join(d, f))) for f in os.listdir(d) if f.startswith("count.")]
+    assert loaded == [3 * 64]
+    for f in os.listdir(d):
+        if f.startswith("count."):
+            os.unlink(os.path.join(d, f))
+    edit(os.path.join(d, "counted.py"), 'flor.log("w"', 'print("probe", epoch)')
+    proc = flor(d, "replay", "--jobs", "2", "counted.py", env={"COUNT_FILE": count})
+    assert "probe 2" in proc.stdout
+    loaded = [int(read(os.path.join(d, f))) for f in os.listdir(d) if f.startswith("count.")]
+    assert loaded == [0, 0], "replay ran inner-loop iterations it should have skipped"
+
+
+def test_script_run_directly_records(tmp_path):
+    d = str(tmp_path)
+    shutil.copy(EXAMPLE, os.path.join(d, "train.py"))
+    env = dict(os.environ, FLOR_DIR=os.path.join(d, ".flor"))
+    env.pop("FLOR_MODE", None)
+    proc = subprocess.run([sys.executable, "train.py", *ARGS], cwd=d, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (rec,) = runs(store(d), "record")
+    assert rec["iterations"] == 4 and rec["status"] == "finished"
+
+
+def test_replay_without_a_record_is_a_clear_error(tmp_path):
+    d = str(tmp_path)
+    shutil.copy(EXAMPLE, os.path.join(d, "train.py"))
+    proc = flor(d, "replay", "train.py", check=False)
+    assert proc.returncode == 2
+    assert "no recorded run of train.py" in proc.stderr
+    assert "python -m flor record train.py" in proc.stderr
+    proc = flor(d, "replay", "missing.py", check=False)
+    assert proc.returncode == 2 and "no such script: missing.py" in proc.stderr
+    proc = flor(d, "replay", "--run", "nope", "train.py", check=False)
+    assert proc.returncode == 2 and "no recorded run 'nope'" in proc.stderr
+
+
+def test_damaged_and_missing_checkpoints_are_reexecuted(workdir, recorded):
+    st = store(workdir)
+    rec = runs(st, "record")[0]["run_id"]
+    files = sorted(os.listdir(st.ckpt_dir(rec)), key=lambda f: f.split("@")[1])
+    damaged = os.path.join(st.ckpt_dir(rec), files[1])
+    with open(damaged, "r+b") as f:
+        f.seek(os.path.getsize(damaged) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.unlink(os.path.join(st.ckpt_dir(rec), files[2]))
+    proc = flor(workdir, "replay", "train.py", *ARGS)
+    assert f"{files[1]}: damaged data" in proc.stderr
+    assert f"checkpoint {files[2]} is missing" in proc.stderr
+    assert proc.stderr.count("re-executing block 'train'") == 2
+    assert proc.stdout == recorded[1].stdout
+    assert "deferred checks passed" in proc.stderr
+    rep = runs(st, "replay")[0]["run_id"]
+    assert block_stats(st, rep, "train")["steps"] == 2
+
+
+def test_parts_then_merge_equal_local_parallel_replay(workdir):
+    edit(os.path.join(workdir, "train.py"), "loss.backward()", 'flor.log("loss", loss)')
+    local = flor(workdir, "replay", "--jobs", "2", "train.py", *ARGS)
+    p0 = flor(workdir, "replay", "--part", "0/2", "train.py", *ARGS)
+    assert "python -m flor merge" in p0.stderr
+    early = flor(workdir, "merge", check=False)
+    assert early.returncode == 2 and "have not finished" in early.stderr
+    flor(workdir, "replay", "--part", "1/2", "train.py", *ARGS)
+    merged = flor(workdir, "merge")
+    assert merged.stdout == local.stdout
+    assert "deferred checks passed" in merged.stderr
+
+
+def test_changed_end_call_reexecutes_the_block(workdir):
+    path = os.path.join(workdir, "train.py")
+    src = read(path).replace("model, optimizer = flor.SkipBlock.end(model, optimizer)",
+                             "model, optimizer, _ = flor.SkipBlock.end(model, optimizer, 0)")
+    with open(path, "w") as f:
+        f.write(src)
+    proc = flor(workdir, "replay", "train.py", *ARGS)
+    assert "end() changed for: train" in proc.stderr
+    st = store(workdir)
+    assert block_stats(st, runs(st, "replay")[0]["run_id"], "train")["steps"] == 4
+    assert "deferred checks passed" in proc.stderr
+
+
+def test_runs_lists_record_and_replays(workdir):
+    flor(workdir, "replay", "train.py", *ARGS)
+    out = flor(workdir, "runs").stdout
+    assert "record" in out and "replay" in out and "finished" in out
+
+
+def test_dataframe(workdir):
+    code = ("import flor, sys; df = flor.dataframe('val_acc', 'val_loss'); "
+            "print(list(df.columns), len(df))")
+    env = dict(os.environ, FLOR_DIR=os.path.join(workdir, ".flor"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['iteration', 'val_acc', 'val_loss'] 4"
+
+
+# --- scripts with nested and unnamed blocks, and a while loop -------------
+
+def _script(tmp_path, name):
+    d = str(tmp_path)
+    shutil.copy(os.path.join(SCRIPTS, name), d)
+    return d
+
+
+def test_nested_blocks_and_random_state(tmp_path):
+    d = _script(tmp_path, "nested.py")
+    rec = flor(d, "record", "--no-adaptive", "nested.py")
+    rep = flor(d, "replay", "--jobs", "2", "nested.py")
+    assert rep.stdout == rec.stdout
+    assert "deferred checks passed: 15 logged values" in rep.stderr
+    st = store(d)
+    r = runs(st, "replay")[0]["run_id"]
+    assert block_stats(st, r, "outer")["steps"] == 0
+    assert block_stats(st, r, "inner")["skips"] + block_stats(st, r, "inner")["steps"] == 0
+
+
+def test_unnamed_block_keeps_its_identity_when_lines_move(tmp_path):
+    d = _script(tmp_path, "nested.py")
+    rec = flor(d, "record", "--no-adaptive", "nested.py")
+    edit(os.path.join(d, "nested.py"), "import random", "import os  # a new line above everything",
+         after=False)
+    rep = flor(d, "replay", "nested.py")
+    assert rep.stdout == rec.stdout and "deferred checks passed" in rep.stderr
+    assert "no block changed" in rep.stderr
+
+
+def test_probing_a_nested_unnamed_block(tmp_path):
+    d = _script(tmp_path, "nested.py")
+    flor(d, "record", "--no-adaptive", "nested.py")
+    edit(os.path.join(d, "nested.py"), 'stats["calls"] += 1', 'flor.log("hist", len(history))')
+    rep = flor(d, "replay", "--jobs", "2", "nested.py")
+    assert "deferred checks passed" in rep.stderr
+    st = store(d)
+    r = runs(st, "replay")[0]["run_id"]
+    assert block_stats(st, r, "outer")["steps"] == 5
+    assert block_stats(st, r, "inner")["skips"] == 5  # restored, not re-run
+    fresh = str(tmp_path / "fresh")
+    os.makedirs(fresh)
+    shutil.copy(os.path.join(d, "nested.py"), fresh)
+    flor(fresh, "record", "--no-adaptive", "nested.py")
+    fst = store(fresh)
+    assert values(st, r, "hist") == values(fst, runs(fst, "record")[0]["run_id"], "hist")
+
+
+def test_while_loop_form(tmp_path):
+    d = _script(tmp_path, "whileloop.py")
+    rec = flor(d, "record", "--no-adaptive", "whileloop.py")
+    st = store(d)
+    n = runs(st, "record")[0]["iterations"]
+    assert rec.stdout == f"steps {n} " + rec.stdout.split()[-1] + "\n"
+    rep = flor(d, "replay", "--jobs", "2", "whileloop.py")
+    assert rep.stdout == rec.stdout and "deferred checks passed" in rep.stderr
+
+
+def test_sparse_checkpoints_still_replay_faithfully(workdir, tmp_path):
+    """With a tiny overhead budget the rule takes no checkpoint; replay then
+    re-executes every block and still reproduces the run."""
+    d = str(tmp_path / "sparse")
+    os.makedirs(d)
+    shutil.copy(EXAMPLE, os.path.join(d, "train.py"))
+    rec = flor(d, "record", "--epsilon", "1e-9", "train.py", *ARGS)
+    st = store(d)
+    r = runs(st, "record")[0]
+    assert r["epsilon"] == 1e-9
+    assert not any(x["checkpoint"] for x in st.rows("decisions", r["run_id"]))
+    rep = flor(d, "replay", "--jobs", "2", "train.py", *ARGS)
+    assert "segments [0, 4)" in rep.stderr  # no checkpoint to start a second segment from
+    assert rep.stdout == rec.stdout and "deferred checks passed" in rep.stderr
+
+
+def test_a_name_used_twice_is_refused(tmp_path):
+    d = str(tmp_path)
+    with open(os.path.join(d, "twice.py"), "w") as f:
+        f.write("import flor\n"
+                "for i in flor.generator(range(2)):\n"
+                "    if flor.SkipBlock.step_into('b'):\n        pass\n"
+                "    flor.SkipBlock.end()\n"
+                "    if flor.SkipBlock.step_into('b'):\n        pass\n"
+                "    flor.SkipBlock.end()\n")
+    proc = flor(d, "record", "twice.py", check=False)
+    assert proc.returncode == 1
+    assert "SkipBlock name 'b' is used at twice.py:3 and at twice.py:6" in proc.stderr

@@ -1,0 +1,131 @@
+"""The SkipBlock state machine and the adaptive checkpoint rule (csrc/skipblock.c)."""
+import pytest
+
+from flor import _core
+
+EPS = 1 / 15
+C = 1.38
+
+
+def machine(mode=_core.RECORD, eps=EPS, c=C):
+    return _core.SkipMachine(mode, eps, c)
+
+
+def test_states_by_mode_phase_and_probe():
+    rec = machine()
+    h = rec.block("train")
+    assert rec.enter(h, True, True) == _core.EXECUTE  # record always executes
+    rec.leave(h)
+
+    rep = machine(_core.REPLAY)
+    h = rep.block("train")
+    cases = [
+        # phase, probed, has_checkpoint -> state
+        (_core.WORK, False, True, _core.SKIP),
+        (_core.WORK, True, True, _core.STEP_INTO),
+        (_core.WORK, False, False, _core.STEP_INTO),  # nothing to restore: run it
+        (_core.PSEUDORESUME_PHASE, True, True, _core.PSEUDORESUME),
+        (_core.PSEUDORESUME_PHASE, False, True, _core.PSEUDORESUME),
+        (_core.PSEUDORESUME_PHASE, True, False, _core.STEP_INTO),
+    ]
+    for phase, probed, has, expected in cases:
+        rep.phase = phase
+        assert rep.enter(h, probed, has) == expected, (phase, probed, has)
+        assert rep.leave(h)[0] == expected
+    with pytest.raises(ValueError, match="only in replay"):
+        rec.phase = _core.PSEUDORESUME_PHASE
+
+
+def test_counters_and_nesting():
+    m = machine(_core.REPLAY)
+    outer, inner = m.block("outer"), m.block("inner")
+    assert m.block("outer") == outer  # stable handles
+    m.enter(outer, True, True)
+    m.enter(inner, False, True)
+    assert m.depth == 2
+    with pytest.raises(RuntimeError, match="innermost open block 'inner'"):
+        m.leave(outer)
+    m.leave(inner)
+    m.leave(outer)
+    with pytest.raises(RuntimeError, match="without a matching"):
+        m.leave(outer)
+    m.restored(inner, 0.25)
+    stats = {s["key"]: s for s in m.stats()}
+    assert stats["outer"]["steps"] == 1 and stats["inner"]["skips"] == 1
+    assert stats["inner"]["restores"] == 1 and stats["inner"]["restore_s"] == 0.25
+
+
+def test_rule_formula():
+    ok, ratio, limit = _core.rule(0.5, 10.0, 3, 1, C, EPS)
+    assert ratio == pytest.approx(0.05)
+    assert limit == pytest.approx(3 / 2 * min(1 / (1 + C), EPS))
+    assert ok
+    assert _core.rule(0.5, 10.0, 1, 0, C, EPS)[0] is True  # 0.05 < 1/15
+    assert _core.rule(1.0, 10.0, 1, 0, C, EPS)[0] is False  # 0.1 >= 1/15
+    # With slow restores (large c), 1/(1+c) is the binding term.
+    assert _core.rule(0.0, 1.0, 1, 0, 30.0, EPS)[2] == pytest.approx(1 / 31)
+
+
+def simulate(M, C, iterations, eps=EPS, c=C):
+    k, taken = 0, []
+    for n in range(1, iterations + 1):
+        ok, _, _ = _core.rule(M, C, n, k, c, eps)
+        if ok:
+            k += 1
+            taken.append(n)
+        # The two invariants the rule keeps after every decision:
+        assert k * M <= n * eps * C + 1e-12  # record overhead at most epsilon
+        if k:
+            assert M + c * M < n / k * C  # replay from a checkpoint beats re-running
+    return taken
+
+
+def test_cheap_checkpoints_are_taken_every_iteration():
+    assert simulate(M=0.01, C=10.0, iterations=20) == list(range(1, 21))
+
+
+def test_expensive_checkpoints_are_taken_less_often_than_every_epoch():
+    """A fine-tuning-like workload: materializing costs 15% of an epoch."""
+    taken = simulate(M=0.3, C=2.0, iterations=30)
+    assert 0 < len(taken) < 30
+    assert 1 not in taken, "the first epoch cannot afford a checkpoint"
+    gaps = [b - a for a, b in zip(taken, taken[1:])]
+    assert min(gaps) >= 2
+
+
+def test_decide_uses_the_rule_with_measured_time():
+    m = machine()
+    h = m.block("b")
+    m.enter(h, False, False)
+    _, elapsed = m.leave(h)
+    ok, reason, ratio, limit, M = m.decide(h, 1_000_000, 1e9)
+    assert M == pytest.approx(1e-3)
+    assert (ok, ratio, limit) == _core.rule(M, elapsed, 1, 0, C, EPS)
+    assert "M/C" in reason and "n/(k+1)" in reason
+    assert m.stats()[0]["k"] == int(ok)
+
+
+def test_invalid_parameters_are_refused():
+    with pytest.raises(ValueError, match="epsilon"):
+        machine(eps=0.0)
+    with pytest.raises(ValueError, match="epsilon"):
+        machine(c=-1.0)
+    with pytest.raises(ValueError, match="mode"):
+        machine(mode=7)
+    m = machine()
+    h = m.block("b")
+    with pytest.raises(RuntimeError, match="before the block ever executed"):
+        m.decide(h, 1, 1.0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        m.decide(h, 1, 0.0)
+    with pytest.raises(IndexError):
+        m.enter(99, False, False)
+
+
+def test_measure_counts_without_copying():
+    import torch
+
+    model = torch.nn.Linear(100, 10)
+    before = _core.pool_stats()["takes"]
+    assert _core.measure({"m": model, "t": torch.zeros(5)}) == (100 * 10 + 10 + 5) * 4
+    assert _core.pool_stats()["takes"] == before
