@@ -18,7 +18,7 @@ setup: $(BIN)/python
 	$(BIN)/$(PIP) --no-build-isolation -e '.[test,examples]'
 
 demo: setup
-	$(BIN)/python examples/snapshot_demo.py
+	$(BIN)/python examples/demo.py
 
 test: setup
 	$(BIN)/python -m pytest -q

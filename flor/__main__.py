@@ -142,7 +142,7 @@ def cmd_runs(rest) -> int:
           f"{'iters':>6} {'ckpts':>6} status")
     for r in runs:
         secs = f"{r['finished'] - r['started']:.1f}" if r["finished"] else "-"
-        kind = r["kind"] if r["kind"] == "record" else f"replay"
+        kind = r["kind"]
         print(f"{r['run_id']:28} {kind:7} {(r['script_name'] or '-')[:18]:18} "
               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['started']))} "
               f"{secs:>8} {r['iterations'] or 0:>6} {ckpts.get(r['run_id'], 0):>6} "

@@ -2,7 +2,8 @@
 
     plan = what changed in the source (probed blocks, line map), the recorded
            checkpoints, and the main loop's iterations split into contiguous
-           segments whose boundaries fall just after checkpointed iterations
+           segments whose boundaries fall just after checkpointed iterations,
+           balanced by the times the record measured
     run  = one worker process per segment (--jobs N), or one segment in this
            process (--part i/N, for schedulers that run the parts elsewhere)
     merge= stdout in iteration order, deferred checks, timings
@@ -32,22 +33,75 @@ class FlorError(Exception):
     """A user-facing error of the flor command line."""
 
 
-def partition(total: int, jobs: int, resumable: set) -> list[list[int]]:
-    """Split iterations [0, total) into at most `jobs` contiguous segments of
-    near-equal length, each starting just after a resumable iteration (one
-    whose block executions were all checkpointed)."""
+def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None) -> list[list[int]]:
+    """Split iterations [0, total) into at most `jobs` contiguous segments, each
+    starting just after a resumable iteration (one whose block executions were
+    all checkpointed), so that the busiest worker finishes soonest.
+
+    A worker first pseudoresumes the iterations before its segment, at
+    pseudo[i] seconds each, then replays its own at work[i] each.  Without
+    costs every iteration counts 1 and pseudoresume 0: equal-length segments.
+    """
     if total <= 0:
         return [[0, 0]]
-    jobs = max(1, min(jobs, total))
+    work = list(work) if work is not None else [1.0] * total
+    pseudo = list(pseudo) if pseudo is not None else [0.0] * total
     starts = sorted(i + 1 for i in resumable if 0 <= i < total - 1)
-    bounds = [0]
-    for p in range(1, jobs):
-        target = p * total / jobs
-        choices = [s for s in starts if s > bounds[-1]]
-        if not choices:
-            break
-        bounds.append(min(choices, key=lambda s: (abs(s - target), s)))
-    return [[b, e] for b, e in zip(bounds, bounds[1:] + [total])]
+    pw, pp = [0.0], [0.0]
+    for w, p in zip(work, pseudo):
+        pw.append(pw[-1] + w)
+        pp.append(pp[-1] + p)
+
+    def cost(s, e):
+        return pp[s] + pw[e] - pw[s]
+
+    def greedy(limit):
+        """Segment starts if every worker can finish within `limit`, else None."""
+        bounds = [0]
+        while cost(bounds[-1], total) > limit:
+            s = bounds[-1]
+            reach = [c for c in starts if c > s and cost(s, c) <= limit]
+            if not reach or len(bounds) == jobs:
+                return None
+            bounds.append(reach[-1])
+        return bounds
+
+    lo, hi = 0.0, cost(0, total)
+    best = [0]
+    for _ in range(60):  # bisect the busiest worker's time
+        mid = (lo + hi) / 2
+        found = greedy(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    best = greedy(hi) or best
+    return [[b, e] for b, e in zip(best, best[1:] + [total])]
+
+
+def iteration_costs(store, rec, probed):
+    """Seconds per main-loop iteration when replayed (probed blocks run, the
+    others are restored) and when pseudoresumed, from what the record measured."""
+    total = rec["iterations"] or 0
+    decisions = store.rows("decisions", rec["run_id"])
+    loop = [r for r in store.rows("loops", rec["run_id"])
+            if r["loop"] == rec["main_loop"] and r["depth"] == 0]
+    block_time = [0.0] * total
+    run_time = [0.0] * total
+    restore_time = [0.0] * total
+    for d in decisions:
+        i = d["main_iter"]
+        if i is None or not 0 <= i < total:
+            continue
+        block_time[i] += d["compute_s"]
+        restore = (rec["c"] or 0.0) * (d["materialize_s"] or 0.0)
+        if d["block"] in probed:
+            run_time[i] += d["compute_s"]
+        else:
+            run_time[i] += restore if d["checkpoint"] else d["compute_s"]
+        restore_time[i] += restore if d["checkpoint"] else d["compute_s"]
+    outer = max(0.0, (loop[0]["seconds"] - sum(block_time)) / total) if loop and total else 0.0
+    return [outer + t for t in run_time], [outer + t for t in restore_time]
 
 
 def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=None):
@@ -75,7 +129,8 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         by_iter.setdefault(d["main_iter"], []).append(bool(d["checkpoint"]))
     total = rec["iterations"] or 0
     resumable = {i for i in range(total) if all(by_iter.get(i, [True]))}
-    segments = partition(total, jobs, resumable)
+    work, pseudo = iteration_costs(store, rec, cmp.probed)
+    segments = partition(total, jobs, resumable, work, pseudo)
     if part is not None:
         # Parts run on other machines must agree on one replay id.
         digest = hashlib.sha1(

@@ -125,7 +125,7 @@ def test_parallel_replay_equals_serial_replay(workdir):
     r1, r2 = (r["run_id"] for r in runs(st, "replay"))
     for name in ("grad_norm", "val_acc", "val_loss"):
         assert values(st, r1, name) == values(st, r2, name), name
-    assert len(values(st, r2, "grad_norm")) == 4 * 4  # 4 epochs x 4 batches of 64
+    assert len(values(st, r2, "grad_norm")) == 4 * 5  # 4 epochs x 5 batches (270 images)
     for r in (r1, r2):
         assert compare_logs(st, runs(st, "record")[0]["run_id"], r).passed
 
@@ -171,7 +171,8 @@ def test_partial_replay_loads_no_training_data(tmp_path):
     proc = flor(d, "replay", "--jobs", "2", "counted.py", env={"COUNT_FILE": count})
     assert "probe 2" in proc.stdout
     loaded = [int(read(os.path.join(d, f))) for f in os.listdir(d) if f.startswith("count.")]
-    assert loaded == [0, 0], "replay ran inner-loop iterations it should have skipped"
+    # (all blocks skipped: a second worker would pseudoresume as much as it saves)
+    assert loaded and set(loaded) == {0}, "replay ran inner-loop iterations it should skip"
 
 
 def test_script_run_directly_records(tmp_path):

@@ -1,0 +1,47 @@
+"""Splitting the main loop among replay workers."""
+from flor.replay import partition
+
+ALL = set(range(100))
+
+
+def test_equal_segments_without_costs():
+    assert partition(4, 2, ALL) == [[0, 2], [2, 4]]
+    assert partition(10, 3, ALL) == [[0, 4], [4, 7], [7, 10]] or \
+        max(e - s for s, e in partition(10, 3, ALL)) == 4
+    assert partition(5, 1, ALL) == [[0, 5]]
+    assert partition(0, 4, ALL) == [[0, 0]]
+    assert partition(3, 8, ALL) == [[0, 1], [1, 2], [2, 3]]
+
+
+def test_segments_start_just_after_resumable_iterations():
+    # Only iterations 2 and 6 were fully checkpointed: segments start at 3 or 7.
+    segs = partition(10, 3, {2, 6})
+    assert segs == [[0, 3], [3, 7], [7, 10]]
+    assert partition(10, 4, set()) == [[0, 10]]  # no checkpoint: one worker
+
+
+def test_pseudoresume_cost_moves_work_to_earlier_workers():
+    """The second worker pays for pseudoresuming the first segment."""
+    work, pseudo = [1.0] * 20, [0.5] * 20
+    segs = partition(20, 2, ALL, work, pseudo)
+    (s0, e0), (s1, e1) = segs
+    assert e0 > 10  # the first worker takes more iterations
+    busiest = max(sum(work[s0:e0]), sum(pseudo[:s1]) + sum(work[s1:e1]))
+    for b in range(1, 20):
+        assert busiest <= max(sum(work[:b]), sum(pseudo[:b]) + sum(work[b:])) + 1e-9
+
+
+def test_segments_cover_every_iteration_once():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(50):
+        total = rng.randrange(1, 40)
+        jobs = rng.randrange(1, 6)
+        res = {i for i in range(total) if rng.random() < 0.6}
+        work = [rng.uniform(0.1, 2) for _ in range(total)]
+        pseudo = [rng.uniform(0, 0.5) for _ in range(total)]
+        segs = partition(total, jobs, res, work, pseudo)
+        assert segs[0][0] == 0 and segs[-1][1] == total and len(segs) <= jobs
+        for (s, e), (s2, _) in zip(segs, segs[1:]):
+            assert s < e == s2 and s2 - 1 in res
