@@ -6,6 +6,7 @@ module turns its raw results into PyTorch-style behaviour and clear errors.
 from __future__ import annotations
 
 import os
+import random
 import sys
 from collections.abc import Mapping
 
@@ -86,6 +87,7 @@ def restore(live, saved):
     - an object with ``load_state_dict`` (module, optimizer, scheduler, scaler)
       gets ``live.load_state_dict(saved)``;
     - a tensor gets ``live.copy_(saved)`` (any device; shapes must match);
+    - a random generator (torch, numpy, ``random.Random``) gets the saved state;
     - dicts, lists and sets are updated item by item, in place;
     - a tuple, or anything immutable, cannot change in place: the restored
       value is returned, so rebind it (``x = flor.restore(x, saved)``).
@@ -99,6 +101,24 @@ def _restore(live, saved, where):
         load_sd(saved)
         return live
     torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    # Random generators: set the live one's state, so whoever holds it
+    # (a DataLoader's sampler, a data pipeline) draws the recorded numbers.
+    if torch is not None and isinstance(live, torch.Generator) and \
+            isinstance(saved, torch.Generator):
+        live.set_state(saved.get_state())
+        return live
+    if np is not None and isinstance(live, np.random.Generator) and \
+            isinstance(saved, np.random.Generator):
+        live.bit_generator.state = saved.bit_generator.state
+        return live
+    if np is not None and isinstance(live, np.random.RandomState) and \
+            isinstance(saved, np.random.RandomState):
+        live.set_state(saved.get_state())
+        return live
+    if isinstance(live, random.Random) and isinstance(saved, random.Random):
+        live.setstate(saved.getstate())
+        return live
     if torch is not None and isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
         if live.shape != saved.shape:
             raise ValueError(
@@ -132,7 +152,6 @@ def _restore(live, saved, where):
         if all(a is b for a, b in zip(items, live)):
             return live
         return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)
-    np = sys.modules.get("numpy")
     if np is not None and isinstance(live, np.ndarray) and isinstance(saved, np.ndarray):
         if live.shape == saved.shape and live.dtype == saved.dtype and live.flags.writeable:
             live[...] = saved
