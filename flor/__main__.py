@@ -1,14 +1,14 @@
 """The flor command line.
 
     python -m flor record [--epsilon E] [--no-adaptive] SCRIPT [ARGS...]
-    python -m flor replay [--jobs N] [--run ID] [--part I/N] SCRIPT [ARGS...]
-    python -m flor merge [REPLAY_ID]
+    python -m flor replay [--jobs N] [--run ID] [--part I/N] [--check warn|strict] SCRIPT [ARGS...]
+    python -m flor merge [--check warn|strict] [REPLAY_ID]
     python -m flor runs
 
-flor's options go before SCRIPT, or after the script's own arguments (a
-trailing ``--jobs 2`` is flor's); if the script takes an option of the same
-name, put flor's before SCRIPT.  flor's own messages go to stderr; replay's
-stdout is what the edited script prints.
+flor's options go before SCRIPT.  When none do, options of flor's at the very
+end of the script's arguments are flor's (`replay train.py --epochs 20 --jobs 2`);
+write `SCRIPT -- ARGS` to pass everything after `--` to the script.  flor's
+own messages go to stderr; replay's stdout is what the edited script prints.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 
-from .replay import FlorError, merge, plan_replay, run_local, run_part, _begin, _describe
+from .replay import FlorError, _describe, merge, plan_replay, run_local, run_part
 from .session import Session
 from .store import Store
 
@@ -48,6 +48,10 @@ def _split(rest, options, flags=(), trailing=False):
     if i >= len(rest):
         raise FlorError(f"missing SCRIPT\n{USAGE}")
     script, args = rest[i], list(rest[i + 1:])
+    if args[:1] == ["--"]:
+        args, trailing = args[1:], False
+    if opts:
+        trailing = False  # flor's options came first: the rest is the script's
     while trailing and args:
         if len(args) >= 2 and args[-2] in options:
             opts.setdefault(args[-2], args[-1])
@@ -104,8 +108,16 @@ def _parse_part(text):
     return i, n
 
 
+def _strict(opts):
+    check = opts.get("--check", "warn")
+    if check not in ("warn", "strict"):
+        raise FlorError(f"--check takes warn or strict, not {check!r}")
+    return check == "strict"
+
+
 def cmd_replay(rest) -> int:
-    opts, script, args = _split(rest, {"--jobs", "--run", "--part"}, trailing=True)
+    opts, script, args = _split(rest, {"--jobs", "--run", "--part", "--check"}, trailing=True)
+    strict = _strict(opts)
     store = Store()
     if "--part" in opts:
         i, n = _parse_part(opts["--part"])
@@ -117,8 +129,11 @@ def cmd_replay(rest) -> int:
             return 0
         for note in _describe(plan, rec, cmp, args, json.loads(rec["argv"])):
             print(f"flor: {note}", file=sys.stderr)
-        _begin(store, plan, rec, source, nparts, "parts")
-        code = run_part(plan, i, tee=True)
+        plan_path = os.path.join(store.run_dir(plan["replay_id"]), "plan.json")
+        os.makedirs(os.path.dirname(plan_path), exist_ok=True)
+        with open(plan_path, "w") as f:
+            json.dump(plan, f)
+        code = run_part(plan, i, tee=True, own_db=True)
         print(f"flor: part {i}/{nparts} of replay {plan['replay_id']} "
               f"{'finished' if code == 0 else 'failed'}; once every part has run: "
               f"python -m flor merge {plan['replay_id']}", file=sys.stderr)
@@ -127,7 +142,7 @@ def cmd_replay(rest) -> int:
     if jobs < 1:
         raise FlorError("--jobs must be at least 1")
     plan, rec, cmp, source = plan_replay(store, script, args, jobs, opts.get("--run"))
-    return run_local(store, plan, rec, cmp, source, args)
+    return run_local(store, plan, rec, cmp, source, args, strict=strict)
 
 
 def cmd_runs(rest) -> int:
@@ -162,7 +177,17 @@ def main(argv=None) -> int:
         if cmd == "replay":
             return cmd_replay(rest)
         if cmd == "merge":
-            return merge(Store(), rest[0] if rest else None)
+            opts, i = {}, 0
+            while i < len(rest) and rest[i].startswith("--"):
+                name, eq, value = rest[i].partition("=")
+                if name != "--check":
+                    raise FlorError(f"unknown option {name}\n{USAGE}")
+                if not eq:
+                    i += 1
+                    value = rest[i] if i < len(rest) else ""
+                opts[name] = value
+                i += 1
+            return merge(Store(), rest[i] if i < len(rest) else None, strict=_strict(opts))
         if cmd == "runs":
             return cmd_runs(rest)
         if cmd == "_worker":

@@ -1,12 +1,13 @@
 """python -m flor replay: plan the replay of a recorded run, run it, assemble it.
 
-    plan = what changed in the source (probed blocks, line map), the recorded
-           checkpoints, and the main loop's iterations split into contiguous
-           segments whose boundaries fall just after checkpointed iterations,
-           balanced by the times the record measured
+    plan = what changed in the program (probed blocks, line maps), the
+           recorded checkpoints, and the main loop's iterations split into
+           contiguous segments whose boundaries fall just after checkpointed
+           iterations, balanced by the times the record measured
     run  = one worker process per segment (--jobs N), or one segment in this
-           process (--part i/N, for schedulers that run the parts elsewhere)
-    merge= stdout in iteration order, deferred checks, timings
+           process (--part I/N, for schedulers that run the parts elsewhere;
+           each part writes a database of its own, which merge imports)
+    merge= stdout and stderr in iteration order, deferred checks, timings
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import traceback
 
 from .checks import compare_logs, merged_output
 from .session import Session, SegmentDone
-from .source import compare
+from .source import compare_program
 from .store import Store, new_run_id
 
 __all__ = ["FlorError", "plan_replay", "partition", "run_local", "run_part", "merge"]
@@ -79,33 +80,38 @@ def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None) -> 
     return [[b, e] for b, e in zip(best, best[1:] + [total])]
 
 
-def iteration_costs(store, rec, probed):
+def _main_iteration(row, main_top):
+    return row["top_iter"] if row["top"] == main_top else None
+
+
+def _outermost(row):
+    """A block execution not nested in another block's (whose time includes it)."""
+    return not any(frame[0] == "B" for frame in json.loads(row["ctx"]))
+
+
+def iteration_costs(rec, decisions, loops, probed, no_restore):
     """Seconds per main-loop iteration when replayed (probed blocks run, the
     others are restored) and when pseudoresumed, from what the record measured."""
     total = rec["iterations"] or 0
-    decisions = store.rows("decisions", rec["run_id"])
-    loop = [r for r in store.rows("loops", rec["run_id"])
-            if r["loop"] == rec["main_loop"] and r["depth"] == 0]
-    block_time = [0.0] * total
-    run_time = [0.0] * total
-    restore_time = [0.0] * total
+    main_top = json.dumps([rec["main_loop"], rec["main_run"]], separators=(",", ":"))
+    loop = [r for r in loops if (r["loop"], r["run"], r["depth"]) ==
+            (rec["main_loop"], rec["main_run"], 0)]
+    block_time, run_time, pseudo_time = [0.0] * total, [0.0] * total, [0.0] * total
     for d in decisions:
-        i = d["main_iter"]
-        if i is None or not 0 <= i < total:
+        i = _main_iteration(d, main_top)
+        if i is None or not 0 <= i < total or not _outermost(d):
             continue
         block_time[i] += d["compute_s"]
+        restorable = d["checkpoint"] and d["block"] not in no_restore
         restore = (rec["c"] or 0.0) * (d["materialize_s"] or 0.0)
-        if d["block"] in probed:
-            run_time[i] += d["compute_s"]
-        else:
-            run_time[i] += restore if d["checkpoint"] else d["compute_s"]
-        restore_time[i] += restore if d["checkpoint"] else d["compute_s"]
+        run_time[i] += d["compute_s"] if d["block"] in probed or not restorable else restore
+        pseudo_time[i] += restore if restorable else d["compute_s"]
     outer = max(0.0, (loop[0]["seconds"] - sum(block_time)) / total) if loop and total else 0.0
-    return [outer + t for t in run_time], [outer + t for t in restore_time]
+    return [outer + t for t in run_time], [outer + t for t in pseudo_time]
 
 
 def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=None):
-    if not os.path.exists(script):
+    if not os.path.isfile(script):
         raise FlorError(f"no such script: {script}")
     if run_id is not None:
         rec = store.run(run_id)
@@ -113,28 +119,44 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
             raise FlorError(f"no recorded run {run_id!r} in {store.root}; "
                             "`python -m flor runs` lists them")
     else:
-        rec = store.latest_record(script)
+        records = store.records(script)
+        rec = next((r for r in records if r["status"] == "finished"), None)
         if rec is None:
             raise FlorError(f"no recorded run of {os.path.basename(script)} in {store.root}; "
                             f"record it first: python -m flor record {script}")
-    old = store.source(rec["run_id"])
-    with open(script) as f:
-        new = f.read()
-    if old is None:
+        if records[0] is not rec:
+            print(f"flor: the latest record of {os.path.basename(script)}, run "
+                  f"{records[0]['run_id']}, {records[0]['status']}; replaying run "
+                  f"{rec['run_id']}", file=sys.stderr)
+    recorded = store.module_sources(rec["run_id"])
+    if None not in recorded:
         raise FlorError(f"the source of run {rec['run_id']} is missing from {store.root}")
-    cmp = compare(old, new, os.path.basename(script))
+    base = os.path.dirname(os.path.abspath(script))
+    old, new = {}, {}
+    for rel, text in recorded.items():
+        rel = rel or os.path.basename(script)
+        path = os.path.join(base, rel)
+        old[rel] = text
+        if os.path.isfile(path):
+            with open(path) as f:
+                new[rel] = f.read()
+    cmp = compare_program(old, new)
     decisions = store.rows("decisions", rec["run_id"])
-    by_iter: dict = {}
-    for d in decisions:
-        by_iter.setdefault(d["main_iter"], []).append(bool(d["checkpoint"]))
+    loops = store.rows("loops", rec["run_id"])
+    main_top = json.dumps([rec["main_loop"], rec["main_run"]], separators=(",", ":"))
     total = rec["iterations"] or 0
-    resumable = {i for i in range(total) if all(by_iter.get(i, [True]))}
-    work, pseudo = iteration_costs(store, rec, cmp.probed)
+    restorable: dict = {}
+    for d in decisions:
+        if _outermost(d):
+            ok = bool(d["checkpoint"]) and d["block"] not in cmp.changed_end
+            restorable.setdefault(_main_iteration(d, main_top), []).append(ok)
+    resumable = {i for i in range(total) if all(restorable.get(i, [True]))}
+    work, pseudo = iteration_costs(rec, decisions, loops, cmp.probed, cmp.changed_end)
     segments = partition(total, jobs, resumable, work, pseudo)
     if part is not None:
         # Parts run on other machines must agree on one replay id.
-        digest = hashlib.sha1(
-            json.dumps([new, list(args), jobs, rec["run_id"]]).encode()).hexdigest()[:10]
+        digest = hashlib.sha1(json.dumps(
+            [sorted(new.items()), list(args), jobs, rec["run_id"]]).encode()).hexdigest()[:10]
         replay_id = f"{rec['run_id']}-r{digest}"
     else:
         replay_id = new_run_id()
@@ -142,24 +164,30 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         "store": store.root, "script": os.path.abspath(script),
         "argv": [script, *args], "record": rec["run_id"], "replay_id": replay_id,
         "segments": segments, "probed": sorted(cmp.probed),
-        "lines": {str(k): v for k, v in cmp.lines.items()},
-        "checkpoints": [[d["block"], d["iter"], d["occurrence"], d["file"]]
+        "changed_end": sorted(cmp.changed_end),
+        "files": {rel: {"lines": {str(k): v for k, v in f.lines.items()},
+                        "sites": {str(k): v for k, v in f.sites.items()},
+                        "present": sorted(f.present)} for rel, f in cmp.files.items()},
+        "checkpoints": [[d["block"], d["ctx"], d["occurrence"], d["file"]]
                         for d in decisions if d["checkpoint"] and d["file"]],
         "ckpt_dir": store.ckpt_dir(rec["run_id"]), "main_loop": rec["main_loop"],
-        "iterations": total, "epsilon": rec["epsilon"], "c": rec["c"],
+        "main_run": rec["main_run"], "iterations": total,
+        "epsilon": rec["epsilon"], "c": rec["c"],
     }
-    return plan, rec, cmp, new
+    return plan, rec, cmp, new[os.path.basename(script)]
 
 
 def _begin(store, plan, rec, source, nparts, mode):
+    """Create the replay run and write its plan next to it."""
     if store.run(plan["replay_id"]) is None:
         store.new_run("replay", plan["script"], plan["argv"][1:], source, parent=rec["run_id"],
                       run_id=plan["replay_id"], main_loop=plan["main_loop"],
-                      iterations=plan["iterations"],
+                      main_run=plan["main_run"], iterations=plan["iterations"],
                       info=json.dumps({"nparts": nparts, "mode": mode,
                                        "segments": plan["segments"],
                                        "probed": plan["probed"]}))
     path = os.path.join(store.run_dir(plan["replay_id"]), "plan.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(plan, f)
     return path
@@ -172,7 +200,10 @@ def _describe(plan, rec, cmp, args, recorded_argv):
     else:
         notes.append("no block changed: every block is skipped")
     if cmp.changed_end:
-        notes.append("end() changed for: " + ", ".join(sorted(cmp.changed_end)))
+        notes.append("end() changed for: " + ", ".join(sorted(cmp.changed_end)) +
+                     " (their checkpoints are not used)")
+    if cmp.changed_functions:
+        notes.append("changed functions: " + ", ".join(sorted(cmp.changed_functions)))
     if list(args) != recorded_argv[1:]:
         notes.append(f"arguments differ from the record's {recorded_argv[1:]}")
     segs = ", ".join(f"[{s}, {e})" for s, e in plan["segments"])
@@ -181,15 +212,17 @@ def _describe(plan, rec, cmp, args, recorded_argv):
     return notes
 
 
-def run_part(plan: dict, part: int, tee=False) -> int:
+def part_db(store, replay_id, part):
+    return os.path.join(store.run_dir(replay_id), f"part-{part}.db")
+
+
+def run_part(plan: dict, part: int, tee=False, own_db=False) -> int:
     """Run one segment of the plan in this process (a worker, or --part)."""
     plan = dict(plan, tee=tee)
     store = Store(plan["store"])
-    for table in ("logs", "output", "blocks", "loops"):
-        with store.db:
-            store.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND part = ?",
-                             (plan["replay_id"], part))
-    session = Session.replay(plan, part)
+    if own_db:
+        store = Store(plan["store"], db_file=part_db(store, plan["replay_id"], part))
+    session = Session.replay(plan, part, store=store)
     script = plan["script"]
     sys.argv = list(plan["argv"])
     sys.path[0] = os.path.dirname(script)
@@ -203,7 +236,7 @@ def run_part(plan: dict, part: int, tee=False) -> int:
         if code:
             error = e
     except BaseException as e:  # the script failed: report it as Python would
-        traceback.print_exc()
+        traceback.print_exc(file=sys.__stderr__)
         error, code = e, 1
     finally:
         session.finish(error)
@@ -246,10 +279,10 @@ def _gpus():
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU"))]
+    return [str(i) for i, _ in enumerate(l for l in out.splitlines() if l.startswith("GPU"))]
 
 
-def run_local(store, plan, rec, cmp, source, args) -> int:
+def run_local(store, plan, rec, cmp, source, args, strict=False) -> int:
     nparts = len(plan["segments"])
     t0 = time.time()
     for note in _describe(plan, rec, cmp, args, json.loads(rec["argv"])):
@@ -290,24 +323,28 @@ def run_local(store, plan, rec, cmp, source, args) -> int:
         err.seek(0)
         text = err.read()
         err.close()
-        if text.strip() and (p in failed or not failed):
-            print(f"--- replay worker {p} stderr ---\n{text.rstrip()}", file=sys.stderr)
+        if text.strip():
+            print(f"--- replay worker {p} ---\n{text.rstrip()}", file=sys.stderr)
     if failed:
         store.update_run(plan["replay_id"], finished=time.time(), status="failed")
         print(f"flor: replay failed in worker{'s' if len(failed) > 1 else ''} "
               f"{', '.join(map(str, failed))}", file=sys.stderr)
         return 1
-    return _conclude(store, plan["replay_id"], rec, time.time() - t0)
+    return _conclude(store, plan, rec, time.time() - t0, strict)
 
 
-def _conclude(store, replay_id, rec, seconds) -> int:
-    sys.stdout.write(merged_output(store, replay_id))
+def _conclude(store, plan, rec, seconds, strict) -> int:
+    replay_id = plan["replay_id"]
+    out, err = merged_output(store, replay_id)
+    sys.stdout.write(out)
     sys.stdout.flush()
-    report = compare_logs(store, rec["run_id"], replay_id)
+    sys.stderr.write(err)
+    report = compare_logs(store, rec["run_id"], replay_id, plan)
     recorded = (rec["finished"] or 0) - (rec["started"] or 0)
     info = json.loads(store.run(replay_id)["info"] or "{}")
     info.update(checks_passed=report.passed, compared=report.compared,
-                mismatches=len(report.mismatches), seconds=seconds)
+                mismatches=len(report.mismatches), missing=len(report.missing),
+                seconds=seconds)
     store.update_run(replay_id, finished=time.time(), status="finished", info=json.dumps(info))
     print(f"flor: {report.summary()}", file=sys.stderr)
     if not report.passed:
@@ -321,24 +358,40 @@ def _conclude(store, replay_id, rec, seconds) -> int:
     if recorded > 0 and seconds > 0:
         print(f"flor: replay {replay_id} took {seconds:.1f} s; the recorded run took "
               f"{recorded:.1f} s ({recorded / seconds:.1f}x)", file=sys.stderr)
-    return 0
+    return 1 if strict and not report.passed else 0
 
 
-def merge(store, replay_id=None) -> int:
-    """Assemble a replay whose parts ran separately (--part i/N)."""
+def merge(store, replay_id=None, strict=False) -> int:
+    """Assemble a replay whose parts ran separately (--part I/N)."""
+    runs_dir = os.path.join(store.root, "runs")
     if replay_id is None:
-        runs = [r for r in store.runs() if r["kind"] == "replay"]
-        if not runs:
-            raise FlorError(f"no replay runs in {store.root}")
-        replay_id = runs[-1]["run_id"]
-    run = store.run(replay_id)
-    if run is None or run["kind"] != "replay":
-        raise FlorError(f"no replay run {replay_id!r} in {store.root}")
-    nparts = json.loads(run["info"] or "{}").get("nparts", 1)
-    parts = {p["part"]: p for p in store.rows("parts", replay_id)}
-    missing = [p for p in range(nparts) if parts.get(p, {}).get("status") != "finished"]
+        candidates = sorted((os.path.getmtime(os.path.join(runs_dir, d, "plan.json")), d)
+                            for d in os.listdir(runs_dir) if os.path.isfile(
+                                os.path.join(runs_dir, d, "plan.json"))) \
+            if os.path.isdir(runs_dir) else []
+        if not candidates:
+            raise FlorError(f"no replay to merge in {store.root}")
+        replay_id = candidates[-1][1]
+    plan_path = os.path.join(store.run_dir(replay_id), "plan.json")
+    if not os.path.isfile(plan_path):
+        raise FlorError(f"no replay {replay_id!r} in {store.root}")
+    with open(plan_path) as f:
+        plan = json.load(f)
+    nparts = len(plan["segments"])
+    dbs = [part_db(store, replay_id, p) for p in range(nparts)]
+    missing = [p for p, db in enumerate(dbs) if not os.path.isfile(db)]
     if missing:
-        raise FlorError(f"replay {replay_id}: parts {missing} of {nparts} have not finished; "
-                        f"run them with --part i/{nparts}")
+        raise FlorError(f"replay {replay_id}: parts {missing} of {nparts} have not run; "
+                        f"run them with --part I/{nparts}")
+    for db in dbs:
+        store.import_part(db)
+    parts = {p["part"]: p for p in store.rows("parts", replay_id)}
+    unfinished = [p for p in range(nparts) if parts.get(p, {}).get("status") != "finished"]
+    if unfinished:
+        raise FlorError(f"replay {replay_id}: parts {unfinished} of {nparts} did not finish")
+    rec = store.run(plan["record"])
+    with open(plan["script"]) as f:
+        source = f.read()
+    _begin(store, plan, rec, source, nparts, "parts")
     seconds = max(p["seconds"] or 0 for p in parts.values())
-    return _conclude(store, replay_id, store.run(run["parent"]), seconds)
+    return _conclude(store, plan, rec, seconds, strict)

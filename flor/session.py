@@ -4,7 +4,7 @@ Record (the default: a script that uses the API records when it runs):
     every SkipBlock body runs; at end() the adaptive rule (the C state
     machine, csrc/skipblock.c) decides whether to hand the block's side
     effects, with the random-number state, to a Materializer; logs, stdout
-    and every decision are stored per iteration in the run store.
+    and every decision are stored in the run store.
 
 Replay (a worker started by ``python -m flor replay``):
     the main loop yields iterations [0, segment end) of the recorded count.
@@ -12,6 +12,15 @@ Replay (a worker started by ``python -m flor replay``):
     loading their checkpoints (or run where there is none) and their output
     is discarded.  In the segment, probed blocks run and the others are
     skipped.  A worker that is not the last stops when its segment ends.
+
+Identity.  Everything flor stores is keyed by its *context*: the enclosing
+flor.generator loops, each as (loop, k, index) where k counts the runs of
+that loop in its own context, and the enclosing SkipBlock executions, each
+as (block, occurrence) where occurrence counts that block's executions in
+its context.  A checkpoint, a logged value or a decision belongs to exactly
+one execution, even when a function holding a loop runs twice or a block
+runs several times per epoch; a block skipped in replay leaves the numbering
+of what follows it unchanged.
 """
 from __future__ import annotations
 
@@ -38,6 +47,8 @@ DEFAULT_EPSILON = 1 / 15
 DEFAULT_C = 1.38
 OFF, RECORD, REPLAY = "off", "record", "replay"
 BODY_RUNS = (_core.EXECUTE, _core.STEP_INTO)
+STATE_NAMES = {_core.EXECUTE: "execute", _core.SKIP: "skip", _core.STEP_INTO: "step_into",
+               _core.PSEUDORESUME: "pseudoresume"}
 
 
 class FlorReplayError(RuntimeError):
@@ -48,8 +59,8 @@ class SegmentDone(BaseException):
     """Ends a replay worker whose segment of the main loop is done.
 
     A BaseException, like SystemExit, so that ``except Exception`` in the
-    script does not catch it; the epilogue after the main loop then runs only
-    in the worker that replays the last iteration."""
+    script does not catch it; the code after the main loop then runs only in
+    the worker that replays the last iteration."""
 
 
 def _note(msg):
@@ -99,15 +110,37 @@ def set_rng_state(state: dict):
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def module_modes(objs):
+    """The training flag of every submodule of every nn.Module in objs, which
+    state_dict() leaves out but code after the block may depend on."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return [None] * len(objs)
+    return [{name: m.training for name, m in o.named_modules()}
+            if isinstance(o, torch.nn.Module) else None for o in objs]
+
+
+def set_module_modes(objs, modes):
+    for o, mode in zip(objs, modes or []):
+        if mode:
+            for name, m in o.named_modules():
+                if name in mode:
+                    m.training = mode[name]
+
+
 def signature(objs) -> list:
     return [f"{type(o).__module__}.{type(o).__qualname__}" for o in objs]
 
 
-def checkpoint_name(key: str, vec, occurrence: int) -> str:
+def _dumps(ctx):
+    return json.dumps(ctx, separators=(",", ":"))
+
+
+def checkpoint_name(key: str, ctx: str, occurrence: int, indices) -> str:
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("._")[:40] or "block"
-    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
-    where = ".".join(map(str, vec)) or "top"
-    return f"{slug}-{digest}@{where}" + (f"+{occurrence}" if occurrence else "")
+    where = ".".join(map(str, indices)) or "top"
+    digest = hashlib.sha1(f"{key}\0{ctx}\0{occurrence}".encode()).hexdigest()[:10]
+    return f"{slug}@{where}-{digest}"
 
 
 def _ret(objs):
@@ -116,32 +149,43 @@ def _ret(objs):
     return objs[0] if len(objs) == 1 else tuple(objs)
 
 
-class _Loop:
-    __slots__ = ("key", "depth", "index")
-
-    def __init__(self, key, depth):
-        self.key, self.depth, self.index = key, depth, -1
-
-
 class _Block:
-    __slots__ = ("handle", "key", "vec", "occurrence", "state", "payload", "load_s")
+    __slots__ = ("handle", "key", "ctx", "occurrence", "state", "payload", "load_s")
 
-    def __init__(self, handle, key, vec, occurrence, state, payload, load_s):
-        self.handle, self.key, self.vec, self.occurrence = handle, key, vec, occurrence
+    def __init__(self, handle, key, ctx, occurrence, state, payload, load_s):
+        self.handle, self.key, self.ctx, self.occurrence = handle, key, ctx, occurrence
         self.state, self.payload, self.load_s = state, payload, load_s
 
 
-class Output(io.TextIOBase):
-    """sys.stdout while flor runs: captures each write for the session and,
-    in record, passes it on to the real stdout (a tee)."""
+class _Binary:
+    """sys.stdout.buffer of an Output: bytes are captured like text."""
 
-    def __init__(self, session, real, tee):
-        self._session, self._real, self._tee = session, real, tee
+    def __init__(self, owner):
+        self._owner = owner
+
+    def write(self, b):
+        self._owner.write(bytes(b).decode(self._owner.encoding, "replace"))
+        return len(b)
+
+    def flush(self):
+        self._owner.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._owner._real.buffer, name)
+
+
+class Output(io.TextIOBase):
+    """sys.stdout (and, in a replay worker, sys.stderr) while flor runs:
+    each write is captured for the session and, when `tee` is set, passed on
+    to the real stream.  Anything else is delegated to the real stream."""
+
+    def __init__(self, session, real, stream, tee):
+        self._session, self._real, self._stream, self._tee = session, real, stream, tee
 
     def write(self, s):
         if self._tee:
             self._real.write(s)
-        self._session._capture(s)
+        self._session._capture(self._stream, s)
         return len(s)
 
     def flush(self):
@@ -157,12 +201,19 @@ class Output(io.TextIOBase):
         return self._real.fileno()
 
     @property
+    def buffer(self):
+        return _Binary(self)
+
+    @property
     def encoding(self):
         return getattr(self._real, "encoding", "utf-8")
 
     @property
     def errors(self):
         return getattr(self._real, "errors", "strict")
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
 
 
 class Session:
@@ -182,20 +233,18 @@ class Session:
         mode = os.environ.pop("FLOR_MODE", RECORD).lower()
         if mode == OFF:
             cls._current = cls(OFF)
-        elif mode == REPLAY:
-            with open(os.environ.pop("FLOR_PLAN")) as f:
-                plan = json.load(f)
-            part = int(os.environ.pop("FLOR_PART"))
-            cls._current = cls.replay(plan, part)
         elif mode == RECORD:
             main = sys.modules.get("__main__")
-            cls._current = cls.record(getattr(main, "__file__", None), sys.argv)
+            cls._current = cls.record(getattr(main, "__file__", None), sys.argv,
+                                      watch_exceptions=True)
         else:
-            raise ValueError(f"FLOR_MODE must be record, replay or off, not {mode!r}")
+            raise ValueError(f"FLOR_MODE must be record or off, not {mode!r}; replay runs "
+                             "through `python -m flor replay`")
         return cls._current
 
     @classmethod
-    def record(cls, script, argv, epsilon=None, adaptive=None, store=None) -> "Session":
+    def record(cls, script, argv, epsilon=None, adaptive=None, store=None,
+               watch_exceptions=False) -> "Session":
         s = cls(RECORD, store=store, script=script)
         eps = epsilon if epsilon is not None else float(
             os.environ.get("FLOR_EPSILON", DEFAULT_EPSILON))
@@ -210,25 +259,32 @@ class Session:
         s.run_id = s.store.new_run(RECORD, s.script, argv, source, epsilon=eps, c=c,
                                    versions=json.dumps(_versions()),
                                    info=json.dumps({"adaptive": adaptive}))
-        s._start_output(tee=True)
+        s._capture_streams(stdout_tee=True, stderr=False)
+        if watch_exceptions:
+            s._watch_exceptions()
         cls._current = s
         return s
 
     @classmethod
-    def replay(cls, plan, part) -> "Session":
-        s = cls(REPLAY, store=Store(plan["store"]), script=plan["script"])
+    def replay(cls, plan, part, store=None) -> "Session":
+        s = cls(REPLAY, store=store or Store(plan["store"]), script=plan["script"])
         s.plan, s.part = plan, part
         s.run_id = plan["replay_id"]
         s.segment = tuple(plan["segments"][part])
         s.last_part = part == len(plan["segments"]) - 1
         s.probed = set(plan["probed"])
-        s.lines = {int(k): v for k, v in plan["lines"].items()}
-        s.ckpts = {(b, it, int(o)): f for b, it, o, f in plan["checkpoints"]}
+        s.no_restore = set(plan["changed_end"])
+        s.files = {rel: {"lines": {int(k): v for k, v in f["lines"].items()},
+                         "sites": {int(k): v for k, v in f["sites"].items()}}
+                   for rel, f in plan["files"].items()}
+        s.ckpts = {(b, c, int(o)): f for b, c, o, f in plan["checkpoints"]}
         s.ckpt_dir = plan["ckpt_dir"]
+        s.main = (plan["main_loop"], plan["main_run"])
         s.machine = _core.SkipMachine(_core.REPLAY, plan["epsilon"], plan["c"])
         s.phase = "pre"
         s.progress_fd = plan.get("progress_fd")
-        s._start_output(tee=plan.get("tee", False))
+        s._capture_streams(stdout_tee=plan.get("tee", False), stderr=True)
+        s.store.clear_part(s.run_id, part)
         s.store.set_part(s.run_id, part, "running")
         cls._current = s
         return s
@@ -238,17 +294,20 @@ class Session:
         self.pid = os.getpid()
         self.store = store or (Store() if mode != OFF else None)
         self.script = os.path.abspath(script) if script else None
+        self.base = os.path.dirname(self.script) if self.script else os.getcwd()
         self.script_name = os.path.basename(script) if script else None
         self.run_id = None
         self.part = 0
         self.machine = None
-        self.lines = None  # replay: current line -> recorded line of the script
-        self.loops: list[_Loop] = []
+        self.files = None  # replay: {relpath: line and site maps}
+        self.main = None  # replay: (main loop key, its run number)
+        self.main_seen = False
+        self.ctx: list[list] = []  # the current context, outermost first
+        self.counts: dict[tuple, int] = {}
         self.blocks: list[_Block] = []
         self.names: dict[str, str] = {}  # block name -> its call site
-        self.occurrences: dict[str, tuple] = {}
-        self.seqs: dict[tuple, int] = {}
-        self.pending_logs, self.pending_out, self.decisions = [], [], []
+        self.seen_files: set[str] = set()
+        self.pending_logs, self.pending_out, self.decisions, self.blockruns = [], [], [], []
         self.loop_stats = []
         self.ord = 0
         self.discard = False
@@ -257,91 +316,133 @@ class Session:
         self.reexecuted = 0
         self.started = time.time()
         self.finished = False
+        self.error = None
         self._mat = None
         self._bw = None
-        self._stdout = None
+        self._streams = {}
+        self._hook = None
         if mode != OFF:
             atexit.register(self.finish)
 
-    def _start_output(self, tee):
-        self._stdout = sys.stdout
-        sys.stdout = Output(self, sys.stdout, tee)
+    def _capture_streams(self, stdout_tee, stderr):
+        self._streams["stdout"] = sys.stdout
+        sys.stdout = Output(self, sys.stdout, "stdout", stdout_tee)
+        if stderr:
+            self._streams["stderr"] = sys.stderr
+            sys.stderr = Output(self, sys.stderr, "stderr", False)
+
+    def _watch_exceptions(self):
+        """Note an uncaught exception (the run then ends as failed); the hook
+        that was installed keeps running and is put back at the end."""
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):
+            self.error = exc
+            previous(exc_type, exc, tb)
+
+        self._hook = (hook, previous)
+        sys.excepthook = hook
 
     # -- identity -----------------------------------------------------------
 
-    def site(self, frame) -> str:
-        """file:line of a call, in the recorded source's line numbers."""
+    def site(self, frame, structural=False) -> str:
+        """relpath:line of a call, in the recorded file's line numbers.
+        Paths are relative to the script's directory."""
         fn = os.path.abspath(frame.f_code.co_filename)
+        rel = os.path.relpath(fn, self.base)
         line = frame.f_lineno
-        if fn == self.script:
-            if self.lines is not None:
-                old = self.lines.get(line)
-                return f"{self.script_name}:{old}" if old else f"{self.script_name}:new:{line}"
-            return f"{self.script_name}:{line}"
-        return f"{os.path.relpath(fn)}:{line}"
+        if self.mode == RECORD and fn not in self.seen_files:
+            self.seen_files.add(fn)
+            if fn != self.script and not rel.startswith("..") and os.path.isfile(fn):
+                with open(fn) as f:
+                    self.store.save_module_source(self.run_id, rel, f.read())
+        if self.files is not None and rel in self.files:
+            fmap = self.files[rel]
+            old = fmap["sites"].get(line) if structural else None
+            old = old if old is not None else fmap["lines"].get(line)
+            return f"{rel}:{old}" if old is not None else f"{rel}:new:{line}"
+        return f"{rel}:{line}"
 
-    def _vec(self):
-        return tuple(lp.index for lp in self.loops)
+    def _next(self, kind, key, ctx_json):
+        k = (kind, ctx_json, key)
+        n = self.counts.get(k, 0)
+        self.counts[k] = n + 1
+        return n
+
+    def _indices(self):
+        return [f[3] for f in self.ctx if f[0] == "L"]
+
+    def _top(self):
+        if self.ctx and self.ctx[0][0] == "L":
+            return _dumps(self.ctx[0][1:3]), self.ctx[0][3]
+        return None, None
 
     # -- loops --------------------------------------------------------------
 
     def loop(self, iterable, name, frame):
         if self.mode == OFF:
             return iter(iterable)
-        key = name or self.site(frame)
-        depth = len(self.loops)
-        if self.mode == REPLAY and depth == 0 and key == self.plan["main_loop"]:
-            return self._replay_main(iterable, key)
-        return self._loop(iterable, key, depth)
+        key = name or self.site(frame, structural=True)
+        ctx_json = _dumps(self.ctx)
+        run = self._next("L", key, ctx_json)
+        if self.mode == REPLAY and not self.ctx and (key, run) == self.main:
+            return self._replay_main(iterable, key, run)
+        return self._loop(iterable, key, run)
 
-    def _loop(self, iterable, key, depth):
-        lp = _Loop(key, depth)
-        self.loops.append(lp)
+    def _loop(self, iterable, key, run):
+        frame = ["L", key, run, -1]
+        depth = len(self.ctx)
+        self.ctx.append(frame)
         t0, n = time.perf_counter(), 0
         try:
             for x in iterable:
-                lp.index = n
+                frame[3] = n
                 n += 1
                 yield x
                 if depth == 0:
-                    self._flush()
+                    self._end_top_iteration()
         finally:
-            self.loops.remove(lp)
-            self.loop_stats.append((key, depth, n, time.perf_counter() - t0))
+            self.ctx.remove(frame)
+            self.loop_stats.append((key, run, depth, n, time.perf_counter() - t0))
 
-    def _replay_main(self, iterable, key):
+    def _replay_main(self, iterable, key, run):
         total = self.plan["iterations"]
         start, end = self.segment
-        lp = _Loop(key, 0)
-        self.loops.append(lp)
+        frame = ["L", key, run, -1]
+        self.ctx.append(frame)
         self.phase = "main"
+        self.main_seen = True
+        it = iter(iterable)
         t0, n = time.perf_counter(), 0
         try:
-            for x in iterable:
-                if n >= min(end, total):
-                    break
+            while n < min(end, total):
                 pseudo = n < start
                 self.machine.phase = _core.PSEUDORESUME_PHASE if pseudo else _core.WORK
-                self.discard = pseudo
-                lp.index = n
+                self.discard = pseudo  # before fetching the item: its output belongs to it
+                frame[3] = n
+                try:
+                    x = next(it)
+                except StopIteration:
+                    break
                 n += 1
                 yield x
-                if not pseudo:
-                    self._flush()
-                    self._progress(lp.index)
+                self._end_top_iteration(progress=not pseudo)
         finally:
             self.discard = False
             self.machine.phase = _core.WORK
-            self.loops.remove(lp)
-            self.loop_stats.append((key, 0, n, time.perf_counter() - t0))
+            self.ctx.remove(frame)
+            self.loop_stats.append((key, run, 0, n, time.perf_counter() - t0))
             self.phase = "post"
         if not self.last_part:
             raise SegmentDone(self.part)
 
-    def _progress(self, index):
-        if self.progress_fd is not None:
+    def _end_top_iteration(self, progress=False):
+        # Counters of finished contexts are never needed again.
+        self.counts = {k: v for k, v in self.counts.items() if k[1] == "[]"}
+        self._flush()
+        if progress and self.progress_fd is not None:
             try:
-                os.write(self.progress_fd, f"{self.part} {index}\n".encode())
+                os.write(self.progress_fd, f"{self.part} {self.ctx[0][3]}\n".encode())
             except OSError:
                 self.progress_fd = None
 
@@ -350,7 +451,7 @@ class Session:
     def step_into(self, name, probed, frame) -> bool:
         if self.mode == OFF:
             return True
-        where = self.site(frame)
+        where = self.site(frame, structural=True)
         if name is not None:
             first = self.names.setdefault(name, where)
             if first != where:
@@ -359,23 +460,27 @@ class Session:
                     "give each block its own name")
         key = name or where
         handle = self.machine.block(key)
-        vec = self._vec()
-        last = self.occurrences.get(key)
-        occurrence = last[1] + 1 if last is not None and last[0] == vec else 0
-        self.occurrences[key] = (vec, occurrence)
+        ctx_json = _dumps(self.ctx)
+        occurrence = self._next("B", key, ctx_json)
         payload, load_s = None, 0.0
         if self.mode == REPLAY:
             probed = probed or key in self.probed
-            if self.machine.phase == _core.PSEUDORESUME_PHASE or not probed:
+            pseudo = self.machine.phase == _core.PSEUDORESUME_PHASE
+            if (pseudo or not probed) and key not in self.no_restore:
                 t0 = time.perf_counter()
-                payload = self._load(key, vec, occurrence)
+                payload = self._load(key, ctx_json, occurrence)
                 load_s = time.perf_counter() - t0
         state = self.machine.enter(handle, bool(probed), payload is not None)
-        self.blocks.append(_Block(handle, key, vec, occurrence, state, payload, load_s))
+        if self.mode == REPLAY:
+            self.blockruns.append((self.run_id, self.part, self.phase, key, ctx_json,
+                                   occurrence, STATE_NAMES[state]))
+        self.blocks.append(_Block(handle, key, ctx_json, occurrence, state, payload, load_s))
+        self.ctx.append(["B", key, occurrence])
         return state in BODY_RUNS
 
-    def _load(self, key, vec, occurrence):
-        fname = self.ckpts.get((key, json.dumps(list(vec)), occurrence))
+    def _load(self, key, ctx_json, occurrence):
+        fname = self.ckpts.get((key, ctx_json, occurrence))
+        where = f"block {key!r} at {json.loads(ctx_json) or 'the top level'}"
         if fname is None:
             self.reexecuted += 1  # record did not checkpoint this execution
             return None
@@ -383,15 +488,15 @@ class Session:
         try:
             payload = load(path, map_location="cpu")
         except FileNotFoundError:
-            _note(f"checkpoint {fname} is missing; re-executing block {key!r} "
-                  f"at iteration {list(vec)}")
+            _note(f"checkpoint {fname} is missing; re-executing {where}")
         except CheckpointCorrupt as e:
-            _note(f"{e}; re-executing block {key!r} at iteration {list(vec)}")
+            _note(f"{e}; re-executing {where}")
         else:
-            if isinstance(payload, dict) and payload.get("block") == key:
+            if (isinstance(payload, dict) and payload.get("block") == key
+                    and payload.get("ctx") == ctx_json
+                    and payload.get("occurrence") == occurrence):
                 return payload
-            _note(f"checkpoint {fname} does not belong to block {key!r}; "
-                  f"re-executing it at iteration {list(vec)}")
+            _note(f"checkpoint {fname} does not belong to {where}; re-executing it")
         self.reexecuted += 1
         return None
 
@@ -403,6 +508,7 @@ class Session:
                 "flor.SkipBlock.end() without a matching flor.SkipBlock.step_into()")
         b = self.blocks.pop()
         state, seconds = self.machine.leave(b.handle)
+        self.ctx.pop()
         if state == _core.EXECUTE:
             self._decide(b, objs, seconds)
             return _ret(objs)
@@ -412,11 +518,11 @@ class Session:
         saved = b.payload
         if saved["sig"] != signature(objs):
             raise FlorReplayError(
-                f"SkipBlock {b.key!r} at iteration {list(b.vec)}: its checkpoint holds "
-                f"{saved['sig']} but end() received {signature(objs)}. The program changed "
-                "after record, so flor cannot skip this block; pass probed=True to its "
-                "step_into() to re-execute it")
+                f"SkipBlock {b.key!r}: its checkpoint holds {saved['sig']} but end() received "
+                f"{signature(objs)}. The program changed after record, so flor cannot skip "
+                "this block; pass probed=True to its step_into() to re-execute it")
         out = [restore(live, s) for live, s in zip(objs, saved["objs"])]
+        set_module_modes(out, saved.get("modes"))
         set_rng_state(saved["rng"])
         torch = sys.modules.get("torch")
         for o in out:
@@ -434,19 +540,21 @@ class Session:
         bw = self.bandwidth()
         ok, reason, ratio, limit, M = self.machine.decide(b.handle, nbytes, bw)
         fname = None
+        indices = self._indices()
         if ok:
-            fname = checkpoint_name(b.key, b.vec, b.occurrence)
-            payload = {"block": b.key, "iter": list(b.vec), "occurrence": b.occurrence,
-                       "sig": signature(objs), "objs": list(objs), "rng": rng_state()}
+            fname = checkpoint_name(b.key, b.ctx, b.occurrence, indices)
+            payload = {"block": b.key, "ctx": b.ctx, "occurrence": b.occurrence,
+                       "sig": signature(objs), "objs": list(objs),
+                       "modes": module_modes(objs), "rng": rng_state()}
             try:
                 self.last_bytes[b.key] = self._materializer().submit(fname, payload)
             except CheckpointWriteError as e:
                 _note(f"checkpoint of block {b.key!r} failed: {e}")
                 fname = None
         st = self.machine.stats()[b.handle]
-        vec = list(b.vec)
+        top, top_iter = self._top()
         self.decisions.append((
-            self.run_id, b.key, json.dumps(vec), b.occurrence, vec[0] if vec else None,
+            self.run_id, b.key, b.ctx, b.occurrence, json.dumps(indices), top, top_iter,
             st["n"], st["k"], seconds, st["compute_s"] / st["n"], nbytes, bw, M,
             ratio if math.isfinite(ratio) else None, limit, int(ok), reason,
             fname + ".flor" if fname else None))
@@ -502,36 +610,36 @@ class Session:
         if self.mode == OFF or self.discard:
             return
         loc = self.site(frame)
-        vec = self._vec()
-        k = (name, loc, vec)
-        seq = self.seqs.get(k, 0)
-        self.seqs[k] = seq + 1
+        ctx_json = _dumps(self.ctx)
+        seq = self._next("S", (name, loc), ctx_json)
         self.ord += 1
-        outer = self.loops[0].key if self.loops else None
-        self.pending_logs.append((self.run_id, self.part, self.ord, self.phase, outer, name,
-                                  json.dumps(list(vec)), seq, json.dumps(jsonable(value)), loc))
+        top, _ = self._top()
+        self.pending_logs.append((self.run_id, self.part, self.ord, self.phase, top, ctx_json,
+                                  name, json.dumps(self._indices()), seq,
+                                  json.dumps(jsonable(value)), loc))
 
-    def _capture(self, text):
+    def _capture(self, stream, text):
         if self.discard or not text:
             return
-        outer = self.loops[0] if self.loops else None
-        loop, it = (outer.key, outer.index) if outer else (None, None)
+        top, it = self._top()
         last = self.pending_out[-1] if self.pending_out else None
-        if last is not None and last[3] == self.phase and last[4] == loop and last[5] == it:
-            last[6] += text
+        if (last is not None and last[3] == stream and last[4] == self.phase
+                and last[5] == top and last[6] == it):
+            last[7] += text
             return
         self.ord += 1
-        self.pending_out.append([self.run_id, self.part, self.ord, self.phase, loop, it, text])
+        self.pending_out.append([self.run_id, self.part, self.ord, stream, self.phase, top, it,
+                                 text])
 
     def _flush(self):
         if self.mode == OFF:
             return
-        logs, out, dec = self.pending_logs, self.pending_out, self.decisions
-        self.pending_logs, self.pending_out, self.decisions = [], [], []
-        self.seqs.clear()
+        logs, out, dec, runs = self.pending_logs, self.pending_out, self.decisions, self.blockruns
+        self.pending_logs, self.pending_out, self.decisions, self.blockruns = [], [], [], []
         self.store.add_logs(logs)
         self.store.add_output([tuple(r) for r in out])
         self.store.add_decisions(dec)
+        self.store.add_blockruns(runs)
 
     # -- the end ------------------------------------------------------------
 
@@ -540,9 +648,14 @@ class Session:
         if self.finished or self.mode == OFF or self.pid != os.getpid():
             return
         self.finished = True
-        if isinstance(sys.stdout, Output) and sys.stdout._session is self:
-            sys.stdout.flush()
-            sys.stdout = self._stdout
+        error = error if error is not None else self.error
+        for stream, real in self._streams.items():
+            current = getattr(sys, stream)
+            if isinstance(current, Output) and current._session is self:
+                current.flush()
+                setattr(sys, stream, real)
+        if self._hook is not None and sys.excepthook is self._hook[0]:
+            sys.excepthook = self._hook[1]
         failures = []
         if self._mat is not None:
             try:
@@ -557,23 +670,28 @@ class Session:
              s["materialize_s"], s["restore_s"], s["restores"], s["skips"], s["steps"],
              s["nbytes"]) for s in stats])
         self.store.add_loops([(self.run_id, self.part, *row) for row in self.loop_stats])
-        status = "failed" if error is not None and not isinstance(error, SegmentDone) else "finished"
+        failed = error is not None and not isinstance(error, SegmentDone)
+        status = "failed" if failed else "finished"
         torch = sys.modules.get("torch")
         threads = torch.get_num_threads() if torch is not None else None
         if self.mode == RECORD:
-            top = [row for row in self.loop_stats if row[1] == 0]
-            main = max(top, key=lambda r: r[3]) if top else None
+            top = [row for row in self.loop_stats if row[2] == 0]
+            main = max(top, key=lambda r: r[4]) if top else None
             self.store.update_run(
                 self.run_id, finished=time.time(), status=status,
-                main_loop=main[0] if main else None, iterations=main[2] if main else 0,
-                versions=json.dumps(_versions()),
+                main_loop=main[0] if main else None, main_run=main[1] if main else None,
+                iterations=main[3] if main else 0, versions=json.dumps(_versions()),
                 info=json.dumps({"failed_writes": [f[0] for f in failures], "threads": threads,
                                  "adaptive": self.machine.adaptive,
-                                 "error": repr(error) if error else None}))
+                                 "error": repr(error) if failed else None}))
         else:
+            if not self.main_seen:
+                _note(f"the recorded main loop ({self.main[0]}) never ran in this replay; "
+                      "the whole script ran in every worker")
             self.store.set_part(self.run_id, self.part, status, time.time() - self.started,
                                 {"reexecuted": self.reexecuted, "threads": threads,
-                                 "error": repr(error) if status == "failed" else None})
+                                 "main_seen": self.main_seen,
+                                 "error": repr(error) if failed else None})
 
 
 def _versions():

@@ -1,9 +1,12 @@
 """The run store: ``.flor/`` in the working directory (``FLOR_DIR`` moves it).
 
     .flor/flor.db                 SQLite (WAL): runs, parts, logs, output, decisions,
-                                  blocks, loops
+                                  blockruns, blocks, loops
     .flor/runs/<run>/source.py    the exact source of the script as it ran
+    .flor/runs/<run>/modules/     the source of the program's other files with flor calls
     .flor/runs/<run>/ckpt/        the run's checkpoints (record runs)
+    .flor/runs/<run>/plan.json    a replay's plan
+    .flor/runs/<run>/part-N.db    a --part worker's database, until merge imports it
     .flor/calibration.json        this machine's measured write bandwidth
 
 Every process (the recording script, each replay worker) opens its own
@@ -25,30 +28,38 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY, kind TEXT NOT NULL, parent TEXT, script TEXT, script_name TEXT,
     argv TEXT, cwd TEXT, started REAL, finished REAL, status TEXT, versions TEXT,
-    epsilon REAL, c REAL, main_loop TEXT, iterations INTEGER, info TEXT);
-CREATE TABLE IF NOT EXISTS logs (
-    run_id TEXT, part INTEGER, ord INTEGER, phase TEXT, loop TEXT, name TEXT, iter TEXT,
-    seq INTEGER, value TEXT, loc TEXT);
-CREATE INDEX IF NOT EXISTS logs_by_run ON logs (run_id, name);
-CREATE TABLE IF NOT EXISTS output (
-    run_id TEXT, part INTEGER, ord INTEGER, phase TEXT, loop TEXT, iter INTEGER, text TEXT);
+    epsilon REAL, c REAL, main_loop TEXT, main_run INTEGER, iterations INTEGER, info TEXT);
 CREATE TABLE IF NOT EXISTS parts (
     run_id TEXT, part INTEGER, status TEXT, seconds REAL, info TEXT,
     PRIMARY KEY (run_id, part));
+CREATE TABLE IF NOT EXISTS logs (
+    run_id TEXT, part INTEGER, ord INTEGER, phase TEXT, top TEXT, ctx TEXT, name TEXT,
+    iter TEXT, seq INTEGER, value TEXT, loc TEXT);
+CREATE INDEX IF NOT EXISTS logs_by_run ON logs (run_id, name);
+CREATE TABLE IF NOT EXISTS output (
+    run_id TEXT, part INTEGER, ord INTEGER, stream TEXT, phase TEXT, top TEXT,
+    iter INTEGER, text TEXT);
 CREATE INDEX IF NOT EXISTS output_by_run ON output (run_id);
 CREATE TABLE IF NOT EXISTS decisions (
-    run_id TEXT, block TEXT, iter TEXT, occurrence INTEGER, main_iter INTEGER, n INTEGER,
-    k INTEGER, compute_s REAL, mean_compute_s REAL, nbytes INTEGER, bandwidth REAL,
-    materialize_s REAL, ratio REAL, limit_value REAL, checkpoint INTEGER, reason TEXT,
-    file TEXT);
+    run_id TEXT, block TEXT, ctx TEXT, occurrence INTEGER, iter TEXT, top TEXT,
+    top_iter INTEGER, n INTEGER, k INTEGER, compute_s REAL, mean_compute_s REAL,
+    nbytes INTEGER, bandwidth REAL, materialize_s REAL, ratio REAL, limit_value REAL,
+    checkpoint INTEGER, reason TEXT, file TEXT);
 CREATE INDEX IF NOT EXISTS decisions_by_run ON decisions (run_id);
+CREATE TABLE IF NOT EXISTS blockruns (
+    run_id TEXT, part INTEGER, phase TEXT, block TEXT, ctx TEXT, occurrence INTEGER,
+    state TEXT);
 CREATE TABLE IF NOT EXISTS blocks (
     run_id TEXT, part INTEGER, block TEXT, n INTEGER, k INTEGER, compute_s REAL,
     materialize_s REAL, restore_s REAL, restores INTEGER, skips INTEGER, steps INTEGER,
     nbytes INTEGER);
 CREATE TABLE IF NOT EXISTS loops (
-    run_id TEXT, part INTEGER, loop TEXT, depth INTEGER, iterations INTEGER, seconds REAL);
+    run_id TEXT, part INTEGER, loop TEXT, run INTEGER, depth INTEGER, iterations INTEGER,
+    seconds REAL);
 """
+
+# Tables a replay part writes; merge copies them from per-part databases.
+PART_TABLES = ("parts", "logs", "output", "blockruns", "blocks", "loops")
 
 
 def store_root() -> str:
@@ -60,8 +71,13 @@ def new_run_id() -> str:
 
 
 class Store:
-    def __init__(self, root: str | None = None):
+    """The run store.  `db_file` points a replay part at a database of its
+    own (merge copies it into flor.db): one writer per file, which is safe
+    where SQLite's write-ahead log is not, on network file systems."""
+
+    def __init__(self, root: str | None = None, db_file: str | None = None):
         self.root = os.path.abspath(root) if root else store_root()
+        self.db_file = db_file or os.path.join(self.root, "flor.db")
         self._conn = None
         self._pid = None
 
@@ -70,11 +86,12 @@ class Store:
     @property
     def db(self) -> sqlite3.Connection:
         if self._conn is None or self._pid != os.getpid():
-            os.makedirs(self.root, exist_ok=True)
-            conn = sqlite3.connect(os.path.join(self.root, "flor.db"), timeout=120,
-                                   isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
+            os.makedirs(os.path.dirname(self.db_file), exist_ok=True)
+            conn = sqlite3.connect(self.db_file, timeout=120, isolation_level=None,
+                                   check_same_thread=False)
+            if self.db_file.endswith("flor.db"):
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(SCHEMA)
             conn.row_factory = sqlite3.Row
             self._conn, self._pid = conn, os.getpid()
@@ -85,9 +102,12 @@ class Store:
             self._conn.close()
         self._conn = None
 
+    def transaction(self):
+        return _Transaction(self.db)
+
     def _many(self, sql, rows):
         if rows:
-            with self.db:  # one transaction
+            with self.transaction():
                 self.db.executemany(sql, rows)
 
     # -- runs ---------------------------------------------------------------
@@ -111,14 +131,14 @@ class Store:
         row.update(fields)
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
-        with self.db:
+        with self.transaction():
             self.db.execute(f"INSERT OR REPLACE INTO runs ({cols}) VALUES ({marks})",
                             list(row.values()))
         return run_id
 
     def update_run(self, run_id, **fields):
         sets = ", ".join(f"{k} = ?" for k in fields)
-        with self.db:
+        with self.transaction():
             self.db.execute(f"UPDATE runs SET {sets} WHERE run_id = ?",
                             [*fields.values(), run_id])
 
@@ -130,46 +150,96 @@ class Store:
         return [dict(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]
 
     def source(self, run_id) -> str | None:
-        path = os.path.join(self.run_dir(run_id), "source.py")
-        try:
-            with open(path) as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+        return self.module_sources(run_id).get(None)
 
-    def latest_record(self, script) -> dict | None:
-        """The newest finished record run of this script (by path, else by name)."""
+    def save_module_source(self, run_id, relpath, text):
+        """Keep the source of another file of the program (one with flor calls)."""
+        path = os.path.join(self.run_dir(run_id), "modules", relpath)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+
+    def module_sources(self, run_id) -> dict:
+        """{None: the script's source, relpath: another file's source}."""
+        out = {}
+        run_dir = self.run_dir(run_id)
+        try:
+            with open(os.path.join(run_dir, "source.py")) as f:
+                out[None] = f.read()
+        except FileNotFoundError:
+            pass
+        base = os.path.join(run_dir, "modules")
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    out[os.path.relpath(path, base)] = f.read()
+        return out
+
+    def records(self, script) -> list[dict]:
+        """Record runs of this script (by path, else by name), newest first."""
         path = os.path.abspath(script)
         for key, value in (("script", path), ("script_name", os.path.basename(path))):
-            row = self.db.execute(
-                f"SELECT * FROM runs WHERE kind = 'record' AND {key} = ? AND status = 'finished' "
-                "ORDER BY started DESC LIMIT 1", (value,)).fetchone()
-            if row:
-                return dict(row)
-        return None
+            rows = self.db.execute(
+                f"SELECT * FROM runs WHERE kind = 'record' AND {key} = ? ORDER BY started DESC",
+                (value,)).fetchall()
+            if rows:
+                return [dict(r) for r in rows]
+        return []
+
+    def latest_record(self, script) -> dict | None:
+        """The newest finished record run of this script."""
+        return next((r for r in self.records(script) if r["status"] == "finished"), None)
 
     # -- per-run data -------------------------------------------------------
 
+    def _insert(self, table, rows):
+        if rows:
+            marks = ", ".join("?" for _ in rows[0])
+            self._many(f"INSERT INTO {table} VALUES ({marks})", rows)
+
     def add_logs(self, rows):
-        self._many("INSERT INTO logs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        self._insert("logs", rows)
+
+    def add_output(self, rows):
+        self._insert("output", rows)
+
+    def add_decisions(self, rows):
+        self._insert("decisions", rows)
+
+    def add_blockruns(self, rows):
+        self._insert("blockruns", rows)
+
+    def add_blocks(self, rows):
+        self._insert("blocks", rows)
+
+    def add_loops(self, rows):
+        self._insert("loops", rows)
 
     def set_part(self, run_id, part, status, seconds=None, info=None):
-        with self.db:
+        with self.transaction():
             self.db.execute("INSERT OR REPLACE INTO parts VALUES (?, ?, ?, ?, ?)",
                             (run_id, part, status, seconds, json.dumps(info or {})))
 
-    def add_output(self, rows):
-        self._many("INSERT INTO output VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+    def clear_part(self, run_id, part):
+        with self.transaction():
+            for table in PART_TABLES:
+                self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND part = ?",
+                                (run_id, part))
 
-    def add_decisions(self, rows):
-        self._many("INSERT INTO decisions VALUES "
-                   "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-
-    def add_blocks(self, rows):
-        self._many("INSERT INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-
-    def add_loops(self, rows):
-        self._many("INSERT INTO loops VALUES (?, ?, ?, ?, ?, ?)", rows)
+    def import_part(self, db_file):
+        """Copy a part's rows from its own database into this store."""
+        self.db.execute("ATTACH DATABASE ? AS part", (db_file,))
+        try:
+            with self.transaction():
+                for table in PART_TABLES:
+                    keys = self.db.execute(f"SELECT DISTINCT run_id, part FROM part.{table}")
+                    for run_id, part in keys.fetchall():
+                        self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND part = ?",
+                                        (run_id, part))
+                    self.db.execute(f"INSERT INTO {table} SELECT * FROM part.{table}")
+        finally:
+            self.db.execute("DETACH DATABASE part")
 
     def rows(self, table, run_id, order=""):
         return [dict(r) for r in self.db.execute(
@@ -197,3 +267,16 @@ class Store:
             json.dump(cal, f)
         os.replace(tmp, path)
         return bps
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT (or ROLLBACK) on an autocommit connection."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def __enter__(self):
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, exc_type, exc, tb):
+        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +50,70 @@ def zombies_of(pid):
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")
+
+
+# --- record and replay across processes ----------------------------------
+
+def flor(cwd, *argv, env=None, check=True):
+    full_env = dict(os.environ, FLOR_DIR=os.path.join(cwd, ".flor"))
+    full_env.pop("FLOR_MODE", None)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-m", "flor", *argv], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        pytest.fail(f"flor {' '.join(argv)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def store(cwd):
+    from flor.store import Store
+
+    return Store(os.path.join(cwd, ".flor"))
+
+
+def edit(path, anchor, line, after=True):
+    """Add `line` next to the line containing `anchor`, at its indentation."""
+    src = read(path).splitlines(keepends=True)
+    i = next(i for i, l in enumerate(src) if anchor in l)
+    indent = src[i][: len(src[i]) - len(src[i].lstrip())]
+    src.insert(i + 1 if after else i, indent + line + "\n")
+    with open(path, "w") as f:
+        f.write("".join(src))
+
+
+def values(st, run_id, name):
+    from flor.checks import run_logs
+
+    return [(r["iter"], r["seq"], json.loads(r["value"])) for r in run_logs(st, run_id)
+            if r["name"] == name]
+
+
+def runs(st, kind):
+    return [r for r in st.runs() if r["kind"] == kind]
+
+
+def block_stats(st, run_id, key):
+    rows = [r for r in st.rows("blocks", run_id) if r["block"] == key]
+    return {k: sum(r[k] for r in rows) for k in ("n", "skips", "steps", "restores")}
+
+
+def write_script(directory, name, text):
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(text).lstrip())
+    return path
+
+
+def plain(cwd, script, *args, env=None):
+    """The script run without flor recording: what a plain run prints."""
+    full_env = dict(os.environ, FLOR_MODE="off", FLOR_DIR=os.path.join(cwd, ".flor-off"))
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, script, *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc

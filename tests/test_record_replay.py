@@ -11,58 +11,13 @@ import sys
 
 import pytest
 
-from flor.checks import compare_logs, run_logs
-from flor.store import Store
+from flor.checks import compare_logs
 
-from conftest import ROOT
+from conftest import ROOT, block_stats, edit, flor, read, runs, store, values
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 ARGS = ["--epochs", "4", "--limit", "300", "--width", "4"]
-
-
-def flor(cwd, *argv, env=None, check=True):
-    full_env = dict(os.environ, FLOR_DIR=os.path.join(cwd, ".flor"))
-    full_env.pop("FLOR_MODE", None)
-    full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-m", "flor", *argv], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        pytest.fail(f"flor {' '.join(argv)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def read(path):
-    with open(path) as f:
-        return f.read()
-
-
-def store(cwd):
-    return Store(os.path.join(cwd, ".flor"))
-
-
-def edit(path, anchor, line, after=True):
-    """Add `line` next to the line containing `anchor`, at its indentation."""
-    src = read(path).splitlines(keepends=True)
-    i = next(i for i, l in enumerate(src) if anchor in l)
-    indent = src[i][: len(src[i]) - len(src[i].lstrip())]
-    src.insert(i + 1 if after else i, indent + line + "\n")
-    with open(path, "w") as f:
-        f.write("".join(src))
-
-
-def values(st, run_id, name):
-    return [(r["iter"], r["seq"], json.loads(r["value"])) for r in run_logs(st, run_id)
-            if r["name"] == name]
-
-
-def runs(st, kind):
-    return [r for r in st.runs() if r["kind"] == kind]
-
-
-def block_stats(st, run_id, key):
-    rows = [r for r in st.rows("blocks", run_id) if r["block"] == key]
-    return {k: sum(r[k] for r in rows) for k in ("n", "skips", "steps", "restores")}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +48,7 @@ def test_record_stores_the_run(recorded):
     assert st.source(rec["run_id"]) == read(EXAMPLE)
     assert {"python", "flor", "torch", "numpy"} <= set(json.loads(rec["versions"]))
     decisions = st.rows("decisions", rec["run_id"])
-    assert [d["main_iter"] for d in decisions] == [0, 1, 2, 3]
+    assert [d["top_iter"] for d in decisions] == [0, 1, 2, 3]
     for d_ in decisions:
         assert d_["checkpoint"] and d_["reason"].startswith("checkpoint: adaptivity off")
         assert d_["nbytes"] > 0 and d_["bandwidth"] > 0 and d_["materialize_s"] > 0
@@ -227,7 +182,7 @@ def test_parts_then_merge_equal_local_parallel_replay(workdir):
     p0 = flor(workdir, "replay", "--part", "0/2", "train.py", *ARGS)
     assert "python -m flor merge" in p0.stderr
     early = flor(workdir, "merge", check=False)
-    assert early.returncode == 2 and "have not finished" in early.stderr
+    assert early.returncode == 2 and "parts [1] of 2 have not run" in early.stderr
     flor(workdir, "replay", "--part", "1/2", "train.py", *ARGS)
     merged = flor(workdir, "merge")
     assert merged.stdout == local.stdout
