@@ -41,6 +41,7 @@ test-asan:
 
 bench: setup
 	$(BIN)/python benchmarks/materialize.py
+	$(BIN)/python benchmarks/replay.py
 
 clean:
 	rm -rf build $(VENV) $(ASAN_VENV) flor/*.so *.egg-info
