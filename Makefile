@@ -33,7 +33,9 @@ ASAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
 
 test-asan:
 	test -x $(ASAN_VENV)/bin/python || $(PYTHON) -m venv $(ASAN_VENV)
-	$(ASAN_VENV)/bin/$(PIP) $(TORCH) 'setuptools>=64' wheel numpy pytest cloudpickle
+	$(ASAN_VENV)/bin/$(PIP) $(TORCH) 'setuptools>=64' wheel
+	# the test extra of pyproject.toml (flor itself is installed below, sanitized)
+	$(ASAN_VENV)/bin/$(PIP) pytest cloudpickle numpy pandas scikit-learn
 	FLOR_SANITIZE=1 $(ASAN_VENV)/bin/$(PIP) --no-build-isolation --force-reinstall --no-deps .
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/python -c \
 		"import flor._core as c, sys; sys.exit(0 if '$(ASAN_VENV)' in c.__file__ else 'not the sanitizer build: ' + c.__file__)"

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
 import time
-import traceback
 
-from .replay import FlorError, _describe, merge, plan_replay, run_local, run_part
+from .replay import FlorError, _describe, merge, plan_replay, run_local, run_main, run_part
 from .session import Session
 from .store import Store
 
@@ -69,15 +67,7 @@ def _split(rest, options, flags=(), trailing=False):
 def _run_script(script, args):
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        return code, (e if code else None)
-    except BaseException as e:  # the script failed: report it as Python would
-        traceback.print_exc()
-        return 1, e
-    return 0, None
+    return run_main(script, sys.stderr)
 
 
 def cmd_record(rest) -> int:

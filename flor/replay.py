@@ -216,6 +216,27 @@ def part_db(store, replay_id, part):
     return os.path.join(store.run_dir(replay_id), f"part-{part}.db")
 
 
+def run_main(script, stderr):
+    """Run `script` as ``__main__`` the way ``python script`` would, and return
+    (exit status, the exception that ended it or None).  A traceback, or the
+    message of ``sys.exit("...")``, goes to `stderr` as Python would print it."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SegmentDone:
+        return 0, None
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=stderr)
+            code = 1
+        return code, (e if code else None)
+    except BaseException as e:  # the script failed: report it as Python would
+        traceback.print_exc(file=stderr)
+        return 1, e
+    return 0, None
+
+
 def run_part(plan: dict, part: int, tee=False, own_db=False) -> int:
     """Run one segment of the plan in this process (a worker, or --part)."""
     plan = dict(plan, tee=tee)
@@ -228,16 +249,7 @@ def run_part(plan: dict, part: int, tee=False, own_db=False) -> int:
     sys.path[0] = os.path.dirname(script)
     error, code = None, 0
     try:
-        runpy.run_path(script, run_name="__main__")
-    except SegmentDone:
-        pass
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code:
-            error = e
-    except BaseException as e:  # the script failed: report it as Python would
-        traceback.print_exc(file=sys.__stderr__)
-        error, code = e, 1
+        code, error = run_main(script, sys.__stderr__)
     finally:
         session.finish(error)
     return code

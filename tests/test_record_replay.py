@@ -13,7 +13,7 @@ import pytest
 
 from flor.checks import compare_logs
 
-from conftest import ROOT, block_stats, edit, flor, read, runs, store, values
+from conftest import ROOT, block_stats, edit, flor, read, runs, store, values, write_script
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -140,6 +140,31 @@ def test_script_run_directly_records(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (rec,) = runs(store(d), "record")
     assert rec["iterations"] == 4 and rec["status"] == "finished"
+
+
+def test_the_scripts_exit_message_and_status_come_through(tmp_path):
+    """sys.exit("...") prints its message and exits 1 under flor, as it does
+    under python; an exception prints its traceback."""
+    d = str(tmp_path)
+    write_script(d, "quit.py", """
+        import sys
+        import flor
+        for epoch in flor.generator(range(2)):
+            pass
+        if "--fail" in sys.argv:
+            raise ValueError("bad value in quit.py")
+        if "--quit" in sys.argv:
+            sys.exit("quit.py needs a dataset: install it first")
+    """)
+    flor(d, "record", "quit.py")
+    for cmd in (["replay", "quit.py", "--quit"], ["record", "quit.py", "--quit"]):
+        proc = flor(d, *cmd, check=False)
+        assert proc.returncode == 1, proc.stderr
+        assert "quit.py needs a dataset: install it first" in proc.stderr
+    proc = flor(d, "record", "quit.py", "--fail", check=False)
+    assert proc.returncode == 1
+    assert "ValueError: bad value in quit.py" in proc.stderr
+    assert 'quit.py", line 6' in proc.stderr
 
 
 def test_replay_without_a_record_is_a_clear_error(tmp_path):
