@@ -1,7 +1,8 @@
 """The flor command line.
 
     python -m flor record [--epsilon E] [--no-adaptive] SCRIPT [ARGS...]
-    python -m flor replay [--jobs N] [--run ID] [--part I/N] [--check warn|strict] SCRIPT [ARGS...]
+    python -m flor replay [--jobs N] [--run ID] [--part I/N] [--check warn|strict]
+                          [--tolerance REL] [--strict] SCRIPT [ARGS...]
     python -m flor merge [--check warn|strict] [REPLAY_ID]
     python -m flor runs
 
@@ -16,7 +17,9 @@ import json
 import os
 import sys
 import time
+import traceback
 
+from .instrument import instrument, uses_flor
 from .replay import FlorError, _describe, merge, plan_replay, run_local, run_main, run_part
 from .session import Session
 from .store import Store
@@ -51,7 +54,9 @@ def _split(rest, options, flags=(), trailing=False):
     if opts:
         trailing = False  # flor's options came first: the rest is the script's
     while trailing and args:
-        if len(args) >= 2 and args[-2] in options:
+        if args[-1] in flags:
+            opts.setdefault(args.pop(), True)
+        elif len(args) >= 2 and args[-2] in options:
             opts.setdefault(args[-2], args[-1])
             del args[-2:]
         elif args[-1].partition("=")[0] in options and "=" in args[-1]:
@@ -64,18 +69,29 @@ def _split(rest, options, flags=(), trailing=False):
     return opts, script, args
 
 
-def _run_script(script, args):
+def _run_script(script, args, inst=None):
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    return run_main(script, sys.stderr)
+    return run_main(script, sys.stderr, inst)
 
 
 def cmd_record(rest) -> int:
     opts, script, args = _split(rest, {"--epsilon"}, flags={"--no-adaptive"})
     epsilon = float(opts["--epsilon"]) if "--epsilon" in opts else None
     adaptive = False if opts.get("--no-adaptive") else None
-    session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive)
-    code, error = _run_script(script, args)
+    with open(script) as f:
+        source = f.read()
+    inst = None
+    if not uses_flor(source):  # hands-free: instrument the unmodified script
+        rel = os.path.basename(script)
+        try:
+            inst = instrument(source, os.path.abspath(script), lambda line: f"{rel}:{line}")
+        except SyntaxError as e:
+            traceback.print_exception(e, limit=0)
+            return 1
+    session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive,
+                             hands_free=inst)
+    code, error = _run_script(script, args, inst)
     session.finish(error)
     run = session.store.run(session.run_id)
     ckpts = [d for d in session.store.rows("decisions", session.run_id) if d["checkpoint"]]
@@ -105,13 +121,30 @@ def _strict(opts):
     return check == "strict"
 
 
+def _plan(store, script, args, jobs, opts, part=None):
+    plan, rec, cmp, source = plan_replay(store, script, args, jobs, opts.get("--run"), part=part)
+    hf = plan.get("hands_free")
+    if opts.get("--strict") and hf and hf["other"]:
+        raise FlorError("--strict: the script changed in ways other than hindsight "
+                        "statements:\n" + "\n".join(f"  line {ln}: {t}" for ln, t in hf["other"]))
+    if "--tolerance" in opts:
+        try:
+            plan["tolerance"] = float(opts["--tolerance"])
+        except ValueError:
+            raise FlorError(f"--tolerance takes a number, not {opts['--tolerance']!r}") from None
+        if not plan["tolerance"] >= 0:
+            raise FlorError("--tolerance must be at least 0")
+    return plan, rec, cmp, source
+
+
 def cmd_replay(rest) -> int:
-    opts, script, args = _split(rest, {"--jobs", "--run", "--part", "--check"}, trailing=True)
+    opts, script, args = _split(rest, {"--jobs", "--run", "--part", "--check", "--tolerance"},
+                                flags={"--strict"}, trailing=True)
     strict = _strict(opts)
     store = Store()
     if "--part" in opts:
         i, n = _parse_part(opts["--part"])
-        plan, rec, cmp, source = plan_replay(store, script, args, n, opts.get("--run"), part=i)
+        plan, rec, cmp, source = _plan(store, script, args, n, opts, part=i)
         nparts = len(plan["segments"])
         if i >= nparts:
             print(f"flor: the recorded checkpoints allow only {nparts} segments; "
@@ -131,7 +164,7 @@ def cmd_replay(rest) -> int:
     jobs = int(opts.get("--jobs", 1))
     if jobs < 1:
         raise FlorError("--jobs must be at least 1")
-    plan, rec, cmp, source = plan_replay(store, script, args, jobs, opts.get("--run"))
+    plan, rec, cmp, source = _plan(store, script, args, jobs, opts)
     return run_local(store, plan, rec, cmp, source, args, strict=strict)
 
 
@@ -187,6 +220,9 @@ def main(argv=None) -> int:
     except FlorError as e:
         print(f"flor: {e}", file=sys.stderr)
         return 2
+    except SyntaxError as e:  # the script does not parse: as python would report it
+        traceback.print_exception(e, limit=0)
+        return 1
 
 
 if __name__ == "__main__":

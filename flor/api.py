@@ -76,7 +76,12 @@ def dataframe(*names: str, run: str | None = None):
     Iteration columns are ``iteration`` for the outermost flor.generator,
     ``iteration_1`` for the next level, and so on; ``seq`` numbers repeated
     values of a name within one iteration (for example per-batch values
-    logged in a loop that is not a flor.generator)."""
+    logged in a loop that is not a flor.generator).
+
+    Printed lines are stored too, one name per print statement:
+    ``stdout@train.py:57`` (recorded line numbers; ``train.py:new:57`` for a
+    statement that replay added at line 57).  They are returned only when
+    named."""
     try:
         import pandas as pd
     except ImportError:
@@ -98,7 +103,7 @@ def dataframe(*names: str, run: str | None = None):
     counters: dict = {}
     depth = 0
     for r in run_logs(store, run):
-        if names and r["name"] not in names:
+        if (r["name"] not in names) if names else r["name"].startswith("stdout@"):
             continue
         vec = tuple(json.loads(r["iter"]))
         depth = max(depth, len(vec))

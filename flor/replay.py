@@ -22,7 +22,10 @@ import sys
 import time
 import traceback
 
-from .checks import compare_logs, merged_output
+from .checks import compare_logs, explain, merged_output
+from .handsfree import run_script
+from .instrument import instrument
+from .probe import detect
 from .session import Session, SegmentDone
 from .source import compare_program
 from .store import Store, new_run_id
@@ -141,6 +144,15 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
             with open(path) as f:
                 new[rel] = f.read()
     cmp = compare_program(old, new)
+    hands_free = None
+    if json.loads(rec["info"] or "{}").get("hands_free"):
+        rel = os.path.basename(script)
+        files = {rel: {"lines": cmp.files[rel].lines}} if rel in cmp.files else {}
+        inst = instrument_current(new[rel], script, {"files": files})
+        probe = detect(old[rel], new[rel], inst)
+        cmp.probed, cmp.changed_end = probe.probed, set()
+        hands_free = {"hindsight": probe.hindsight, "other": probe.other,
+                      "blocks": inst.summary()["blocks"]}
     decisions = store.rows("decisions", rec["run_id"])
     loops = store.rows("loops", rec["run_id"])
     main_top = json.dumps([rec["main_loop"], rec["main_run"]], separators=(",", ":"))
@@ -172,7 +184,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
                         for d in decisions if d["checkpoint"] and d["file"]],
         "ckpt_dir": store.ckpt_dir(rec["run_id"]), "main_loop": rec["main_loop"],
         "main_run": rec["main_run"], "iterations": total,
-        "epsilon": rec["epsilon"], "c": rec["c"],
+        "epsilon": rec["epsilon"], "c": rec["c"], "hands_free": hands_free,
     }
     return plan, rec, cmp, new[os.path.basename(script)]
 
@@ -204,6 +216,14 @@ def _describe(plan, rec, cmp, args, recorded_argv):
                      " (their checkpoints are not used)")
     if cmp.changed_functions:
         notes.append("changed functions: " + ", ".join(sorted(cmp.changed_functions)))
+    hf = plan.get("hands_free")
+    if hf is not None:
+        for line, text in hf["hindsight"]:
+            notes.append(f"hindsight statement at line {line}: {text}")
+        if hf["other"]:
+            notes.append("WARNING: the script changed in ways other than hindsight "
+                         "statements (their blocks are re-executed; --strict refuses):\n" +
+                         "\n".join(f"    line {line}: {text}" for line, text in hf["other"]))
     if list(args) != recorded_argv[1:]:
         notes.append(f"arguments differ from the record's {recorded_argv[1:]}")
     segs = ", ".join(f"[{s}, {e})" for s, e in plan["segments"])
@@ -216,12 +236,16 @@ def part_db(store, replay_id, part):
     return os.path.join(store.run_dir(replay_id), f"part-{part}.db")
 
 
-def run_main(script, stderr):
-    """Run `script` as ``__main__`` the way ``python script`` would, and return
-    (exit status, the exception that ended it or None).  A traceback, or the
-    message of ``sys.exit("...")``, goes to `stderr` as Python would print it."""
+def run_main(script, stderr, inst=None):
+    """Run `script` as ``__main__`` the way ``python script`` would (its
+    instrumented code `inst` in hands-free mode), and return (exit status,
+    the exception that ended it or None).  A traceback, or the message of
+    ``sys.exit("...")``, goes to `stderr` as Python would print it."""
     try:
-        runpy.run_path(script, run_name="__main__")
+        if inst is not None:
+            run_script(script, inst, stderr)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SegmentDone:
         return 0, None
     except SystemExit as e:
@@ -237,6 +261,18 @@ def run_main(script, stderr):
     return 0, None
 
 
+def instrument_current(source, script, plan):
+    """Instrument the current script of a hands-free replay, naming each loop
+    and block by its line in the recorded script (``file:new:N`` if new)."""
+    rel = os.path.basename(script)
+    lines = plan["files"].get(rel, {}).get("lines", {})
+
+    def key_of(line):
+        old = lines.get(str(line), lines.get(line))
+        return f"{rel}:{old}" if old is not None else f"{rel}:new:{line}"
+    return instrument(source, os.path.abspath(script), key_of)
+
+
 def run_part(plan: dict, part: int, tee=False, own_db=False) -> int:
     """Run one segment of the plan in this process (a worker, or --part)."""
     plan = dict(plan, tee=tee)
@@ -247,9 +283,13 @@ def run_part(plan: dict, part: int, tee=False, own_db=False) -> int:
     script = plan["script"]
     sys.argv = list(plan["argv"])
     sys.path[0] = os.path.dirname(script)
+    inst = None
+    if plan.get("hands_free"):
+        with open(script) as f:
+            inst = instrument_current(f.read(), script, plan)
     error, code = None, 0
     try:
-        code, error = run_main(script, sys.__stderr__)
+        code, error = run_main(script, sys.__stderr__, inst)
     finally:
         session.finish(error)
     return code
@@ -351,7 +391,10 @@ def _conclude(store, plan, rec, seconds, strict) -> int:
     sys.stdout.write(out)
     sys.stdout.flush()
     sys.stderr.write(err)
-    report = compare_logs(store, rec["run_id"], replay_id, plan)
+    report = compare_logs(store, rec["run_id"], replay_id, plan,
+                          tolerance=plan.get("tolerance") or 0.0)
+    with open(plan["script"]) as f:
+        explain(report, store, plan, f.read())
     recorded = (rec["finished"] or 0) - (rec["started"] or 0)
     info = json.loads(store.run(replay_id)["info"] or "{}")
     info.update(checks_passed=report.passed, compared=report.compared,

@@ -46,6 +46,7 @@ __all__ = ["Session", "FlorReplayError", "SegmentDone"]
 DEFAULT_EPSILON = 1 / 15
 DEFAULT_C = 1.38
 OFF, RECORD, REPLAY = "off", "record", "replay"
+_FLOR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 BODY_RUNS = (_core.EXECUTE, _core.STEP_INTO)
 STATE_NAMES = {_core.EXECUTE: "execute", _core.SKIP: "skip", _core.STEP_INTO: "step_into",
                _core.PSEUDORESUME: "pseudoresume"}
@@ -141,6 +142,15 @@ def checkpoint_name(key: str, ctx: str, occurrence: int, indices) -> str:
     where = ".".join(map(str, indices)) or "top"
     digest = hashlib.sha1(f"{key}\0{ctx}\0{occurrence}".encode()).hexdigest()[:10]
     return f"{slug}@{where}-{digest}"
+
+
+def _rebind(live, saved):
+    """A rebound name's restored value: the saved one, except that an object
+    restored through its state dict is loaded into the live object."""
+    if callable(getattr(live, "load_state_dict", None)) and isinstance(saved, dict) \
+            and not isinstance(live, dict):
+        return restore(live, saved)
+    return saved
 
 
 def _ret(objs):
@@ -244,7 +254,7 @@ class Session:
 
     @classmethod
     def record(cls, script, argv, epsilon=None, adaptive=None, store=None,
-               watch_exceptions=False) -> "Session":
+               watch_exceptions=False, hands_free=None) -> "Session":
         s = cls(RECORD, store=store, script=script)
         eps = epsilon if epsilon is not None else float(
             os.environ.get("FLOR_EPSILON", DEFAULT_EPSILON))
@@ -258,7 +268,15 @@ class Session:
                 source = f.read()
         s.run_id = s.store.new_run(RECORD, s.script, argv, source, epsilon=eps, c=c,
                                    versions=json.dumps(_versions()),
-                                   info=json.dumps({"adaptive": adaptive}))
+                                   info=json.dumps({"adaptive": adaptive,
+                                                    "hands_free": hands_free is not None}))
+        s.hands_free = hands_free is not None
+        if hands_free is not None:
+            run_dir = s.store.run_dir(s.run_id)
+            with open(os.path.join(run_dir, "instrumented.py"), "w") as f:
+                f.write(hands_free.text + "\n")
+            with open(os.path.join(run_dir, "handsfree.json"), "w") as f:
+                json.dump(hands_free.summary(), f, indent=1)
         s._capture_streams(stdout_tee=True, stderr=False)
         if watch_exceptions:
             s._watch_exceptions()
@@ -321,6 +339,10 @@ class Session:
         self._bw = None
         self._streams = {}
         self._hook = None
+        self.hands_free = False
+        self.block_labels: dict[str, list] = {}  # hands-free: what each block captured
+        self._line = None  # a printed line not yet ended: [where, phase, top, indices, text]
+        self._user_files: dict[str, bool] = {}
         if mode != OFF:
             atexit.register(self.finish)
 
@@ -437,6 +459,8 @@ class Session:
             raise SegmentDone(self.part)
 
     def _end_top_iteration(self, progress=False):
+        if self._line is not None:
+            self._emit_line()  # a line left unended belongs to this iteration
         # Counters of finished contexts are never needed again.
         self.counts = {k: v for k, v in self.counts.items() if k[1] == "[]"}
         self._flush()
@@ -500,28 +524,44 @@ class Session:
         self.reexecuted += 1
         return None
 
-    def end(self, objs, frame):
+    def abandon(self):
+        """The innermost block's body raised: close it without a checkpoint."""
+        if self.blocks:
+            b = self.blocks.pop()
+            self.machine.leave(b.handle)
+            self.ctx.pop()
+
+    def end(self, objs, frame, sig=None, rebind=None, as_list=False,
+            hint="pass probed=True to its step_into() to re-execute it"):
+        """Close the innermost block (see SkipBlock.end).  `sig` names the
+        objects (default: their types); `rebind[i]` restores objs[i] by
+        returning the saved value instead of updating it in place (objects
+        with load_state_dict are always loaded in place)."""
+        ret = list if as_list else _ret
         if self.mode == OFF:
-            return _ret(objs)
+            return ret(objs)
         if not self.blocks:
             raise RuntimeError(
                 "flor.SkipBlock.end() without a matching flor.SkipBlock.step_into()")
         b = self.blocks.pop()
         state, seconds = self.machine.leave(b.handle)
         self.ctx.pop()
+        sig = signature(objs) if sig is None else list(sig)
         if state == _core.EXECUTE:
-            self._decide(b, objs, seconds)
-            return _ret(objs)
+            self._decide(b, objs, seconds, sig)
+            return ret(objs)
         if state == _core.STEP_INTO:
-            return _ret(objs)
+            return ret(objs)
         t0 = time.perf_counter()
         saved = b.payload
-        if saved["sig"] != signature(objs):
+        if saved["sig"] != sig:
             raise FlorReplayError(
                 f"SkipBlock {b.key!r}: its checkpoint holds {saved['sig']} but end() received "
-                f"{signature(objs)}. The program changed after record, so flor cannot skip "
-                "this block; pass probed=True to its step_into() to re-execute it")
-        out = [restore(live, s) for live, s in zip(objs, saved["objs"])]
+                f"{sig}. The program changed after record, so flor cannot skip "
+                f"this block; {hint}")
+        rebind = rebind or [False] * len(objs)
+        out = [_rebind(live, s) if again else restore(live, s)
+               for live, s, again in zip(objs, saved["objs"], rebind)]
         set_module_modes(out, saved.get("modes"))
         set_rng_state(saved["rng"])
         torch = sys.modules.get("torch")
@@ -531,9 +571,9 @@ class Session:
                 # schedulers read this flag to warn about a missing step().
                 o._opt_called = True
         self.machine.restored(b.handle, b.load_s + time.perf_counter() - t0)
-        return _ret(out)
+        return ret(out)
 
-    def _decide(self, b, objs, seconds):
+    def _decide(self, b, objs, seconds, sig):
         nbytes = self.last_bytes.get(b.key)
         if nbytes is None:
             nbytes = _core.measure(list(objs))
@@ -544,7 +584,7 @@ class Session:
         if ok:
             fname = checkpoint_name(b.key, b.ctx, b.occurrence, indices)
             payload = {"block": b.key, "ctx": b.ctx, "occurrence": b.occurrence,
-                       "sig": signature(objs), "objs": list(objs),
+                       "sig": sig, "objs": list(objs),
                        "modes": module_modes(objs), "rng": rng_state()}
             try:
                 self.last_bytes[b.key] = self._materializer().submit(fname, payload)
@@ -621,6 +661,8 @@ class Session:
     def _capture(self, stream, text):
         if self.discard or not text:
             return
+        if stream == "stdout":
+            self._stdout_lines(text)
         top, it = self._top()
         last = self.pending_out[-1] if self.pending_out else None
         if (last is not None and last[3] == stream and last[4] == self.phase
@@ -631,9 +673,57 @@ class Session:
         self.pending_out.append([self.run_id, self.part, self.ord, stream, self.phase, top, it,
                                  text])
 
+    def _user_frame(self):
+        """The innermost frame running a file of the user's program."""
+        f = sys._getframe(3)
+        while f is not None:
+            fn = f.f_code.co_filename
+            mine = self._user_files.get(fn)
+            if mine is None:
+                path = os.path.abspath(fn)
+                mine = self._user_files[fn] = (
+                    path == self.script or (path.startswith(self.base + os.sep)
+                                            and not path.startswith(_FLOR_DIR)
+                                            and "site-packages" not in path))
+            if mine:
+                return f
+            f = f.f_back
+        return None
+
+    def _stdout_lines(self, text):
+        """Printed lines as values of their statement: ``stdout@file:line``,
+        compared by the deferred checks like flor.log values."""
+        frame = self._user_frame()
+        where = (self.site(frame), _dumps(self.ctx)) if frame is not None else None
+        if self._line is not None and self._line[0] != where:
+            self._emit_line()
+        if where is None:
+            return
+        if self._line is None:
+            self._line = [where, self.phase, self._top()[0], json.dumps(self._indices()), ""]
+        self._line[4] += text
+        while self._line is not None and "\n" in self._line[4]:
+            first, rest = self._line[4].split("\n", 1)
+            self._line[4] = first
+            self._emit_line()
+            if rest:
+                self._line = [where, self.phase, self._top()[0], json.dumps(self._indices()),
+                              rest]
+
+    def _emit_line(self):
+        (loc, ctx_json), phase, top, indices, text = self._line
+        self._line = None
+        name = f"stdout@{loc}"
+        seq = self._next("S", (name, loc), ctx_json)
+        self.ord += 1
+        self.pending_logs.append((self.run_id, self.part, self.ord, phase, top, ctx_json,
+                                  name, indices, seq, json.dumps(text), loc))
+
     def _flush(self):
         if self.mode == OFF:
             return
+        if self._line is not None:
+            self._emit_line()
         logs, out, dec, runs = self.pending_logs, self.pending_out, self.decisions, self.blockruns
         self.pending_logs, self.pending_out, self.decisions, self.blockruns = [], [], [], []
         self.store.add_logs(logs)
@@ -683,6 +773,8 @@ class Session:
                 iterations=main[3] if main else 0, versions=json.dumps(_versions()),
                 info=json.dumps({"failed_writes": [f[0] for f in failures], "threads": threads,
                                  "adaptive": self.machine.adaptive,
+                                 "hands_free": self.hands_free,
+                                 "captured": self.block_labels,
                                  "error": repr(error) if failed else None}))
         else:
             if not self.main_seen:
@@ -691,6 +783,7 @@ class Session:
             self.store.set_part(self.run_id, self.part, status, time.time() - self.started,
                                 {"reexecuted": self.reexecuted, "threads": threads,
                                  "main_seen": self.main_seen,
+                                 "captured": self.block_labels,
                                  "error": repr(error) if failed else None})
 
 

@@ -1,0 +1,438 @@
+"""Static side-effect analysis for hands-free mode (the Flor paper, Table 2).
+
+A block's *changeset* is what it may change that code after it can see.  The
+statements of the block are walked one by one; each activates at most one
+rule, in this order of precedence:
+
+    rule  statement                                   adds to the changeset
+    0     v1, ..., vn = ...   with some vi already in it   the other vi
+    1     v1, ..., vn = obj.method(...)               obj, v1, ..., vn
+    2     v1, ..., vn = func(...)                     v1, ..., vn
+    3     v1, ..., vn = expression                    v1, ..., vn
+    4     obj.method(...)                             obj
+    5     func(...)                                   nothing: no estimate
+
+Targets and receivers are *paths*: a name, then attributes and constant
+subscripts (``net``, ``self.best``, ``hist["acc"]``); a subscript by a
+variable stops the path at its container.  Names bound to modules, functions
+and classes (imports, ``def``, ``class``) are not state and are left out.
+
+Functions of the script itself.  A call to a function defined in the same
+file (at module level, or in the function that holds the block) is analysed
+through the function's body, recursively to MAX_DEPTH levels, wherever the
+call appears in a statement: what it does to its parameters counts as done
+to the caller's arguments, and the module globals it assigns (``global g``)
+or changes through a method call count as themselves.  Everything it does
+to its own locals is dropped.  The analysis *gives up* on a block, which is
+then left as ordinary code and re-executed on replay, never skipped, when:
+the block returns, yields or awaits; it, or a function it calls, uses
+``exec``, ``eval``, ``globals()``, ``locals()``, ``vars()`` or ``nonlocal``;
+the calls nest deeper than MAX_DEPTH or recurse; or an argument that a
+function changes is passed through ``*args``/``**kwargs``.
+
+Loop-scoped variables (assigned in the block, and read nowhere else in their
+scope, nor by a function of the script when the scope is the module) are
+then removed.  What remains is completed at run time with PyTorch's own
+relations (see handsfree.py): an optimizer adds its modules, a scheduler its
+optimizer, a GradScaler itself, and every checkpoint holds the random state.
+Calls to code outside the script (rule 5) are assumed not to change the
+caller's state except through their receiver; the deferred checks of replay
+catch the cases where that assumption fails.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+__all__ = ["Effects", "GiveUp", "Script", "block_effects", "path_of", "MAX_DEPTH"]
+
+MAX_DEPTH = 3
+OPAQUE = {"exec", "eval", "globals", "locals", "vars"}
+
+
+class GiveUp(Exception):
+    """The block's side effects cannot be estimated soundly."""
+
+
+@dataclass
+class Effects:
+    """A block's estimated changeset."""
+
+    paths: list[str] = field(default_factory=list)  # in the block's scope, in order
+    globals: list[str] = field(default_factory=list)  # module globals set by callees
+    rules: dict[str, int] = field(default_factory=dict)  # path -> rule that added it
+    assigned: set[str] = field(default_factory=set)  # paths the block rebinds
+    dropped: list[str] = field(default_factory=list)  # loop-scoped, removed
+    unknown: list[int] = field(default_factory=list)  # lines of calls with no estimate
+    calls: set[str] = field(default_factory=set)  # script functions called, transitively
+    reads: set[str] = field(default_factory=set)  # names the block references
+
+    def add(self, path, rule):
+        if path not in self.rules:
+            self.rules[path] = rule
+            self.paths.append(path)
+
+
+def path_of(node) -> str | None:
+    """``a``, ``a.b``, ``a["k"]``, ``a[0].b``; a non-constant subscript stops
+    the path at its container.  None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = path_of(node.value)
+        return f"{base}.{node.attr}" if base else None
+    if isinstance(node, ast.Subscript):
+        base = path_of(node.value)
+        if base is None:
+            return None
+        if isinstance(node.slice, ast.Constant) and isinstance(
+                node.slice.value, (int, str)) and not isinstance(node.slice.value, bool):
+            return f"{base}[{node.slice.value!r}]"
+        return base
+    if isinstance(node, ast.Starred):
+        return path_of(node.value)
+    return None
+
+
+def root(path: str) -> str:
+    for i, ch in enumerate(path):
+        if ch in ".[":
+            return path[:i]
+    return path
+
+
+def _targets(node) -> list:
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return [t for elt in node.elts for t in _targets(elt)]
+    return [node]
+
+
+def _walk_scope(nodes):
+    """Every node under `nodes`, not entering nested functions, classes or lambdas."""
+    stack = list(reversed(nodes))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def _simple_statements(stmts):
+    """The simple statements under `stmts`, in order, entering compound ones."""
+    for s in stmts:
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield s
+            continue
+        compound = False
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            sub = getattr(s, name, None)
+            if isinstance(sub, list) and sub:
+                compound = True
+        if not compound:
+            yield s
+            continue
+        yield s  # the header: for targets, with-as, except-as
+        for name in ("body", "handlers", "orelse", "finalbody", "cases"):
+            sub = getattr(s, name, None) or []
+            inner = []
+            for x in sub:
+                inner.extend(x.body if isinstance(x, (ast.ExceptHandler, ast.match_case))
+                             else [x])
+            yield from _simple_statements(inner)
+
+
+def assigned_names(nodes) -> set[str]:
+    out = set()
+    for n in _walk_scope(nodes):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            out.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            for a in n.names:
+                out.add((a.asname or a.name).split(".")[0])
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            out.add(n.name)
+    return out
+
+
+def loaded_names(nodes) -> set[str]:
+    """Names read under `nodes`, nested functions included."""
+    out = set()
+    for node in nodes:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                out.add(n.id)
+    return out
+
+
+def free_names(fn) -> set[str]:
+    """Names a function (or lambda) reads that are not its own locals."""
+    body = fn.body if isinstance(fn.body, list) else [fn.body]
+    a = fn.args
+    params = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+    params |= {x.arg for x in (a.vararg, a.kwarg) if x is not None}
+    declared = {g for m in _walk_scope(body) if isinstance(m, ast.Global) for g in m.names}
+    return loaded_names(body) - ((assigned_names(body) | params) - declared)
+
+
+def _not_state(tree) -> set[str]:
+    """Names bound at module level to modules, functions and classes."""
+    out = set()
+    for n in tree.body if isinstance(tree, ast.Module) else []:
+        for sub in ast.walk(n) if isinstance(n, (ast.If, ast.Try, ast.With)) else [n]:
+            if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                for a in sub.names:
+                    out.add((a.asname or a.name).split(".")[0])
+            elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(sub.name)
+    return out
+
+
+class Script:
+    """A parsed script: its module-level functions and what they change."""
+
+    def __init__(self, tree: ast.Module):
+        self.tree = tree
+        self.functions: dict[str, ast.FunctionDef | None] = {}
+        for n in _walk_scope(tree.body):
+            if isinstance(n, ast.FunctionDef):
+                # Defined twice: which definition runs is decided at run time.
+                self.functions[n.name] = None if n.name in self.functions else n
+        self.not_state = _not_state(tree)
+        self.global_reads: set[str] = set()  # module names that functions read
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                self.global_reads |= free_names(n)
+        self._summaries: dict = {}
+
+    # -- functions --------------------------------------------------------
+
+    def resolve(self, call: ast.Call, local_defs: dict) -> ast.FunctionDef | None:
+        if not isinstance(call.func, ast.Name):
+            return None
+        name = call.func.id
+        if name in local_defs:
+            return local_defs[name]
+        return self.functions.get(name)
+
+    def is_script_function(self, call, local_defs) -> bool:
+        return isinstance(call.func, ast.Name) and (
+            call.func.id in local_defs or call.func.id in self.functions)
+
+    def summary(self, fn: ast.FunctionDef, depth: int, stack: tuple):
+        """(params, keyword-only params, {param: suffixes of the paths it
+        changes}, module-global paths it changes, script functions it calls)."""
+        if fn is None:
+            raise GiveUp("a function of the script is defined more than once")
+        if fn in stack:
+            raise GiveUp(f"{fn.name}() is recursive")
+        if depth > MAX_DEPTH:
+            raise GiveUp(f"calls nest deeper than {MAX_DEPTH} levels ({fn.name})")
+        key = id(fn)
+        if key in self._summaries:
+            return self._summaries[key]
+        params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+        kwonly = [a.arg for a in fn.args.kwonlyargs]
+        variadic = {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None}
+        declared_global = {g for n in _walk_scope(fn.body) if isinstance(n, ast.Global)
+                           for g in n.names}
+        local_defs = {n.name: n for n in fn.body if isinstance(n, ast.FunctionDef)}
+        eff = Effects()
+        _collect(self, fn.body, eff, local_defs, depth, stack + (fn,))
+        assigned = assigned_names(fn.body) | set(params) | set(kwonly) | variadic
+        by_param: dict[str, list[str]] = {}
+        globals_ = list(eff.globals)
+        for p in eff.paths:
+            r = root(p)
+            if r in variadic:
+                raise GiveUp(f"{fn.name}() changes {p}, passed through *{r}")
+            if r in params or r in kwonly:
+                by_param.setdefault(r, []).append(p[len(r):])
+            elif r in declared_global or r not in assigned:
+                if r not in self.not_state:
+                    globals_.append(p)
+        out = (params, kwonly, by_param, globals_, eff.calls | {fn.name})
+        self._summaries[key] = out
+        return out
+
+    def has_loop(self, fn, seen=()) -> bool:
+        """Whether calling `fn` runs a loop (its body, or a script function it calls)."""
+        if fn is None or fn in seen:
+            return False
+        for n in _walk_scope(fn.body):
+            if isinstance(n, (ast.For, ast.While, ast.AsyncFor)):
+                return True
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+                callee = self.functions.get(n.func.id)
+                if callee is not None and self.has_loop(callee, seen + (fn,)):
+                    return True
+        return False
+
+
+def _apply_call(script, call, eff, local_defs, depth, stack):
+    """The effects of a call to a function of the script, on the caller's names."""
+    fn = script.resolve(call, local_defs)
+    if fn is None and not script.is_script_function(call, local_defs):
+        return False
+    params, kwonly, by_param, globals_, calls = script.summary(fn, depth + 1, stack)
+    eff.calls |= calls
+    for g in globals_:
+        if g not in eff.globals:
+            eff.globals.append(g)
+    if not by_param:
+        return True
+    bound: dict[str, ast.AST] = {}
+    splat = False
+    for i, a in enumerate(call.args):
+        if isinstance(a, ast.Starred):
+            splat = True
+            break
+        if i < len(params):
+            bound[params[i]] = a
+    for k in call.keywords:
+        if k.arg is None:
+            splat = True
+        else:
+            bound[k.arg] = k.value
+    for param, suffixes in by_param.items():
+        arg = bound.get(param)
+        if arg is None:
+            if splat:
+                raise GiveUp(f"{fn.name}() changes its argument {param!r}, "
+                             "passed here through *args or **kwargs")
+            continue  # the default value: not the caller's
+        base = path_of(arg)
+        if base is None:
+            continue  # a temporary: the change is not visible to the caller
+        whole = isinstance(arg, ast.Subscript) and not isinstance(arg.slice, ast.Constant)
+        for suffix in suffixes:
+            eff.add(base if whole else base + suffix, 2)
+    return True
+
+
+def _collect(script, stmts, eff, local_defs, depth, stack):
+    """Apply the rules to every statement under `stmts`."""
+    for s in stmts:
+        for n in _walk_scope([s]):
+            if isinstance(n, (ast.Return, ast.Yield, ast.YieldFrom, ast.Await)) and depth == 0:
+                raise GiveUp(f"line {n.lineno}: the block {type(n).__name__.lower()}s")
+            if isinstance(n, ast.Nonlocal):
+                raise GiveUp(f"line {n.lineno}: nonlocal")
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
+                    n.func.id in OPAQUE:
+                raise GiveUp(f"line {n.lineno}: {n.func.id}()")
+            if isinstance(n, ast.Name):
+                eff.reads.add(n.id)
+    for s in _simple_statements(stmts):
+        handled = set()
+        _rule(script, s, eff, local_defs, depth, stack, handled)
+        # Calls to the script's own functions anywhere in the statement.
+        for n in _walk_scope(_own_nodes(s)):
+            if isinstance(n, ast.Call) and id(n) not in handled:
+                _apply_call(script, n, eff, local_defs, depth, stack)
+
+
+def _own_nodes(s) -> list:
+    """A statement's own expressions: a compound statement's header, not its body."""
+    if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return []
+    bodies = ("body", "orelse", "finalbody", "handlers", "cases")
+    out = []
+    for name, value in ast.iter_fields(s):
+        if name in bodies:
+            continue
+        out.extend(value if isinstance(value, list) else [value])
+    return [n for n in out if isinstance(n, ast.AST)]
+
+
+def _add_targets(eff, targets, rule, script):
+    for t in targets:
+        for tt in _targets(t):
+            p = path_of(tt)
+            if p is not None and root(p) not in script.not_state:
+                eff.add(p, rule)
+                if not (isinstance(tt, ast.Subscript) and p == path_of(tt.value)):
+                    eff.assigned.add(p)  # rebound, not changed in place
+
+
+def _rule(script, s, eff, local_defs, depth, stack, handled):
+    value, targets = None, None
+    if isinstance(s, ast.Assign):
+        value, targets = s.value, s.targets
+    elif isinstance(s, ast.AugAssign):
+        value, targets = s.value, [s.target]
+    elif isinstance(s, ast.AnnAssign) and s.value is not None:
+        value, targets = s.value, [s.target]
+    elif isinstance(s, (ast.For, ast.AsyncFor)):
+        value, targets = None, [s.target]  # the loop variable: an assignment (rule 3)
+    elif isinstance(s, (ast.With, ast.AsyncWith)):
+        targets = [i.optional_vars for i in s.items if i.optional_vars is not None]
+    if targets is not None:
+        paths = [path_of(tt) for t in targets for tt in _targets(t)]
+        if any(p is not None and p in eff.rules for p in paths):
+            _add_targets(eff, targets, 0, script)  # rule 0
+            return
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+            obj = path_of(value.func.value)  # rule 1
+            if obj is not None and root(obj) not in script.not_state:
+                eff.add(obj, 1)
+            _add_targets(eff, targets, 1, script)
+            return
+        if isinstance(value, ast.Call):  # rule 2
+            _add_targets(eff, targets, 2, script)
+            if script.is_script_function(value, local_defs):
+                handled.add(id(value))
+                _apply_call(script, value, eff, local_defs, depth, stack)
+            return
+        _add_targets(eff, targets, 3, script)  # rule 3
+        return
+    if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
+        call = s.value
+        if isinstance(call.func, ast.Attribute):  # rule 4
+            obj = path_of(call.func.value)
+            if obj is not None and root(obj) not in script.not_state:
+                eff.add(obj, 4)
+            else:
+                eff.unknown.append(s.lineno)
+            return
+        handled.add(id(call))  # rule 5
+        if not _apply_call(script, call, eff, local_defs, depth, stack):
+            eff.unknown.append(s.lineno)
+
+
+def block_effects(script: Script, block: list, scope, local_defs=None) -> Effects:
+    """The changeset of the statements `block`, nested in `scope` (the
+    module, or the function holding them).  Raises GiveUp."""
+    local_defs = local_defs or {}
+    eff = Effects()
+    _collect(script, block, eff, local_defs, 0, ())
+    inside = assigned_names(block)
+    block_ids = {id(n) for b in block for n in ast.walk(b)}
+    outside = set()  # names read in the scope outside the block
+    for sub in _walk_scope(scope.body):
+        if id(sub) in block_ids:
+            continue
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
+            outside.add(sub.id)
+        elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            outside |= free_names(sub)
+    declared = {g for n in ast.walk(scope) if isinstance(n, (ast.Global, ast.Nonlocal))
+                for g in n.names} if not isinstance(scope, ast.Module) else set()
+    module_level = isinstance(scope, ast.Module)
+    kept = []
+    for p in eff.paths:
+        r = root(p)
+        scoped = (r in inside and r not in outside and r not in declared
+                  and not (module_level and r in script.global_reads))
+        if scoped:
+            eff.dropped.append(p)
+        else:
+            kept.append(p)
+    # A path under another kept path is captured with it.
+    eff.paths = [p for p in kept if not any(
+        q != p and (p.startswith(q + ".") or p.startswith(q + "[")) for q in kept)]
+    eff.globals = [g for g in eff.globals if not any(
+        q != g and (g.startswith(q + ".") or g.startswith(q + "[")) for q in eff.globals)]
+    return eff

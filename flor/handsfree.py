@@ -1,0 +1,239 @@
+"""The runtime of hands-free mode: what instrumented scripts call as ``__flor__``.
+
+instrument.py rewrites the script; this module runs it.  A candidate main
+loop is tracked (as by flor.generator) when it runs at the top level of the
+program, and is a plain loop otherwise (inside a function that a SkipBlock
+called, or a DataLoader worker).  Its blocks are SkipBlocks only while their
+own loop is tracked; otherwise they just run.
+
+At the end of a block the side-effect set from the static analysis is read
+from the caller's frame and completed with PyTorch's relations:
+
+- an optimizer brings the modules whose parameters it holds (found among the
+  caller's locals and the script's globals; parameters held by no module
+  found are captured as tensors);
+- an LR scheduler brings its optimizer (and so its modules);
+- a GradScaler in scope is included;
+- every checkpoint holds the random state (torch, CUDA, numpy, random).
+
+Names the block assigns are restored by rebinding them (modules, optimizers
+and other objects with ``load_state_dict`` are loaded in place); names it
+changes through method calls are restored in place.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import itertools
+import logging
+import os
+import sys
+import threading
+import types
+
+from .instrument import RUNTIME
+from .session import OFF, Session
+
+__all__ = ["UNBOUND", "loop", "step_into", "end", "abandon", "count", "run_script"]
+
+
+class _Unbound:
+    """The value of a name that was not bound when its block ended."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self):
+        return "UNBOUND"
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self):
+        return "<unbound>"
+
+
+UNBOUND = _Unbound()
+count = itertools.count
+_open: list = []  # per open step_into: True if it is a session SkipBlock
+_compiled: dict = {}
+
+# Values that are not training state: never captured.
+_NOT_STATE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+              types.MethodType, type, io.IOBase, logging.Logger, threading.Thread,
+              types.GeneratorType)
+_NOT_STATE_MODULES = ("tqdm", "torch.utils.tensorboard", "tensorboardX", "wandb",
+                      "torch.utils.data", "logging")
+
+
+def loop(iterable, key):
+    s = Session.get()
+    if s.mode == OFF or s.ctx:
+        return iterable
+    return s.loop(iterable, key, None)
+
+
+def step_into(key, owner) -> bool:
+    s = Session.get()
+    own = s.mode != OFF and bool(s.ctx) and s.ctx[-1][0] == "L" and s.ctx[-1][1] == owner
+    _open.append(own)
+    if not own:
+        return True
+    return s.step_into(key, False, sys._getframe(1))
+
+
+def abandon():
+    """The block's body raised: close it without a checkpoint."""
+    if _open and _open.pop():
+        Session.get().abandon()
+
+
+def _value(path, g, ns):
+    code = _compiled.get(path)
+    if code is None:
+        code = _compiled[path] = compile(path, "<flor path>", "eval")
+    try:
+        return eval(code, g, ns)
+    except (NameError, AttributeError, KeyError, IndexError, TypeError):
+        return UNBOUND
+
+
+def _set(path, value, g, ns):
+    node = ast.parse(path, mode="eval").body
+    container = _value(ast.unparse(node.value), g, ns)
+    if container is UNBOUND:
+        return
+    if isinstance(node, ast.Attribute):
+        setattr(container, node.attr, value)
+    else:
+        container[node.slice.value] = value
+
+
+def _state(value) -> bool:
+    """Whether to capture `value` (UNBOUND is captured, as a marker)."""
+    if value is UNBOUND:
+        return True
+    if isinstance(value, _NOT_STATE):
+        return False
+    mod = type(value).__module__ or ""
+    return not any(mod == m or mod.startswith(m + ".") for m in _NOT_STATE_MODULES)
+
+
+def _completion(values, ns, g):
+    """(label, object) pairs that PyTorch's relations add to `values`."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    have = {id(v) for v in values}
+    pool = []  # (name, object) of the caller's scope, then the script's globals
+    for space in (ns, g) if ns is not g else (g,):
+        for name in sorted(space):
+            pool.append((name, space[name]))
+    extra = []
+
+    def name_of(obj, fallback):
+        return next((name for name, o in pool if o is obj), fallback)
+
+    def add(label, obj):
+        if id(obj) not in have:
+            have.add(id(obj))
+            extra.append((label, obj))
+
+    optimizers = [v for v in values if isinstance(v, torch.optim.Optimizer)]
+    scheduler_types = tuple(t for t in (getattr(torch.optim.lr_scheduler, "LRScheduler", None),
+                                        getattr(torch.optim.lr_scheduler, "_LRScheduler", None),
+                                        getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau",
+                                                None)) if t is not None)
+    for v in values:
+        if isinstance(v, scheduler_types) and isinstance(
+                getattr(v, "optimizer", None), torch.optim.Optimizer):
+            add(f"{name_of(v.optimizer, 'optimizer')}: the optimizer of a scheduler",
+                v.optimizer)
+            if all(o is not v.optimizer for o in optimizers):
+                optimizers.append(v.optimizer)
+    for opt in optimizers:
+        params = {id(p) for group in opt.param_groups for p in group["params"]}
+        covered = set()
+        modules = []
+        for name, obj in pool:
+            if isinstance(obj, torch.nn.Module) and all(obj is not m for _, m in modules):
+                mine = {id(p) for p in obj.parameters()}
+                if mine & params:
+                    modules.append((name, obj))
+        # Keep the outermost: a submodule of a module kept is captured with it.
+        subs = {id(m) for _, o in modules for m in o.modules() if m is not o}
+        for name, obj in modules:
+            if id(obj) not in subs:
+                add(f"{name}: a module whose parameters an optimizer holds", obj)
+                covered |= {id(p) for p in obj.parameters()}
+        for v in values:
+            if isinstance(v, torch.nn.Module):
+                covered |= {id(p) for p in v.parameters()}
+        loose = [p for group in opt.param_groups for p in group["params"]
+                 if id(p) not in covered]
+        if loose:
+            named = sorted({name for name, o in pool for p in loose if o is p})
+            add(f"{', '.join(named) or 'parameters'}: parameters of an optimizer that no "
+                "module in scope holds", loose)
+    scalers = tuple(t for t in (getattr(getattr(torch, "amp", None), "GradScaler", None),
+                                getattr(getattr(torch.cuda, "amp", None), "GradScaler", None))
+                    if isinstance(t, type))
+    if scalers:
+        for name, obj in pool:
+            if isinstance(obj, scalers):
+                add(f"{name}: a GradScaler", obj)
+    return extra
+
+
+def end(key, names, paths, globals_, rebound):
+    """Close the block: checkpoint (record) or restore (replay, skipped) its
+    side effects, and return the values of `names` to rebind."""
+    own = _open.pop() if _open else False
+    frame = sys._getframe(1)
+    ns, g = frame.f_locals, frame.f_globals
+    name_values = [ns[n] if n in ns else g.get(n, UNBOUND) for n in names]
+    if not own:
+        return tuple(name_values)
+    s = Session.get()
+    items = [(n, v, n in rebound) for n, v in zip(names, name_values)]
+    items += [(p, _value(p, g, ns), p in rebound) for p in paths]
+    items += [(f"global {p}", _value(p, g, g), False) for p in globals_]
+    captured = [i for i, (_, v, _) in enumerate(items) if _state(v)]
+    objs = [items[i][1] for i in captured]
+    extra = _completion([o for o in objs if o is not UNBOUND], ns, g)
+    labels = [items[i][0] for i in captured] + [label for label, _ in extra]
+    s.block_labels.setdefault(key, labels)
+    out = s.end(objs + [o for _, o in extra], frame, sig=labels,
+                rebind=[items[i][2] for i in captured] + [False] * len(extra), as_list=True,
+                hint="record the script again, or add `# flor: skip` to the loop")
+    values = [v for _, v, _ in items]
+    for i, new in zip(captured, out):
+        values[i] = new
+    for i in range(len(names), len(items)):
+        label, old, _ = items[i]
+        if values[i] is not old and values[i] is not UNBOUND:
+            if not label.startswith("global "):
+                _set(label, values[i], g, ns)
+            elif "." in label or "[" in label:
+                _set(label[len("global "):], values[i], g, g)
+            else:
+                g[label[len("global "):]] = values[i]
+    return tuple(values[:len(names)])
+
+
+def run_script(path: str, inst, stderr):
+    """Run the instrumented code of `path` as ``__main__``; as run_main does."""
+    main = types.ModuleType("__main__")
+    main.__file__ = os.path.abspath(path)
+    main.__builtins__ = __builtins__
+    main.__dict__[RUNTIME] = sys.modules[__name__]
+    # Kept as __main__ after the run: objects the script defined pickle by name.
+    sys.modules["__main__"] = main
+    exec(inst.code, main.__dict__)

@@ -1,0 +1,319 @@
+"""Hands-free mode: instrument an unmodified training script in memory.
+
+Every loop that is not nested in another loop of its function (or of the
+module) is a *candidate main loop*: its iterator is wrapped so that flor
+times it and, when it runs at the top level of the program, tracks its
+iterations as ``flor.generator`` does.  The longest-running one is the main
+loop, which replay splits among workers.  A ``while`` loop becomes
+
+    for __flor_i in __flor__.loop(__flor__.count(), KEY):
+        if not (CONDITION):
+            ELSE-CLAUSE
+            break
+        BODY
+
+Inside a candidate's body, each nested loop, and each call of a function of
+the script that runs a loop (``train(model, loader, opt)``,
+``acc = evaluate(model, loader)``), becomes a SkipBlock whose side effects are
+estimated by analysis.py:
+
+    if __flor__.step_into(KEY, OWNER):
+        try:
+            STATEMENT
+        except BaseException:
+            __flor__.abandon()
+            raise
+    a, b = __flor__.end(KEY, ("a", "b"), PATHS, GLOBALS, REBOUND)
+
+Generated nodes carry the line of the statement they wrap, so tracebacks,
+``flor.log`` locations and checks use the user's own line numbers.  A loop
+whose line (or the line above it) has the comment ``# flor: skip`` is left
+alone, and so is one whose analysis gives up: it then runs on replay too.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+
+from .analysis import GiveUp, Script, block_effects, root
+
+__all__ = ["instrument", "Instrumented", "uses_flor", "RUNTIME"]
+
+RUNTIME = "__flor__"
+SKIP_COMMENT = re.compile(r"#\s*flor:\s*skip\b")
+LOOPS = (ast.For, ast.While)
+
+
+@dataclass
+class Block:
+    key: str
+    line: int
+    end_line: int
+    owner: str  # the candidate loop it belongs to
+    kind: str  # "loop" or "call"
+    names: list  # rebound in the block's scope by the end() statement
+    paths: list  # attributes and items, set in place or by the runtime
+    globals: list  # module globals a called function sets
+    rebound: list  # paths the block assigns (restored by rebinding)
+    dropped: list  # loop-scoped, removed
+    unknown: list  # lines of calls with no estimate
+    calls: list  # simple names the block calls
+    reads: list  # names the block references
+
+
+@dataclass
+class Loop:
+    key: str
+    line: int
+    end_line: int
+    function: str  # "<module>" or the qualified name
+
+
+@dataclass
+class Instrumented:
+    code: object
+    text: str  # the instrumented source (ast.unparse), saved with the run
+    loops: list = field(default_factory=list)
+    blocks: list = field(default_factory=list)
+    left_alone: list = field(default_factory=list)  # (line, reason)
+    functions: dict = field(default_factory=dict)  # qualname -> (first, last, calls)
+
+    def summary(self) -> dict:
+        return {"loops": [vars(x) for x in self.loops],
+                "blocks": [vars(b) for b in self.blocks],
+                "left_alone": [list(x) for x in self.left_alone],
+                "functions": {k: list(v[:2]) + [sorted(v[2])]
+                              for k, v in self.functions.items()}}
+
+
+def uses_flor(source: str) -> bool:
+    """Whether the script imports flor (then it uses the manual API)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import) and any(a.name.split(".")[0] == "flor" for a in n.names):
+            return True
+        if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "flor" \
+                and n.level == 0:
+            return True
+    return False
+
+
+def _called_names(nodes) -> set:
+    out = set()
+    for node in nodes:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call):
+                if isinstance(n.func, ast.Name):
+                    out.add(n.func.id)
+                elif isinstance(n.func, ast.Attribute):
+                    out.add(n.func.attr)
+    return out
+
+
+def _rt(attr):
+    return ast.Attribute(value=ast.Name(id=RUNTIME, ctx=ast.Load()), attr=attr, ctx=ast.Load())
+
+
+def _call(attr, *args):
+    return ast.Call(func=_rt(attr), args=list(args), keywords=[])
+
+
+def _strs(items):
+    return ast.Tuple(elts=[ast.Constant(value=x) for x in items], ctx=ast.Load())
+
+
+def _at(node, line):
+    """Give `node` and everything under it that lacks one the location `line`."""
+    for n in ast.walk(node):
+        if "lineno" in n._attributes and getattr(n, "lineno", None) is None:
+            n.lineno, n.end_lineno, n.col_offset, n.end_col_offset = line, line, 0, 0
+    return node
+
+
+def _break_or_continue_outside_loops(stmts) -> bool:
+    stack = list(stmts)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.Break, ast.Continue)):
+            return True
+        if isinstance(n, (ast.For, ast.While, ast.AsyncFor, ast.FunctionDef,
+                          ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        stack.extend(ast.iter_child_nodes(n))
+    return False
+
+
+class _Instrumenter:
+    def __init__(self, source, filename, key_of):
+        self.tree = ast.parse(source, filename)
+        self.lines = source.splitlines()
+        self.key_of = key_of
+        self.script = Script(self.tree)
+        self.out = None
+
+    def opted_out(self, node) -> bool:
+        for ln in (node.lineno, node.lineno - 1):
+            if 1 <= ln <= len(self.lines) and SKIP_COMMENT.search(self.lines[ln - 1]):
+                return True
+        return False
+
+    def run(self, filename) -> Instrumented:
+        self.out = Instrumented(code=None, text="")
+        self._functions(self.tree, "")
+        self.tree.body = self._scope(self.tree.body, self.tree, "<module>", {})
+        ast.fix_missing_locations(self.tree)
+        self.out.code = compile(self.tree, filename, "exec", dont_inherit=True)
+        self.out.text = ast.unparse(self.tree)
+        return self.out
+
+    def _functions(self, node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                q = prefix + child.name
+                self.out.functions[q] = (child.lineno, child.end_lineno,
+                                         _called_names(child.body))
+                self._functions(child, q + ".")
+            elif isinstance(child, ast.ClassDef):
+                self._functions(child, prefix + child.name + ".")
+            else:
+                self._functions(child, prefix)
+
+    # -- scopes and candidate main loops ------------------------------------
+
+    def _scope(self, stmts, scope, qualname, local_defs):
+        """Instrument the statements of a scope (module or function body)."""
+        out = []
+        for s in stmts:
+            if isinstance(s, ast.FunctionDef):
+                if not any(isinstance(n, (ast.Yield, ast.YieldFrom))
+                           for n in _scope_nodes(s.body)):
+                    defs = {n.name: n for n in s.body if isinstance(n, ast.FunctionDef)}
+                    s.body = self._scope(s.body, s, _q(qualname, s.name), defs)
+                out.append(s)
+            elif isinstance(s, ast.ClassDef):
+                for i, m in enumerate(s.body):
+                    if isinstance(m, ast.FunctionDef):
+                        s.body[i:i + 1] = self._scope([m], scope, _q(qualname, s.name), {})
+                out.append(s)
+            elif isinstance(s, LOOPS):
+                out.extend(self._candidate(s, scope, qualname, local_defs))
+            else:
+                for name in ("body", "orelse", "finalbody"):
+                    sub = getattr(s, name, None)
+                    if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+                        setattr(s, name, self._scope(sub, scope, qualname, local_defs))
+                for h in getattr(s, "handlers", []) or []:
+                    h.body = self._scope(h.body, scope, qualname, local_defs)
+                for c in getattr(s, "cases", []) or []:
+                    c.body = self._scope(c.body, scope, qualname, local_defs)
+                out.append(s)
+        return out
+
+    def _candidate(self, loop, scope, qualname, local_defs):
+        if self.opted_out(loop):
+            self.out.left_alone.append((loop.lineno, "# flor: skip"))
+            return [loop]
+        if isinstance(loop, ast.While) and loop.orelse and \
+                _break_or_continue_outside_loops(loop.orelse):
+            self.out.left_alone.append((loop.lineno, "its else clause breaks or continues"))
+            return [loop]
+        key = self.key_of(loop.lineno)
+        self.out.loops.append(Loop(key, loop.lineno, loop.end_lineno, qualname))
+        loop.body = self._main_body(loop.body, key, scope, local_defs)
+        line = loop.lineno
+        if isinstance(loop, ast.For):
+            loop.iter = _at(_call("loop", loop.iter, ast.Constant(value=key)), line)
+            return [loop]
+        test = ast.If(test=ast.UnaryOp(op=ast.Not(), operand=loop.test),
+                      body=list(loop.orelse) + [ast.Break()], orelse=[])
+        new = ast.For(target=ast.Name(id="__flor_i", ctx=ast.Store()),
+                      iter=_call("loop", _call("count"), ast.Constant(value=key)),
+                      body=[test] + loop.body, orelse=[], type_comment=None)
+        return [_at(ast.copy_location(new, loop), line)]
+
+    # -- blocks ---------------------------------------------------------------
+
+    def _main_body(self, stmts, owner, scope, local_defs):
+        out = []
+        for s in stmts:
+            if isinstance(s, LOOPS) or isinstance(s, ast.AsyncFor):
+                out.extend(self._block(s, "loop", owner, scope, local_defs))
+            elif self._loop_call(s, local_defs):
+                out.extend(self._block(s, "call", owner, scope, local_defs))
+            elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.append(s)
+            else:
+                for name in ("body", "orelse", "finalbody"):
+                    sub = getattr(s, name, None)
+                    if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+                        setattr(s, name, self._main_body(sub, owner, scope, local_defs))
+                for h in getattr(s, "handlers", []) or []:
+                    h.body = self._main_body(h.body, owner, scope, local_defs)
+                for c in getattr(s, "cases", []) or []:
+                    c.body = self._main_body(c.body, owner, scope, local_defs)
+                out.append(s)
+        return out
+
+    def _loop_call(self, s, local_defs) -> bool:
+        """`f(...)` or `targets = f(...)` where f is a function of the script
+        that runs a loop."""
+        value = s.value if isinstance(s, (ast.Expr, ast.Assign, ast.AugAssign,
+                                          ast.AnnAssign)) else None
+        if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Name):
+            return False
+        fn = local_defs.get(value.func.id) or self.script.functions.get(value.func.id)
+        return fn is not None and self.script.has_loop(fn)
+
+    def _block(self, s, kind, owner, scope, local_defs):
+        line = s.lineno
+        if self.opted_out(s):
+            self.out.left_alone.append((line, "# flor: skip"))
+            return [s]
+        try:
+            eff = block_effects(self.script, [s], scope, local_defs)
+        except GiveUp as e:
+            self.out.left_alone.append((line, f"analysis gave up: {e}"))
+            return [s]
+        key = self.key_of(line)
+        names = [p for p in eff.paths if p == root(p)]
+        paths = [p for p in eff.paths if p != root(p)]
+        rebound = [p for p in eff.paths if p in eff.assigned]
+        self.out.blocks.append(Block(
+            key=key, line=line, end_line=s.end_lineno, owner=owner, kind=kind, names=names,
+            paths=paths, globals=list(eff.globals), rebound=rebound, dropped=eff.dropped,
+            unknown=eff.unknown, calls=sorted(_called_names([s])), reads=sorted(eff.reads)))
+        guarded = ast.If(
+            test=_call("step_into", ast.Constant(value=key), ast.Constant(value=owner)),
+            body=[ast.Try(body=[s], handlers=[ast.ExceptHandler(
+                type=ast.Name(id="BaseException", ctx=ast.Load()), name=None,
+                body=[ast.Expr(value=_call("abandon")), ast.Raise(exc=None, cause=None)])],
+                orelse=[], finalbody=[])],
+            orelse=[])
+        end = _call("end", ast.Constant(value=key), _strs(names), _strs(paths),
+                    _strs(eff.globals), _strs(rebound))
+        if names:
+            after = ast.Assign(targets=[ast.Tuple(
+                elts=[ast.Name(id=n, ctx=ast.Store()) for n in names], ctx=ast.Store())],
+                value=end, type_comment=None)
+        else:
+            after = ast.Expr(value=end)
+        return [_at(guarded, line), _at(after, s.end_lineno)]
+
+
+def _scope_nodes(stmts):
+    from .analysis import _walk_scope
+
+    return _walk_scope(stmts)
+
+
+def _q(prefix, name):
+    return name if prefix == "<module>" else f"{prefix}.{name}"
+
+
+def instrument(source: str, filename: str, key_of) -> Instrumented:
+    """Instrument `source`; `key_of(line)` names the loop or block at a line."""
+    return _Instrumenter(source, filename, key_of).run(filename)

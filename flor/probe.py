@@ -1,0 +1,160 @@
+"""Probe detection for hands-free replay: what the user changed, and where.
+
+The recorded and current scripts are flattened into statements (a compound
+statement contributes its header, then its body one level deeper) and
+matched in order.  An added statement is a *hindsight statement* when it is
+log-like: an expression statement that assigns nothing and calls ``print``,
+``flor.log``, ``logging.*`` or a logger, a TensorBoard ``SummaryWriter.add_*``,
+``wandb.log`` or another ``*.log*`` function.  Added imports are allowed too.
+Everything else (assignments, control flow, changed arguments, deletions)
+is an *other change*: replay warns, listing them, or refuses with --strict.
+
+A block is stepped into when a change lies inside it, or inside a function
+of the script that the block calls (directly or through other functions);
+every other block is skipped.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+from dataclasses import dataclass, field
+
+__all__ = ["Probe", "detect", "is_log_like"]
+
+_LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
+
+
+@dataclass
+class Probe:
+    probed: set = field(default_factory=set)  # block keys to step into
+    hindsight: list = field(default_factory=list)  # (line, source) in the current file
+    other: list = field(default_factory=list)  # (line, description)
+
+
+def _dotted(node):
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    if isinstance(node, ast.Call):  # logging.getLogger(__name__).info(...)
+        inner = _dotted(node.func)
+        return f"{inner}()" + ("." + ".".join(reversed(parts)) if parts else "") \
+            if inner else None
+    return None
+
+
+def is_log_like(stmt) -> bool:
+    """An expression statement that calls a logging function and assigns nothing."""
+    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return False
+    if any(isinstance(n, ast.NamedExpr) for n in ast.walk(stmt)):
+        return False
+    name = _dotted(stmt.value.func)
+    if name is None:
+        return False
+    last = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 1)[0].lower() if "." in name else ""
+    if name in ("print", "pprint", "pprint.pprint"):
+        return True
+    if last.startswith("log") and owner:  # flor.log, wandb.log, mlflow.log_metric, run.log
+        return True
+    if last.startswith("add_") and owner:  # SummaryWriter.add_scalar, add_histogram, ...
+        return True
+    if last in _LOGGER_METHODS and ("log" in owner or owner.endswith("getlogger()")):
+        return True  # logging.info, logger.info, log.warning
+    return False
+
+
+def _header(stmt) -> str:
+    """ast.dump of a compound statement without its bodies."""
+    import copy
+
+    head = copy.copy(stmt)
+    for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+        if hasattr(head, name):
+            setattr(head, name, [])
+    return ast.dump(head)
+
+
+def _flatten(stmts, depth, out):
+    for s in stmts:
+        compound = any(isinstance(getattr(s, f, None), list) and getattr(s, f)
+                       and isinstance(getattr(s, f)[0], (ast.stmt, ast.excepthandler,
+                                                          ast.match_case))
+                       for f in ("body", "orelse", "finalbody", "handlers", "cases"))
+        if not compound:
+            out.append((f"{depth}|{ast.dump(s)}", s, depth))
+            continue
+        out.append((f"{depth}|{_header(s)}", s, depth))
+        for f in ("body", "handlers", "orelse", "finalbody", "cases"):
+            sub = getattr(s, f, None) or []
+            if f in ("orelse", "finalbody") and sub:
+                out.append((f"{depth + 1}|<{f}>", s, depth + 1))
+            for x in sub:
+                if isinstance(x, (ast.ExceptHandler, ast.match_case)):
+                    out.append((f"{depth + 1}|{_header(x)}", x, depth + 1))
+                    _flatten(x.body, depth + 2, out)
+                else:
+                    _flatten([x], depth + 1, out)
+    return out
+
+
+def _describe(node, lines) -> str:
+    line = getattr(node, "lineno", None)
+    text = lines[line - 1].strip() if line and line <= len(lines) else type(node).__name__
+    return text
+
+
+def detect(old_source: str, new_source: str, inst) -> Probe:
+    """Compare the recorded and current scripts.  `inst` is the instrumented
+    current script (its blocks and functions, in current line numbers)."""
+    old = _flatten(ast.parse(old_source).body, 0, [])
+    new = _flatten(ast.parse(new_source).body, 0, [])
+    old_lines, new_lines = old_source.splitlines(), new_source.splitlines()
+    probe = Probe()
+    changed_lines = []
+    sm = difflib.SequenceMatcher(None, [t for t, _, _ in old], [t for t, _, _ in new],
+                                 autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            continue
+        for _, node, _ in new[j1:j2]:
+            line = getattr(node, "lineno", None)
+            if tag == "insert" and is_log_like(node):
+                probe.hindsight.append((line, _describe(node, new_lines)))
+            elif tag == "insert" and isinstance(node, (ast.Import, ast.ImportFrom)):
+                pass  # an import for a hindsight statement
+            else:
+                probe.other.append((line, ("changed: " if tag == "replace" else "added: ")
+                                    + _describe(node, new_lines)))
+            if line is not None:
+                changed_lines.append(line)
+        if tag in ("delete", "replace") and i2 > i1:
+            at = new[j1][1] if j1 < len(new) else (new[-1][1] if new else None)
+            line = getattr(at, "lineno", None)
+            for _, node, _ in old[i1:i2]:
+                if tag == "delete":
+                    probe.other.append((line, "removed: " + _describe(node, old_lines)))
+            if line is not None:
+                changed_lines.append(line)
+    probe.other = [x for x in probe.other if not x[1].startswith("changed: <")]
+    # Functions whose body changed, then every function that calls them.
+    affected = set()
+    for qual, (first, last, _) in inst.functions.items():
+        if any(first <= ln <= last for ln in changed_lines):
+            affected.add(qual.rsplit(".", 1)[-1])
+    grew = True
+    while grew:
+        grew = False
+        for qual, (_, _, calls) in inst.functions.items():
+            simple = qual.rsplit(".", 1)[-1]
+            if simple not in affected and set(calls) & affected:
+                affected.add(simple)
+                grew = True
+    for b in inst.blocks:
+        if any(b.line <= ln <= b.end_line for ln in changed_lines) or set(b.calls) & affected:
+            probe.probed.add(b.key)
+    return probe
