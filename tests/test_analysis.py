@@ -1,0 +1,282 @@
+"""The static side-effect analysis of hands-free mode (the Flor paper's
+Table 2 rules, loop-scoped filtering, the script's own functions), probe
+detection, and the deferred checks' value comparison, on small snippets."""
+import ast
+import textwrap
+
+import pytest
+
+from flor.analysis import Script, block_effects
+from flor.checks import equal
+from flor.instrument import instrument, uses_flor
+from flor.probe import detect, is_log_like
+
+
+def effects(src, after="print(everything_read_after)"):
+    """Effects of the first loop nested in the last top-level loop of src."""
+    tree = ast.parse(textwrap.dedent(src) + "\n" + after)
+    main = [n for n in tree.body if isinstance(n, (ast.For, ast.While))][-1]
+    block = next(n for n in main.body if isinstance(n, (ast.For, ast.While, ast.Expr,
+                                                         ast.Assign)))
+    return block_effects(Script(tree), [block], tree)
+
+
+def test_rule_1_method_call_assignment_adds_receiver_and_targets():
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                out = model.forward(x)
+        """, "print(out)")
+    assert e.rules == {"model": 1, "out": 1, "x": 3}
+    assert e.paths == ["model", "out"] and e.dropped == ["x"]
+    assert e.assigned == {"out", "x"}
+
+
+def test_rule_2_function_call_assignment_adds_only_targets():
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                y = transform(model, x)
+        """, "print(y)")
+    assert e.paths == ["y"] and e.rules["y"] == 2 and "model" not in e.rules
+
+
+def test_rule_3_plain_assignment_and_augmented_assignment():
+    e = effects("""
+        total = 0
+        for ep in range(2):
+            for x in data:
+                total += x
+                stats["n"] = x
+                hist[ep] = x
+                self_like.best = x
+        """, "print(total, stats, hist, self_like)")
+    assert e.paths == ["total", "stats['n']", "hist", "self_like.best"]
+    assert e.assigned == {"total", "stats['n']", "self_like.best", "x"}  # hist: in place
+
+
+def test_rule_4_method_call_statement_adds_receiver():
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                optimizer.step()
+                sched.net.train()
+        """)
+    assert e.paths == ["optimizer", "sched.net"] and e.rules["optimizer"] == 4
+    assert not e.assigned - {"x"}
+
+
+def test_rule_5_unknown_function_call_has_no_estimate():
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                clip_grads(model, 1.0)
+        """)
+    assert e.paths == [] and e.unknown == [4]
+
+
+def test_rule_0_has_precedence_over_rule_1():
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                h = 0
+                h = rnn.step(h)
+        """, "print(h)")
+    assert e.rules == {"h": 3, "x": 3}  # rnn is not added: h was already in the set
+
+
+def test_imports_functions_and_classes_are_not_state():
+    e = effects("""
+        import torch
+        import numpy as np
+        def f(): pass
+        for ep in range(2):
+            for x in data:
+                torch.manual_seed(x)
+                np.random.shuffle(x)
+                f.cache = 1
+        """)
+    assert e.paths == []
+
+
+def test_loop_scoped_variables_are_removed_unless_read_after():
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                loss = crit(x)
+                last = loss
+        """, "print(last)")
+    assert e.paths == ["last"] and set(e.dropped) == {"x", "loss"}
+
+
+def test_a_variable_read_by_a_function_of_the_script_is_not_loop_scoped():
+    e = effects("""
+        def report():
+            return seen
+        for ep in range(2):
+            for x in data:
+                seen = x
+        """)
+    assert e.paths == ["seen"]
+
+
+def test_called_function_mutating_arguments_and_assigning_globals():
+    e = effects("""
+        steps = 0
+        def train(model, loader, opt, log=None):
+            global steps
+            model.train()
+            for xb in loader:
+                opt.step()
+                steps += 1
+            history.append(1)
+            local = []
+            local.append(2)
+        for ep in range(2):
+            train(net, loader, optimizer)
+        """)
+    assert e.paths == ["net", "optimizer"]
+    assert e.globals == ["steps", "history"]
+    assert e.calls == {"train"}
+
+
+def test_called_functions_are_analysed_more_than_one_level_deep():
+    e = effects("""
+        def inner(o):
+            o.step()
+        def outer(opt):
+            for i in range(3):
+                inner(opt)
+        for ep in range(2):
+            r = outer(the_opt)
+        """, "print(r)")
+    assert e.paths == ["r", "the_opt"] and e.calls == {"inner", "outer"}
+
+
+@pytest.mark.parametrize("src, reason", [
+    ("""
+        def f(x):
+            for i in x:
+                pass
+            return f(x)
+        for ep in range(2):
+            f(net)
+        """, "recursive"),
+    ("""
+        def f(opt):
+            for i in range(2):
+                opt.step()
+        for ep in range(2):
+            f(*args)
+        """, "*args"),
+    ("""
+        def run():
+            for ep in range(2):
+                for x in data:
+                    return x
+        run()
+        """, "return"),
+    ("""
+        for ep in range(2):
+            for x in data:
+                exec("y = 1")
+        """, "exec"),
+])
+def test_the_analysis_gives_up_where_it_cannot_be_sound(src, reason):
+    tree = ast.parse(textwrap.dedent(src))
+    inst = instrument(textwrap.dedent(src), "s.py", lambda line: f"s.py:{line}")
+    assert not inst.blocks
+    assert any(reason in why for _, why in inst.left_alone), inst.left_alone
+    assert tree is not None
+
+
+def test_instrumentation_finds_main_loop_candidates_and_blocks():
+    src = textwrap.dedent("""
+        import torch
+
+        def evaluate(model, data):
+            for x in data:
+                model(x)
+
+        def main():
+            for epoch in range(3):
+                for x in data:
+                    opt.step()
+                acc = evaluate(model, data)
+                print(acc)
+
+        def batches():
+            for x in data:
+                yield x
+
+        if __name__ == "__main__":
+            main()
+    """)
+    inst = instrument(src, "s.py", lambda line: f"s.py:{line}")
+    assert [(l.key, l.function) for l in inst.loops] == [("s.py:5", "evaluate"),
+                                                         ("s.py:9", "main")]
+    assert [(b.key, b.kind, b.owner, b.names) for b in inst.blocks] == [
+        ("s.py:10", "loop", "s.py:9", ["opt"]), ("s.py:12", "call", "s.py:9", ["acc"])]
+    assert "__flor__.loop(range(3), 's.py:9')" in inst.text
+
+
+def test_while_loops_become_tracked_for_loops():
+    src = "i = 0\nwhile i < 3:\n    i += 1\nelse:\n    print('done', i)\n"
+    inst = instrument(src, "w.py", lambda line: f"w.py:{line}")
+    assert [l.key for l in inst.loops] == ["w.py:2"]
+    ns = {}
+    import io
+    import contextlib
+
+    import flor.handsfree as rt
+    ns["__flor__"] = rt
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(inst.code, ns)
+    assert out.getvalue() == "done 3\n" and ns["i"] == 3
+
+
+def test_uses_flor():
+    assert uses_flor("import flor\n") and uses_flor("from flor import log\n")
+    assert not uses_flor("import torch\nflorish = 1\n")
+
+
+@pytest.mark.parametrize("stmt, hindsight", [
+    ("print(x)", True), ("flor.log('loss', loss)", True), ("logging.info('x %s', x)", True),
+    ("logger.warning(x)", True), ("writer.add_scalar('loss', loss, step)", True),
+    ("wandb.log({'loss': loss})", True), ("print(y := 3)", False), ("x = print(x)", False),
+    ("optimizer.step()", False), ("model.train()", False), ("f(x)", False),
+])
+def test_log_like_statements(stmt, hindsight):
+    assert is_log_like(ast.parse(stmt).body[0]) is hindsight
+
+
+def test_probe_detection_steps_into_blocks_that_reach_a_changed_function():
+    old = textwrap.dedent("""
+        def train(model, data):
+            for x in data:
+                model.step(x)
+        for epoch in range(3):
+            train(net, data)
+            for y in val:
+                net.score(y)
+    """)
+    new = old.replace("        model.step(x)", "        model.step(x)\n        print(x)")
+    inst = instrument(new, "s.py", lambda line: f"s.py:{line}")
+    probe = detect(old, new, inst)
+    assert probe.probed == {"s.py:7"} and probe.other == []  # the call of train()
+    assert probe.hindsight == [(5, "print(x)")]
+    edited = new.replace("for y in val:", "for y in val[:2]:")
+    probe = detect(old, edited, instrument(edited, "s.py", lambda line: f"s.py:{line}"))
+    assert probe.probed == {"s.py:7", "s.py:8"}
+    assert probe.other == [(8, "changed: for y in val[:2]:")]
+
+
+def test_value_comparison_is_exact_unless_a_tolerance_is_given():
+    assert not equal(0.1 + 0.2, 0.3)
+    assert equal(0.1 + 0.2, 0.3, 1e-9)
+    assert not equal(1.0, 1.1, 1e-3)
+    assert equal("loss 0.30000000000000004 acc 5", "loss 0.3 acc 5", 1e-9)
+    assert not equal("loss 0.3 acc 5", "loss 0.3 acc 6", 1e-9)
+    assert not equal("loss 0.3", "lost 0.3", 1e-9)
+    assert equal([1.0, {"a": 2.0}], [1.0 + 1e-12, {"a": 2.0}], 1e-9)

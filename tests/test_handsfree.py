@@ -1,0 +1,190 @@
+"""Hands-free mode end to end: unmodified scripts recorded with
+`python -m flor record`, then replayed after adding hindsight statements.
+
+Each script in tests/scripts/handsfree is recorded once; then a statement is
+added inside its inner (training) loop, and, separately, one in its epoch
+loop.  Every replay must print exactly what a plain `python` run of the
+edited script prints, and its deferred checks must pass."""
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from conftest import ROOT, block_stats, edit, flor, plain, read, runs, store, values, write_script
+
+HF = os.path.join(ROOT, "tests", "scripts", "handsfree")
+
+GRAD = 'print(f"  grad {%s[0].weight.grad.norm().item():.6f}")'
+WSUM = 'print(f"  wsum {%s[0].weight.sum().item():.6f}")'
+
+# script, args, (inner anchor, statement), (epoch anchor, statement, after)
+CASES = {
+    "module_level.py": ([], ("loss.backward()", GRAD % "net"),
+                        ("acc = (net(X)", WSUM % "net", True)),
+    "main_argparse.py": (["--epochs", "3"], ("loss.backward()", GRAD % "model"),
+                         ("best = max(best, acc)", WSUM % "model", True)),
+    "functions.py": ([], ("loss.backward()", GRAD % "model"),
+                     ("val_acc = evaluate(", WSUM % "net", True)),
+    "early_stop.py": ([], ("loss.backward()", 'print(f"  loss {loss.item():.6f}")'),
+                      ("epoch += 1", WSUM % "model", False)),
+    "scheduler_dropout.py": ([], ("loss.backward()", GRAD % "net"),
+                             ("sched.step()", 'print(f"  lr {opt.param_groups[0][\'lr\']:.6f}")',
+                              True)),
+}
+
+
+def _printed_by(stmt, output):
+    """The lines of `output` that the print statement `stmt` wrote."""
+    prefix = re.match(r'print\(f"([^{]*)\{', stmt).group(1)
+    return [l for l in output.splitlines() if l.startswith(prefix)]
+
+
+def _line_of(path, text):
+    return next(i for i, l in enumerate(read(path).splitlines(), 1) if l.strip() == text)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hands_free_record_and_hindsight_replay(tmp_path, name):
+    args, (inner_at, inner), (epoch_at, epoch_stmt, after) = CASES[name]
+    d = str(tmp_path)
+    path = os.path.join(d, name)
+    shutil.copy(os.path.join(HF, name), path)
+    original = read(path)
+    assert "flor" not in original
+
+    rec = flor(d, "record", name, *args)
+    assert rec.stdout == plain(d, name, *args).stdout
+    st = store(d)
+    (run,) = runs(st, "record")
+    assert json.loads(run["info"])["hands_free"] is True
+    assert os.path.isfile(os.path.join(st.run_dir(run["run_id"]), "instrumented.py"))
+    summary = json.loads(read(os.path.join(st.run_dir(run["run_id"]), "handsfree.json")))
+    assert summary["blocks"], summary
+
+    # A statement in the inner loop: its block is stepped into, in 2 workers.
+    edit(path, inner_at, inner)
+    want = plain(d, name, *args).stdout
+    assert "grad" in want or "  loss" in want
+    rep = flor(d, "replay", "--jobs", "2", name, *args)
+    assert rep.stdout == want
+    assert "stepping into changed blocks" in rep.stderr
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    assert "WARNING" not in rep.stderr
+    replay_id = runs(st, "replay")[-1]["run_id"]
+    line = _line_of(path, inner)
+    stored = values(st, replay_id, f"stdout@{name}:new:{line}")
+    assert [v for _, _, v in stored] == _printed_by(inner, want)
+
+    # A statement in the epoch loop: every block is skipped (restored).
+    with open(path, "w") as f:
+        f.write(original)
+    edit(path, epoch_at, epoch_stmt, after=after)
+    want = plain(d, name, *args).stdout
+    rep = flor(d, "replay", name, *args)
+    assert rep.stdout == want
+    assert "no block changed: every block is skipped" in rep.stderr
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    replay_id = runs(st, "replay")[-1]["run_id"]
+    skipped = sum(block_stats(st, replay_id, b["key"])["skips"] for b in summary["blocks"])
+    assert skipped >= 1
+    line = _line_of(path, epoch_stmt)
+    stored = values(st, replay_id, f"stdout@{name}:new:{line}")
+    assert [v for _, _, v in stored] == _printed_by(epoch_stmt, want)
+
+
+def test_state_the_analysis_cannot_see_is_reported(tmp_path):
+    """A module-level counter changed by a helper of another module is not in
+    the block's side-effect set: the deferred checks must say so."""
+    d = str(tmp_path)
+    write_script(d, "helpers.py", """
+        COUNT = 0
+
+
+        def bump():
+            global COUNT
+            COUNT += 1
+    """)
+    write_script(d, "train.py", """
+        import torch
+        import helpers
+
+        w = torch.zeros(3, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        for epoch in range(3):
+            for step in range(4):
+                opt.zero_grad()
+                loss = ((w - 1) ** 2).sum()
+                loss.backward()
+                opt.step()
+                helpers.bump()
+            print(f"epoch {epoch} steps {helpers.COUNT} w {w.sum().item():.6f}")
+    """)
+    flor(d, "record", "train.py")
+    warn = flor(d, "replay", "train.py")
+    assert warn.returncode == 0
+    assert "deferred checks FAILED" in warn.stderr
+    assert ("train.py:13 (printed) at iteration 1 of the loop at train.py:6: recorded "
+            "'epoch 1 steps 8 w 2.496684', replayed 'epoch 1 steps 0 w 2.496684'") in warn.stderr
+    assert ("likely cause (train.py:13): the side-effect set of the block at train.py:7 may "
+            "be missing `helpers.COUNT`") in warn.stderr
+    strict = flor(d, "replay", "--check=strict", "train.py", check=False)
+    assert strict.returncode == 1 and "deferred checks FAILED" in strict.stderr
+
+
+def test_other_changes_warn_and_strict_refuses(tmp_path):
+    d = str(tmp_path)
+    shutil.copy(os.path.join(HF, "module_level.py"), os.path.join(d, "train.py"))
+    flor(d, "record", "train.py")
+    path = os.path.join(d, "train.py")
+    text = read(path).replace("lr=0.2", "lr=0.25")
+    with open(path, "w") as f:
+        f.write(text)
+    edit(path, "loss.backward()", "print(loss.item())")
+    strict = flor(d, "replay", "--strict", "train.py", check=False)
+    assert strict.returncode == 2
+    assert "--strict: the script changed in ways other than hindsight statements" in strict.stderr
+    assert "line 12: changed: opt = torch.optim.SGD(net.parameters(), lr=0.25" in strict.stderr
+    assert not runs(store(d), "replay")
+    warn = flor(d, "replay", "train.py")
+    assert "WARNING: the script changed in ways other than hindsight statements" in warn.stderr
+    assert "hindsight statement at line 21: print(loss.item())" in warn.stderr
+
+
+def test_tracebacks_keep_the_users_line_numbers(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "boom.py", """
+        total = 0
+        for epoch in range(3):
+            for i in range(4):
+                total += i
+                if epoch == 1 and i == 2:
+                    raise ValueError("bad batch")
+    """)
+    proc = flor(d, "record", "boom.py", check=False)
+    assert proc.returncode == 1
+    assert 'boom.py", line 6, in <module>' in proc.stderr
+    assert 'raise ValueError("bad batch")' in proc.stderr
+    assert "ValueError: bad batch" in proc.stderr
+
+
+def test_flor_skip_comment_leaves_a_loop_alone(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "s.py", """
+        acc = []
+        for epoch in range(3):
+            for i in range(2):  # flor: skip
+                acc.append(i)
+            for j in range(2):
+                acc.append(-j)
+            print(len(acc))
+    """)
+    flor(d, "record", "s.py")
+    st = store(d)
+    (run,) = runs(st, "record")
+    summary = json.loads(read(os.path.join(st.run_dir(run["run_id"]), "handsfree.json")))
+    assert [b["key"] for b in summary["blocks"]] == ["s.py:5"]
+    assert summary["left_alone"] == [[3, "# flor: skip"]]
+    rep = flor(d, "replay", "s.py")
+    assert rep.stdout == "4\n8\n12\n" and "deferred checks passed" in rep.stderr
