@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass, field
 
 from .analysis import GiveUp, Script, block_effects, root
+from .source import called_names
 
 __all__ = ["instrument", "Instrumented", "uses_flor", "RUNTIME"]
 
@@ -102,16 +103,15 @@ def uses_flor(source: str) -> bool:
     return False
 
 
-def _called_names(nodes) -> set:
-    out = set()
-    for node in nodes:
-        for n in ast.walk(node):
-            if isinstance(n, ast.Call):
-                if isinstance(n.func, ast.Name):
-                    out.add(n.func.id)
-                elif isinstance(n.func, ast.Attribute):
-                    out.add(n.func.attr)
-    return out
+def _rewrite_bodies(stmt, rewrite):
+    """Replace each statement list of a compound statement (if, with, try,
+    match: bodies, else, finally, handlers, cases) by rewrite(list)."""
+    for name in ("body", "orelse", "finalbody"):
+        sub = getattr(stmt, name, None)
+        if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+            setattr(stmt, name, rewrite(sub))
+    for part in (getattr(stmt, "handlers", None) or []) + (getattr(stmt, "cases", None) or []):
+        part.body = rewrite(part.body)
 
 
 def _rt(attr):
@@ -175,7 +175,7 @@ class _Instrumenter:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 q = prefix + child.name
                 self.out.functions[q] = (child.lineno, child.end_lineno,
-                                         _called_names(child.body))
+                                         called_names(child.body))
                 self._functions(child, q + ".")
             elif isinstance(child, ast.ClassDef):
                 self._functions(child, prefix + child.name + ".")
@@ -202,14 +202,7 @@ class _Instrumenter:
             elif isinstance(s, LOOPS):
                 out.extend(self._candidate(s, scope, qualname, local_defs))
             else:
-                for name in ("body", "orelse", "finalbody"):
-                    sub = getattr(s, name, None)
-                    if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
-                        setattr(s, name, self._scope(sub, scope, qualname, local_defs))
-                for h in getattr(s, "handlers", []) or []:
-                    h.body = self._scope(h.body, scope, qualname, local_defs)
-                for c in getattr(s, "cases", []) or []:
-                    c.body = self._scope(c.body, scope, qualname, local_defs)
+                _rewrite_bodies(s, lambda b: self._scope(b, scope, qualname, local_defs))
                 out.append(s)
         return out
 
@@ -247,14 +240,7 @@ class _Instrumenter:
             elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 out.append(s)
             else:
-                for name in ("body", "orelse", "finalbody"):
-                    sub = getattr(s, name, None)
-                    if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
-                        setattr(s, name, self._main_body(sub, owner, scope, local_defs))
-                for h in getattr(s, "handlers", []) or []:
-                    h.body = self._main_body(h.body, owner, scope, local_defs)
-                for c in getattr(s, "cases", []) or []:
-                    c.body = self._main_body(c.body, owner, scope, local_defs)
+                _rewrite_bodies(s, lambda b: self._main_body(b, owner, scope, local_defs))
                 out.append(s)
         return out
 
@@ -285,7 +271,7 @@ class _Instrumenter:
         self.out.blocks.append(Block(
             key=key, line=line, end_line=s.end_lineno, owner=owner, kind=kind, names=names,
             paths=paths, globals=list(eff.globals), rebound=rebound, dropped=eff.dropped,
-            unknown=eff.unknown, calls=sorted(_called_names([s])), reads=sorted(eff.reads)))
+            unknown=eff.unknown, calls=sorted(called_names([s])), reads=sorted(eff.reads)))
         guarded = ast.If(
             test=_call("step_into", ast.Constant(value=key), ast.Constant(value=owner)),
             body=[ast.Try(body=[s], handlers=[ast.ExceptHandler(

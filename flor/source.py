@@ -69,7 +69,8 @@ def _literal(call, pos, kw):
     return None
 
 
-def _calls(nodes) -> set[str]:
+def called_names(nodes) -> set[str]:
+    """Simple names of everything `nodes` call: f() gives f, a.b.m() gives m."""
     names = set()
     for node in nodes:
         for n in ast.walk(node):
@@ -98,7 +99,7 @@ def find_blocks(source: str) -> list[BlockSite]:
                 sites.append(BlockSite(
                     name=_literal(call, 0, "name"), line=call.lineno,
                     forced=_literal(call, 1, "probed") is True,
-                    body=[ast.dump(s) for s in stmt.body], end=end, calls=_calls(stmt.body)))
+                    body=[ast.dump(s) for s in stmt.body], end=end, calls=called_names(stmt.body)))
     return sites
 
 
@@ -180,7 +181,7 @@ def compare_program(old: dict[str, str], new: dict[str, str]) -> Comparison:
         before = {k: ast.dump(v) for k, v in _functions(old_tree).items()}
         for qual, node in _functions(new_tree).items():
             simple = qual.rsplit(".", 1)[-1]
-            calls.setdefault(simple, set()).update(_calls(node.body))
+            calls.setdefault(simple, set()).update(called_names(node.body))
             if before.get(qual) != ast.dump(node):
                 changed.add(simple)
     affected = set(changed)
