@@ -5,6 +5,7 @@ with dropout, a shuffling DataLoader, StepLR and ReduceLROnPlateau stepped in
 the epoch loop; it is recorded once and copied into each test's directory."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,7 +76,11 @@ def test_parallel_replay_equals_serial_replay(workdir):
     one = flor(workdir, "replay", "train.py", *ARGS)
     two = flor(workdir, "replay", "--jobs", "2", "train.py", *ARGS)
     assert one.stdout == two.stdout
-    assert "segments [0, 2), [2, 4)" in two.stderr
+    # Two contiguous segments covering the 4 epochs; where they meet depends
+    # on the epoch times the record measured (test_partition.py tests the
+    # balancing with given costs).
+    segs = re.search(r"in segments \[0, (\d)\), \[(\d), 4\)\n", two.stderr)
+    assert segs and segs.group(1) == segs.group(2), two.stderr
     st = store(workdir)
     r1, r2 = (r["run_id"] for r in runs(st, "replay"))
     for name in ("grad_norm", "val_acc", "val_loss"):
