@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 
@@ -36,7 +37,14 @@ def recorded(tmp_path_factory):
 def workdir(recorded, tmp_path):
     src, _ = recorded
     d = str(tmp_path / "work")
-    shutil.copytree(src, d)
+    # The database through SQLite's backup API: a file copy would race with
+    # connections of this process (and their -wal/-shm files) closing.
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("flor.db*"))
+    with sqlite3.connect(os.path.join(src, ".flor", "flor.db")) as a, \
+            sqlite3.connect(os.path.join(d, ".flor", "flor.db")) as b:
+        a.backup(b)
+    a.close()
+    b.close()
     return d
 
 
