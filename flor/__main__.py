@@ -79,6 +79,9 @@ def cmd_record(rest) -> int:
     opts, script, args = _split(rest, {"--epsilon"}, flags={"--no-adaptive"})
     epsilon = float(opts["--epsilon"]) if "--epsilon" in opts else None
     adaptive = False if opts.get("--no-adaptive") else None
+    mode = os.environ.get("FLOR_MATERIALIZER", "thread")
+    if mode not in ("thread", "fork", "inline"):
+        raise FlorError(f"FLOR_MATERIALIZER must be thread, fork or inline, not {mode!r}")
     with open(script) as f:
         source = f.read()
     inst = None

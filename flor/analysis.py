@@ -201,6 +201,7 @@ class Script:
                 # Defined twice: which definition runs is decided at run time.
                 self.functions[n.name] = None if n.name in self.functions else n
         self.not_state = _not_state(tree)
+        self.module_names = assigned_names(tree.body)  # names bound at module level
         self.global_reads: set[str] = set()  # module names that functions read
         for n in ast.walk(tree):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -223,7 +224,9 @@ class Script:
 
     def summary(self, fn: ast.FunctionDef, depth: int, stack: tuple):
         """(params, keyword-only params, {param: suffixes of the paths it
-        changes}, module-global paths it changes, script functions it calls)."""
+        changes}, paths of globals it declares and changes, paths of free
+        names it changes (module globals, or a closure's variables), script
+        functions it calls)."""
         if fn is None:
             raise GiveUp("a function of the script is defined more than once")
         if fn in stack:
@@ -244,16 +247,18 @@ class Script:
         assigned = assigned_names(fn.body) | set(params) | set(kwonly) | variadic
         by_param: dict[str, list[str]] = {}
         globals_ = list(eff.globals)
+        free = []  # names of the scope around the definition (module or closure)
         for p in eff.paths:
             r = root(p)
             if r in variadic:
                 raise GiveUp(f"{fn.name}() changes {p}, passed through *{r}")
             if r in params or r in kwonly:
                 by_param.setdefault(r, []).append(p[len(r):])
-            elif r in declared_global or r not in assigned:
-                if r not in self.not_state:
-                    globals_.append(p)
-        out = (params, kwonly, by_param, globals_, eff.calls | {fn.name})
+            elif r in declared_global:
+                globals_.append(p)
+            elif r not in assigned and r not in self.not_state:
+                free.append(p)
+        out = (params, kwonly, by_param, globals_, free, eff.calls | {fn.name})
         self._summaries[key] = out
         return out
 
@@ -276,11 +281,14 @@ def _apply_call(script, call, eff, local_defs, depth, stack):
     fn = script.resolve(call, local_defs)
     if fn is None and not script.is_script_function(call, local_defs):
         return False
-    params, kwonly, by_param, globals_, calls = script.summary(fn, depth + 1, stack)
+    params, kwonly, by_param, globals_, free, calls = script.summary(fn, depth + 1, stack)
     eff.calls |= calls
-    for g in globals_:
+    local = isinstance(call.func, ast.Name) and call.func.id in local_defs
+    for g in globals_ + ([] if local else free):
         if g not in eff.globals:
             eff.globals.append(g)
+    for p in free if local else []:  # a closure: the free names are the caller's
+        eff.add(p, 2)
     if not by_param:
         return True
     bound: dict[str, ast.AST] = {}
@@ -347,6 +355,42 @@ def _own_nodes(s) -> list:
     return [n for n in out if isinstance(n, ast.AST)]
 
 
+def _mutates(stmts, names) -> bool:
+    """Whether `stmts` change an object bound to one of `names` in place."""
+    for n in _walk_scope(stmts):
+        target = None
+        if isinstance(n, ast.AugAssign):
+            target = n.target
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                for tt in _targets(t):
+                    if isinstance(tt, (ast.Attribute, ast.Subscript)):
+                        target = tt
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            target = n.func.value
+        p = path_of(target) if target is not None else None
+        if p is not None and root(p) in names:
+            return True
+    return False
+
+
+def read_first(stmts) -> set[str]:
+    """Names the statements read before (in source order) they assign them:
+    their values come from before the block, or from its previous iteration."""
+    stored, first = set(), set()
+    for s in _simple_statements(stmts):
+        own = _walk_scope(_own_nodes(s))
+        names = [n for n in own if isinstance(n, ast.Name)]
+        for n in names:
+            if isinstance(n.ctx, ast.Load) and n.id not in stored:
+                first.add(n.id)
+        if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name) and \
+                s.target.id not in stored:
+            first.add(s.target.id)
+        stored |= {n.id for n in names if isinstance(n.ctx, ast.Store)}
+    return first
+
+
 def _add_targets(eff, targets, rule, script):
     for t in targets:
         for tt in _targets(t):
@@ -362,11 +406,38 @@ def _rule(script, s, eff, local_defs, depth, stack, handled):
     if isinstance(s, ast.Assign):
         value, targets = s.value, s.targets
     elif isinstance(s, ast.AugAssign):
-        value, targets = s.value, [s.target]
+        # x += y changes x in place when it can (a tensor, a list): restored
+        # in place; an int or a float comes back by rebinding anyway.
+        p = path_of(s.target)
+        known = p in eff.rules
+        value = s.value
+        if not known and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+            obj = path_of(value.func.value)  # rule 1: x += obj.method()
+            if obj is not None and root(obj) not in script.not_state:
+                eff.add(obj, 1)
+        if p is not None and root(p) not in script.not_state:
+            eff.add(p, 0 if known else 1 if isinstance(value, ast.Call) and isinstance(
+                value.func, ast.Attribute) else 2 if isinstance(value, ast.Call) else 3)
+        if isinstance(value, ast.Call) and script.is_script_function(value, local_defs):
+            handled.add(id(value))
+            _apply_call(script, value, eff, local_defs, depth, stack)
+        return
     elif isinstance(s, ast.AnnAssign) and s.value is not None:
         value, targets = s.value, [s.target]
     elif isinstance(s, (ast.For, ast.AsyncFor)):
-        value, targets = None, [s.target]  # the loop variable: an assignment (rule 3)
+        # The loop variable is an assignment (rule 3).  When the body changes
+        # what it refers to (for p in model.parameters(): p -= ...), the
+        # objects it is drawn from change: their receivers count (as rule 1).
+        if _mutates(s.body, {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)}):
+            for n in ast.walk(s.iter):
+                obj = None
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                    obj = path_of(n.func.value)
+                elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
+                    obj = path_of(n.value)
+                if obj is not None and root(obj) not in script.not_state:
+                    eff.add(obj, 1)
+        value, targets = None, [s.target]
     elif isinstance(s, (ast.With, ast.AsyncWith)):
         targets = [i.optional_vars for i in s.items if i.optional_vars is not None]
     if targets is not None:
@@ -408,7 +479,7 @@ def block_effects(script: Script, block: list, scope, local_defs=None) -> Effect
     local_defs = local_defs or {}
     eff = Effects()
     _collect(script, block, eff, local_defs, 0, ())
-    inside = assigned_names(block)
+    inside = assigned_names(block) - read_first(block)
     block_ids = {id(n) for b in block for n in ast.walk(b)}
     outside = set()  # names read in the scope outside the block
     for sub in _walk_scope(scope.body):

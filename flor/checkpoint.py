@@ -158,7 +158,7 @@ def _restore(live, saved, where):
             return live
         return saved
     if (
-        type(live) is type(saved)
+        _same_class(type(live), type(saved))
         and hasattr(live, "__dict__")
         and not isinstance(live, type)
         and hasattr(saved, "__dict__")
@@ -166,3 +166,11 @@ def _restore(live, saved, where):
         _restore(live.__dict__, dict(saved.__dict__), where)
         return live
     return saved
+
+
+def _same_class(a, b) -> bool:
+    """The same class, or the same class of the script's __main__ module
+    rebuilt by value when the checkpoint was loaded (cloudpickle pickles the
+    classes of __main__ by value)."""
+    return a is b or (a.__module__ == b.__module__ == "__main__"
+                      and a.__qualname__ == b.__qualname__)

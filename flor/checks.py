@@ -15,6 +15,7 @@ block execution around it ran again.
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import math
 import os
@@ -203,6 +204,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
     return report
 
 
+_BUILTINS = set(dir(builtins))
 _CLOCK = re.compile(r"\btime\b|perf_counter|monotonic|datetime|elapsed|\bnow\(")
 
 
@@ -216,9 +218,14 @@ def _statement_at(tree, line):
 
 
 def _paths_read(stmt):
+    """Objects a statement reads: not the functions it calls, not builtins."""
     called = {id(n.func) for n in ast.walk(stmt) if isinstance(n, ast.Call)}
     out = set()
     for n in ast.walk(stmt):
+        if id(n) in called and isinstance(n, ast.Name):
+            continue
+        if isinstance(n, ast.Name) and n.id in _BUILTINS:
+            continue
         if id(n) in called and isinstance(n, ast.Attribute):
             n = n.value  # x.method(): the object read is x
         if isinstance(n, (ast.Attribute, ast.Name)) and isinstance(n.ctx, ast.Load):

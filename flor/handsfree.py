@@ -27,12 +27,14 @@ import io
 import itertools
 import logging
 import os
+import random
 import sys
 import threading
 import types
 
+from .analysis import root as root_of
 from .instrument import RUNTIME
-from .session import OFF, Session
+from .session import OFF, REPLAY, Session
 
 __all__ = ["UNBOUND", "loop", "step_into", "end", "abandon", "count", "run_script"]
 
@@ -80,13 +82,17 @@ def loop(iterable, key):
     return s.loop(iterable, key, None)
 
 
-def step_into(key, owner) -> bool:
+def step_into(key, owner, names, paths, globals_, rebound) -> bool:
     s = Session.get()
     own = s.mode != OFF and bool(s.ctx) and s.ctx[-1][0] == "L" and s.ctx[-1][1] == owner
     _open.append(own)
     if not own:
         return True
-    return s.step_into(key, False, sys._getframe(1))
+    frame = sys._getframe(1)
+    expect = None
+    if s.mode == REPLAY:  # what end() would capture if the block were skipped
+        expect = _capture(s, names, paths, globals_, rebound, frame)[3]
+    return s.step_into(key, False, frame, expect_sig=expect)
 
 
 def abandon():
@@ -182,6 +188,14 @@ def _completion(values, ns, g):
             named = sorted({name for name, o in pool for p in loose if o is p})
             add(f"{', '.join(named) or 'parameters'}: parameters of an optimizer that no "
                 "module in scope holds", loose)
+    # Random generators of the user's own (torch.Generator, numpy's, random.Random)
+    # in scope: with the global random state, everything random a block draws.
+    np = sys.modules.get("numpy")
+    rngs = (torch.Generator, random.Random) + (
+        (np.random.Generator, np.random.RandomState) if np is not None else ())
+    for name, obj in pool:
+        if isinstance(obj, rngs):
+            add(f"{name}: a random generator", obj)
     scalers = tuple(t for t in (getattr(getattr(torch, "amp", None), "GradScaler", None),
                                 getattr(getattr(torch.cuda, "amp", None), "GradScaler", None))
                     if isinstance(t, type))
@@ -192,23 +206,31 @@ def _completion(values, ns, g):
     return extra
 
 
+def _capture(s, names, paths, globals_, rebound, frame):
+    """(items, indices of the captured ones, completion, labels): what a
+    block's end() hands to the session, read from the caller's frame."""
+    ns, g = frame.f_locals, frame.f_globals
+    items = [(n, ns[n] if n in ns else g.get(n, UNBOUND), n in rebound) for n in names]
+    items += [(p, _value(p, g, ns), p in rebound) for p in paths]
+    items += [(f"global {p}", _value(p, g, g), False) for p in globals_]
+    captured = [i for i, (_, v, _) in enumerate(items) if _state(v)]
+    extra = _completion([items[i][1] for i in captured if items[i][1] is not UNBOUND], ns, g)
+    labels = [items[i][0] for i in captured] + [label for label, _ in extra]
+    return items, captured, extra, labels
+
+
 def end(key, names, paths, globals_, rebound):
     """Close the block: checkpoint (record) or restore (replay, skipped) its
     side effects, and return the values of `names` to rebind."""
     own = _open.pop() if _open else False
     frame = sys._getframe(1)
-    ns, g = frame.f_locals, frame.f_globals
-    name_values = [ns[n] if n in ns else g.get(n, UNBOUND) for n in names]
     if not own:
-        return tuple(name_values)
+        ns, g = frame.f_locals, frame.f_globals
+        return tuple(ns[n] if n in ns else g.get(n, UNBOUND) for n in names)
     s = Session.get()
-    items = [(n, v, n in rebound) for n, v in zip(names, name_values)]
-    items += [(p, _value(p, g, ns), p in rebound) for p in paths]
-    items += [(f"global {p}", _value(p, g, g), False) for p in globals_]
-    captured = [i for i, (_, v, _) in enumerate(items) if _state(v)]
+    items, captured, extra, labels = _capture(s, names, paths, globals_, rebound, frame)
+    ns, g = frame.f_locals, frame.f_globals
     objs = [items[i][1] for i in captured]
-    extra = _completion([o for o in objs if o is not UNBOUND], ns, g)
-    labels = [items[i][0] for i in captured] + [label for label, _ in extra]
     s.block_labels.setdefault(key, labels)
     out = s.end(objs + [o for _, o in extra], frame, sig=labels,
                 rebind=[items[i][2] for i in captured] + [False] * len(extra), as_list=True,
@@ -220,7 +242,8 @@ def end(key, names, paths, globals_, rebound):
         label, old, _ = items[i]
         if values[i] is not old and values[i] is not UNBOUND:
             if not label.startswith("global "):
-                _set(label, values[i], g, ns)
+                if label != root_of(label):  # a bare name here is a closure's: in place only
+                    _set(label, values[i], g, ns)
             elif "." in label or "[" in label:
                 _set(label[len("global "):], values[i], g, g)
             else:

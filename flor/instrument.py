@@ -17,13 +17,16 @@ the script that runs a loop (``train(model, loader, opt)``,
 ``acc = evaluate(model, loader)``), becomes a SkipBlock whose side effects are
 estimated by analysis.py:
 
-    if __flor__.step_into(KEY, OWNER):
+    if __flor__.step_into(KEY, OWNER, NAMES, PATHS, GLOBALS, REBOUND):
         try:
             STATEMENT
         except BaseException:
             __flor__.abandon()
             raise
     a, b = __flor__.end(KEY, ("a", "b"), PATHS, GLOBALS, REBOUND)
+
+(in replay, step_into compares what end() would capture with what the
+checkpoint holds, and re-executes the block when they differ)
 
 Generated nodes carry the line of the statement they wrap, so tracebacks,
 ``flor.log`` locations and checks use the user's own line numbers.  A loop
@@ -36,7 +39,7 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from .analysis import GiveUp, Script, block_effects, root
+from .analysis import GiveUp, Script, assigned_names, block_effects, root
 from .source import called_names
 
 __all__ = ["instrument", "Instrumented", "uses_flor", "RUNTIME"]
@@ -265,22 +268,32 @@ class _Instrumenter:
             self.out.left_alone.append((line, f"analysis gave up: {e}"))
             return [s]
         key = self.key_of(line)
-        names = [p for p in eff.paths if p == root(p)]
-        paths = [p for p in eff.paths if p != root(p)]
+        bindable = _bindable(scope)
+        names, paths, globals_ = [], [], list(eff.globals)
+        for p in eff.paths:
+            if p != root(p):
+                paths.append(p)
+            elif bindable is None or p in bindable:
+                names.append(p)  # rebound by the end() statement
+            elif p in self.script.module_names:
+                globals_.append(p)  # a module global the function only reads
+            else:
+                paths.append(p)  # a closure's variable: restored in place only
         rebound = [p for p in eff.paths if p in eff.assigned]
         self.out.blocks.append(Block(
             key=key, line=line, end_line=s.end_lineno, owner=owner, kind=kind, names=names,
-            paths=paths, globals=list(eff.globals), rebound=rebound, dropped=eff.dropped,
+            paths=paths, globals=globals_, rebound=rebound, dropped=eff.dropped,
             unknown=eff.unknown, calls=sorted(called_names([s])), reads=sorted(eff.reads)))
+        sets = [_strs(names), _strs(paths), _strs(globals_), _strs(rebound)]
         guarded = ast.If(
-            test=_call("step_into", ast.Constant(value=key), ast.Constant(value=owner)),
+            test=_call("step_into", ast.Constant(value=key), ast.Constant(value=owner), *sets),
             body=[ast.Try(body=[s], handlers=[ast.ExceptHandler(
                 type=ast.Name(id="BaseException", ctx=ast.Load()), name=None,
                 body=[ast.Expr(value=_call("abandon")), ast.Raise(exc=None, cause=None)])],
                 orelse=[], finalbody=[])],
             orelse=[])
-        end = _call("end", ast.Constant(value=key), _strs(names), _strs(paths),
-                    _strs(eff.globals), _strs(rebound))
+        end = _call("end", ast.Constant(value=key), *[_strs(x) for x in
+                                                    (names, paths, globals_, rebound)])
         if names:
             after = ast.Assign(targets=[ast.Tuple(
                 elts=[ast.Name(id=n, ctx=ast.Store()) for n in names], ctx=ast.Store())],
@@ -288,6 +301,21 @@ class _Instrumenter:
         else:
             after = ast.Expr(value=end)
         return [_at(guarded, line), _at(after, s.end_lineno)]
+
+
+def _bindable(scope):
+    """Names a function may rebind (its locals, and what it declares global
+    or nonlocal); None at module level, where every name is."""
+    if isinstance(scope, ast.Module):
+        return None
+    a = scope.args
+    names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+    names |= {x.arg for x in (a.vararg, a.kwarg) if x is not None}
+    names |= assigned_names(scope.body)
+    for n in _scope_nodes(scope.body):
+        if isinstance(n, (ast.Global, ast.Nonlocal)):
+            names |= set(n.names)
+    return names
 
 
 def _scope_nodes(stmts):

@@ -207,7 +207,11 @@ def _begin(store, plan, rec, source, nparts, mode):
 
 def _describe(plan, rec, cmp, args, recorded_argv):
     notes = []
-    if cmp.probed:
+    hf = plan.get("hands_free")
+    if hf is not None and not hf["blocks"]:
+        notes.append("the script has no SkipBlock (no loop nested in a loop, no call of a "
+                     "looping function of the script): replay re-executes all of it")
+    elif cmp.probed:
         notes.append("stepping into changed blocks: " + ", ".join(sorted(cmp.probed)))
     else:
         notes.append("no block changed: every block is skipped")
@@ -216,7 +220,6 @@ def _describe(plan, rec, cmp, args, recorded_argv):
                      " (their checkpoints are not used)")
     if cmp.changed_functions:
         notes.append("changed functions: " + ", ".join(sorted(cmp.changed_functions)))
-    hf = plan.get("hands_free")
     if hf is not None:
         for line, text in hf["hindsight"]:
             notes.append(f"hindsight statement at line {line}: {text}")

@@ -144,6 +144,23 @@ def checkpoint_name(key: str, ctx: str, occurrence: int, indices) -> str:
     return f"{slug}@{where}-{digest}"
 
 
+def _accounted(method):
+    """Add the time spent in `method` to the session's own main-thread time
+    (once: calls nested in another accounted call are not counted twice)."""
+    def timed(self, *args, **kwargs):
+        if self._in_flor:
+            return method(self, *args, **kwargs)
+        self._in_flor = True
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.flor_s += time.perf_counter() - t0
+            self._in_flor = False
+    timed.__name__, timed.__doc__ = method.__name__, method.__doc__
+    return timed
+
+
 def _rebind(live, saved):
     """A rebound name's restored value: the saved one, except that an object
     restored through its state dict is loaded into the live object."""
@@ -333,6 +350,8 @@ class Session:
         self.last_bytes: dict[str, int] = {}
         self.reexecuted = 0
         self.started = time.time()
+        self.flor_s = 0.0  # seconds flor itself spent on the main thread
+        self._in_flor = False
         self.finished = False
         self.error = None
         self._mat = None
@@ -340,6 +359,7 @@ class Session:
         self._streams = {}
         self._hook = None
         self.hands_free = False
+        self._sig_noted: set[str] = set()
         self.block_labels: dict[str, list] = {}  # hands-free: what each block captured
         self._line = None  # a printed line not yet ended: [where, phase, top, indices, text]
         self._user_files: dict[str, bool] = {}
@@ -458,6 +478,7 @@ class Session:
         if not self.last_part:
             raise SegmentDone(self.part)
 
+    @_accounted
     def _end_top_iteration(self, progress=False):
         if self._line is not None:
             self._emit_line()  # a line left unended belongs to this iteration
@@ -472,7 +493,8 @@ class Session:
 
     # -- blocks -------------------------------------------------------------
 
-    def step_into(self, name, probed, frame) -> bool:
+    @_accounted
+    def step_into(self, name, probed, frame, expect_sig=None) -> bool:
         if self.mode == OFF:
             return True
         where = self.site(frame, structural=True)
@@ -494,6 +516,14 @@ class Session:
                 t0 = time.perf_counter()
                 payload = self._load(key, ctx_json, occurrence)
                 load_s = time.perf_counter() - t0
+                if payload is not None and expect_sig is not None and \
+                        payload["sig"] != expect_sig:
+                    if key not in self._sig_noted:
+                        self._sig_noted.add(key)
+                        _note(f"block {key}: its checkpoints hold {payload['sig']}, the edited "
+                              f"script needs {expect_sig}; re-executing it")
+                    payload = None
+                    self.reexecuted += 1
         state = self.machine.enter(handle, bool(probed), payload is not None)
         if self.mode == REPLAY:
             self.blockruns.append((self.run_id, self.part, self.phase, key, ctx_json,
@@ -531,6 +561,7 @@ class Session:
             self.machine.leave(b.handle)
             self.ctx.pop()
 
+    @_accounted
     def end(self, objs, frame, sig=None, rebind=None, as_list=False,
             hint="pass probed=True to its step_into() to re-execute it"):
         """Close the innermost block (see SkipBlock.end).  `sig` names the
@@ -601,7 +632,11 @@ class Session:
 
     def _materializer(self):
         if self._mat is None:
-            self._mat = Materializer(self.store.ckpt_dir(self.run_id))
+            mode = os.environ.get("FLOR_MATERIALIZER", "thread")
+            if mode not in ("thread", "fork", "inline"):
+                raise ValueError(f"FLOR_MATERIALIZER must be thread, fork or inline, "
+                                 f"not {mode!r}")
+            self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode)
         return self._mat
 
     def bandwidth(self) -> float:
@@ -646,6 +681,7 @@ class Session:
 
     # -- logs and output ----------------------------------------------------
 
+    @_accounted
     def log(self, name, value, frame):
         if self.mode == OFF or self.discard:
             return
@@ -658,6 +694,7 @@ class Session:
                                   name, json.dumps(self._indices()), seq,
                                   json.dumps(jsonable(value)), loc))
 
+    @_accounted
     def _capture(self, stream, text):
         if self.discard or not text:
             return
@@ -774,6 +811,7 @@ class Session:
                 info=json.dumps({"failed_writes": [f[0] for f in failures], "threads": threads,
                                  "adaptive": self.machine.adaptive,
                                  "hands_free": self.hands_free,
+                                 "flor_seconds": self.flor_s,
                                  "captured": self.block_labels,
                                  "error": repr(error) if failed else None}))
         else:

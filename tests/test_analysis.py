@@ -52,7 +52,8 @@ def test_rule_3_plain_assignment_and_augmented_assignment():
                 self_like.best = x
         """, "print(total, stats, hist, self_like)")
     assert e.paths == ["total", "stats['n']", "hist", "self_like.best"]
-    assert e.assigned == {"total", "stats['n']", "self_like.best", "x"}  # hist: in place
+    # total += x and hist[ep] = x change in place (or rebind an int on restore)
+    assert e.assigned == {"stats['n']", "self_like.best", "x"}
 
 
 def test_rule_4_method_call_statement_adds_receiver():
@@ -107,6 +108,52 @@ def test_loop_scoped_variables_are_removed_unless_read_after():
                 last = loss
         """, "print(last)")
     assert e.paths == ["last"] and set(e.dropped) == {"x", "loss"}
+
+
+def test_a_variable_read_before_it_is_assigned_is_not_loop_scoped():
+    """Its value comes from before the block (or the block's previous run)."""
+    e = effects("""
+        step = 0
+        for ep in range(2):
+            for x in data:
+                lr = base * min(1.0, step / 20)
+                step += 1
+                delta = x - prev
+                prev = x
+        """)
+    assert e.paths == ["step", "prev"] and set(e.dropped) == {"x", "lr", "delta"}
+
+
+def test_changing_objects_through_the_loop_variable_counts_for_their_source():
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                for p, q in zip(ema.parameters(), model.parameters()):
+                    p.mul_(0.9).add_(q, alpha=0.1)
+                for g in opt.param_groups:
+                    g["lr"] = 0.1
+                for m in model.children():
+                    print(m)
+        """)
+    assert e.paths == ["ema", "model", "opt"]
+
+
+def test_a_closure_changes_the_enclosing_functions_names():
+    tree = ast.parse(textwrap.dedent("""
+        def main():
+            model, opt = make()
+            def run_epoch():
+                for i in range(3):
+                    opt.step()
+            for epoch in range(3):
+                run_epoch()
+                print(model)
+    """))
+    fn = tree.body[0]
+    loop = fn.body[2]
+    local_defs = {n.name: n for n in fn.body if isinstance(n, ast.FunctionDef)}
+    e = block_effects(Script(tree), [loop.body[0]], fn, local_defs)
+    assert e.paths == ["opt"] and e.globals == []
 
 
 def test_a_variable_read_by_a_function_of_the_script_is_not_loop_scoped():
@@ -215,8 +262,10 @@ def test_instrumentation_finds_main_loop_candidates_and_blocks():
     inst = instrument(src, "s.py", lambda line: f"s.py:{line}")
     assert [(l.key, l.function) for l in inst.loops] == [("s.py:5", "evaluate"),
                                                          ("s.py:9", "main")]
-    assert [(b.key, b.kind, b.owner, b.names) for b in inst.blocks] == [
-        ("s.py:10", "loop", "s.py:9", ["opt"]), ("s.py:12", "call", "s.py:9", ["acc"])]
+    # opt is not bound in main(): never rebound there (a module global would
+    # be set in the module's namespace, anything else restored in place)
+    assert [(b.key, b.kind, b.owner, b.names, b.paths) for b in inst.blocks] == [
+        ("s.py:10", "loop", "s.py:9", [], ["opt"]), ("s.py:12", "call", "s.py:9", ["acc"], [])]
     assert "__flor__.loop(range(3), 's.py:9')" in inst.text
 
 

@@ -188,3 +188,47 @@ def test_flor_skip_comment_leaves_a_loop_alone(tmp_path):
     assert summary["left_alone"] == [[3, "# flor: skip"]]
     rep = flor(d, "replay", "s.py")
     assert rep.stdout == "4\n8\n12\n" and "deferred checks passed" in rep.stderr
+
+
+IDIOMS = os.path.join(HF, "idioms")
+# script: (record options, replay options, anchor, added statement, after anchor)
+IDIOM_CASES = {
+    # the functions use module globals they never assign
+    "globals_in_main.py": ([], [], "history.append(loss.item())",
+                           'print("  loss", loss.item())', True),
+    # the hindsight statement reads a variable the block had as loop-scoped
+    "reads_loop_variable.py": ([], [], "sched.step()", "print('  last loss', loss.item())",
+                               False),
+    # weights updated through the loop variable of model.parameters()
+    "manual_sgd.py": (["--no-adaptive"], [], 'print(f"epoch {epoch} loss',
+                      'print("  weight", model.weight.sum().item())', True),
+    # a nested function changes the enclosing function's optimizer
+    "closure.py": (["--no-adaptive"], [], "total = run_epoch()",
+                   'print("  w", model.weight.sum().item())', True),
+    # an augmented assignment to a parameter attribute, in place
+    "inplace_weight.py": (["--no-adaptive"], [], 'print(f"epoch {epoch} loss',
+                          'print("  w", model.weight.sum().item())', True),
+    # a counter read before it is assigned in the block, two workers
+    "warmup_counter.py": (["--no-adaptive"], ["--jobs", "2"], "step += 1",
+                          'print("  batch", i, loss.item())', False),
+    # a trainer class of the script: the block changes self through a method
+    "trainer_class.py": ([], [], "self.log.append(total)",
+                         'print("  w", self.model.weight.sum().item())', True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IDIOM_CASES))
+def test_training_idioms_replay_like_a_plain_run(tmp_path, name):
+    """Idioms a review found mishandled: each replay must print what a plain
+    run of the edited script prints, with the deferred checks passing."""
+    rec_opts, rep_opts, anchor, stmt, after = IDIOM_CASES[name]
+    d = str(tmp_path)
+    path = os.path.join(d, "train.py")
+    shutil.copy(os.path.join(IDIOMS, name), path)
+    rec = flor(d, "record", *rec_opts, "train.py")
+    assert rec.stdout == plain(d, "train.py").stdout
+    edit(path, anchor, stmt, after=after)
+    want = plain(d, "train.py").stdout
+    rep = flor(d, "replay", *rep_opts, "train.py")
+    assert rep.stdout == want
+    assert "deferred checks passed" in rep.stderr, rep.stderr

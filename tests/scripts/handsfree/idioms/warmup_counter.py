@@ -1,0 +1,17 @@
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+X = torch.randn(64, 4); Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+step = 0
+for epoch in range(6):
+    for i in range(0, 64, 16):
+        for g in opt.param_groups:
+            g["lr"] = 0.05 * min(1.0, (step + 1) / 20)
+        opt.zero_grad()
+        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        step += 1
+    print(f"epoch {epoch} done")
