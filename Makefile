@@ -42,8 +42,10 @@ test-asan:
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider .
 
 bench: setup
+	$(BIN)/$(PIP) --no-build-isolation -e '.[bench]'
 	$(BIN)/python benchmarks/materialize.py
 	$(BIN)/python benchmarks/replay.py
+	$(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf build $(VENV) $(ASAN_VENV) flor/*.so *.egg-info
