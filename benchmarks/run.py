@@ -66,17 +66,17 @@ def _outer(anchor):
 WORKLOADS = {
     "image": {
         "script": "image_cnn.py", "title": "image classification (CNN, digits 32x32)",
-        "full": ["--epochs", "20"], "quick": ["--epochs", "2", "--limit", "400", "--width", "8"],
+        "full": ["--epochs", "24"], "quick": ["--epochs", "2", "--limit", "400", "--width", "8"],
         "inner": GRAD, "outer": _outer('print(f"epoch {epoch} train_loss'),
     },
     "language": {
         "script": "lm_lstm.py", "title": "language modelling (char LSTM, stdlib sources)",
-        "full": ["--epochs", "10"], "quick": ["--epochs", "2", "--batches", "6", "--hidden", "64"],
+        "full": ["--epochs", "12"], "quick": ["--epochs", "2", "--batches", "6", "--hidden", "64"],
         "inner": GRAD, "outer": _outer('print(f"epoch {epoch} train_loss'),
     },
     "finetune": {
         "script": "finetune.py", "title": "fine-tuning (large frozen backbone, small trainable head)",
-        "full": ["--epochs", "16"],
+        "full": ["--epochs", "20"],
         "quick": ["--epochs", "3", "--batches", "2", "--width", "1024", "--depth", "2"],
         "inner": GRAD, "outer": _outer('print(f"epoch {epoch} train_loss'),
     },
@@ -347,7 +347,7 @@ def plot(report, out):
         ax.set_xticks(list(x), labels, rotation=30)
         ax.set_ylabel("seconds")
         ax.set_title(name)
-        ax.legend()
+        ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(out + "-replay.png", dpi=110)
     plt.close(fig)
@@ -377,7 +377,8 @@ def main():
     ap.add_argument("--replay-rounds", type=int, default=None)
     ap.add_argument("--only", default=",".join(WORKLOADS))
     ap.add_argument("--out", default=None)
-    ap.add_argument("--update-benchmarks", action="store_true")
+    ap.add_argument("--update-benchmarks", action="store_true",
+                    help="put the tables and plots into BENCHMARKS.md")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 3)
