@@ -51,6 +51,8 @@ import sys
 import tempfile
 import time
 
+from replay import _cpu, add_line  # benchmarks/replay.py: the same helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS_DIR = os.path.join(ROOT, "benchmarks", "workloads")
 GRAD = ('loss.backward()',
@@ -85,15 +87,6 @@ CONFIGS = ["plain", "expert", "flor", "flor-every", "flor-fork", "flor-inline"]
 FLOR_CONFIGS = {"flor": ([], {}), "flor-every": (["--no-adaptive"], {}),
                 "flor-fork": ([], {"FLOR_MATERIALIZER": "fork"}),
                 "flor-inline": ([], {"FLOR_MATERIALIZER": "inline"})}
-
-
-def add_line(source, anchor, line):
-    out = []
-    for text in source.splitlines(keepends=True):
-        out.append(text)
-        if text.strip().startswith(anchor):
-            out.append(text[: len(text) - len(text.lstrip())] + line + "\n")
-    return "".join(out)
 
 
 def median(xs):
@@ -264,14 +257,6 @@ def summarize(name, spec, rec, rep, epsilon):
                        "efficiency": efficiency,
                        "checks_passed": all(rep["epoch_checks"] + rep["inner_checks"])},
             "goals": goals, "raw": {"record": rec, "replay": rep}}
-
-
-def _cpu():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def render(report) -> str:
