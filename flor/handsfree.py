@@ -251,7 +251,7 @@ def end(key, names, paths, globals_, rebound):
     return tuple(values[:len(names)])
 
 
-def run_script(path: str, inst, stderr):
+def run_script(path: str, inst):
     """Run the instrumented code of `path` as ``__main__``; as run_main does."""
     main = types.ModuleType("__main__")
     main.__file__ = os.path.abspath(path)

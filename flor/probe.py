@@ -140,7 +140,6 @@ def detect(old_source: str, new_source: str, inst) -> Probe:
                     probe.other.append((line, "removed: " + _describe(node, old_lines)))
             if line is not None:
                 changed_lines.append(line)
-    probe.other = [x for x in probe.other if not x[1].startswith("changed: <")]
     # Functions whose body changed, then every function that calls them.
     affected = set()
     for qual, (first, last, _) in inst.functions.items():

@@ -246,7 +246,7 @@ def run_main(script, stderr, inst=None):
     ``sys.exit("...")``, goes to `stderr` as Python would print it."""
     try:
         if inst is not None:
-            run_script(script, inst, stderr)
+            run_script(script, inst)
         else:
             runpy.run_path(script, run_name="__main__")
     except SegmentDone:

@@ -25,6 +25,7 @@ of what follows it unchanged.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import io
 import json
@@ -147,6 +148,7 @@ def checkpoint_name(key: str, ctx: str, occurrence: int, indices) -> str:
 def _accounted(method):
     """Add the time spent in `method` to the session's own main-thread time
     (once: calls nested in another accounted call are not counted twice)."""
+    @functools.wraps(method)
     def timed(self, *args, **kwargs):
         if self._in_flor:
             return method(self, *args, **kwargs)
@@ -157,7 +159,6 @@ def _accounted(method):
         finally:
             self.flor_s += time.perf_counter() - t0
             self._in_flor = False
-    timed.__name__, timed.__doc__ = method.__name__, method.__doc__
     return timed
 
 
