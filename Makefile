@@ -20,8 +20,12 @@ setup: $(BIN)/python
 demo: setup
 	$(BIN)/python examples/demo.py
 
+# Two test processes (pytest-xdist): most of the suite's time is end-to-end
+# tests whose subprocesses run one torch thread each.
+PYTEST_JOBS := -n auto --maxprocesses=2
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
 
 # The suite against an AddressSanitizer + UndefinedBehaviorSanitizer build,
 # installed (not editable) in its own environment and built in build/sanitize.
@@ -35,11 +39,11 @@ test-asan:
 	test -x $(ASAN_VENV)/bin/python || $(PYTHON) -m venv $(ASAN_VENV)
 	$(ASAN_VENV)/bin/$(PIP) $(TORCH) 'setuptools>=64' wheel
 	# the test extra of pyproject.toml (flor itself is installed below, sanitized)
-	$(ASAN_VENV)/bin/$(PIP) pytest cloudpickle numpy pandas scikit-learn
+	$(ASAN_VENV)/bin/$(PIP) pytest pytest-xdist cloudpickle numpy pandas scikit-learn
 	FLOR_SANITIZE=1 $(ASAN_VENV)/bin/$(PIP) --no-build-isolation --force-reinstall --no-deps .
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/python -c \
 		"import flor._core as c, sys; sys.exit(0 if '$(ASAN_VENV)' in c.__file__ else 'not the sanitizer build: ' + c.__file__)"
-	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider .
+	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_JOBS) .
 
 bench: setup
 	$(BIN)/$(PIP) --no-build-isolation -e '.[bench]'
