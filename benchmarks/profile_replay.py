@@ -1,21 +1,25 @@
 """Diagnostic (not a benchmark): where an epoch-loop probe replay spends the
 time that the partial-replay ideal of benchmarks/run.py leaves out.
 
-Runs one workload plainly, records it hands-free, adds run.py's epoch-loop print, replays it
-with --jobs 1 (timed as a whole command), then runs that replay's worker
-command once more on its own, with timestamps taken inside it: after
-interpreter start, when flor's replay session starts, at exit (atexit, after
-the script and the session have finished) and, from outside, when the
-process is gone.  A bare `python -c "import torch"` is timed the same way
-for reference.
+Runs one workload plainly, records it hands-free, adds run.py's epoch-loop
+print, replays it with --jobs 1 (timed as a whole command), then runs that
+replay's worker command once more on its own, with timestamps taken inside
+it: after interpreter start, when flor's replay session starts, at exit
+(atexit, after the script and the session have finished) and, from outside,
+when the process is gone.  A bare `python -c "import torch"` is timed the
+same way for reference.  One run of each step, not a benchmark.
 
     python benchmarks/profile_replay.py [--workload language] [--epochs 12]
     python benchmarks/profile_replay.py --workload finetune --no-adaptive
                                    # a checkpoint every epoch: what restoring costs
+
+Writes benchmarks/results/profile-replay-WORKLOAD[-every].json and .md
+(or --out).
 """
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -24,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run import ROOT, WORKLOADS, WORKLOADS_DIR, _store  # noqa: E402
-from replay import add_line  # noqa: E402
+from replay import _cpu, add_line  # noqa: E402
 
 WRAP = r"""
 import atexit, json, sys, time
@@ -50,6 +54,7 @@ else:
 
 
 def timed(argv, cwd, env):
+    """Run a command; its wall time and the MARKS it printed, if any."""
     t = time.perf_counter()
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -60,18 +65,15 @@ def timed(argv, cwd, env):
     return wall, (marks[0] if marks else {})
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="language", choices=sorted(WORKLOADS))
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="record with a checkpoint every epoch")
-    a = p.parse_args()
-    spec = WORKLOADS[a.workload]
+def prepare(workload, epochs):
+    """A work directory holding the workload's script, its source, its
+    arguments and an environment whose FLOR_DIR already holds this machine's
+    bandwidth calibration (as in run.py, taken by a one-epoch record)."""
+    spec = WORKLOADS[workload]
     args = list(spec["full"])
-    if a.epochs is not None:
-        args[args.index("--epochs") + 1] = str(a.epochs)
-    work = tempfile.mkdtemp(prefix="flor-profile-replay-")
+    if epochs is not None:
+        args[args.index("--epochs") + 1] = str(epochs)
+    work = tempfile.mkdtemp(prefix="flor-profile-")
     script = os.path.join(work, spec["script"])
     with open(os.path.join(WORKLOADS_DIR, spec["script"])) as f:
         source = f.read()
@@ -79,16 +81,48 @@ def main():
         f.write(source)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                FLOR_DIR=os.path.join(work, ".flor"), PYTHONPATH=ROOT)
-    py = sys.executable
-    plain_wall, _ = timed([py, script, *args], work, env)
-    # As in run.py, the measured record starts from a store that already
-    # holds this machine's bandwidth calibration (taken by a short record).
     short = list(args)
     short[short.index("--epochs") + 1] = "1"
-    timed([py, "-m", "flor", "record", script, *short], work,
+    timed([sys.executable, "-m", "flor", "record", script, *short], work,
           dict(env, FLOR_DIR=os.path.join(work, "warm")))
     os.makedirs(env["FLOR_DIR"])
     shutil.copy(os.path.join(work, "warm", "calibration.json"), env["FLOR_DIR"])
+    return spec, work, script, source, args, env
+
+
+def machine():
+    return {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def write(out, report, title, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    m = report["machine"]
+    text = "\n".join([
+        f"Command: `{report['command']}`  ",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}  ",
+        f"{title} (a diagnostic: one run of each step)", "",
+        "| step | seconds |", "|---|---:|",
+        *[f"| {name} | {s:.2f} |" for name, s in rows], ""])
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    print(text)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="language", choices=sorted(WORKLOADS))
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="record with a checkpoint every epoch")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    out = a.out or os.path.join(ROOT, "benchmarks", "results", f"profile-replay-{a.workload}"
+                                + ("-every" if a.no_adaptive else ""))
+    spec, work, script, source, args, env = prepare(a.workload, a.epochs)
+    py = sys.executable
+    plain_wall, _ = timed([py, script, *args], work, env)
     opts = ["--no-adaptive"] if a.no_adaptive else []
     rec_wall, _ = timed([py, "-m", "flor", "record", *opts, script, *args], work, env)
     with open(script, "w") as f:
@@ -98,33 +132,42 @@ def main():
     rec = next(r for r in st.runs() if r["kind"] == "record")
     rep = next(r for r in st.runs() if r["kind"] == "replay")
     compute = sum(b["compute_s"] for b in st.rows("blocks", rec["run_id"]))
-    ckpts = sum(d["checkpoint"] for d in st.rows("decisions", rec["run_id"]))
+    decisions = st.rows("decisions", rec["run_id"])
     restore = sum(b["restore_s"] for b in st.rows("blocks", rep["run_id"]))
     part_s = st.rows("parts", rep["run_id"])[0]["seconds"]
     plan = os.path.join(st.run_dir(rep["run_id"]), "plan.json")
     st.close()
     w_wall, w = timed([py, "-c", WRAP, plan], work, env)
     t_wall, t = timed([py, "-c", WRAP], work, env)
+    shutil.rmtree(work, ignore_errors=True)
     outer = rec["finished"] - rec["started"] - compute
     rows = [
         ("plain run (whole command)", plain_wall),
         ("record (whole command)", rec_wall),
-        ("  its session: outer loop = session - blocks' compute", outer),
+        ("record: its session's outer loop (session - blocks' compute)", outer),
         ("replay --jobs 1 (whole command)", rep_wall),
-        ("  its worker's session (part seconds)", part_s),
-        ("    of which restoring checkpoints", restore),
+        ("replay: its worker's session (part seconds)", part_s),
+        ("replay: restoring checkpoints, inside that session", restore),
         ("ideal of run.py: restore + outer loop", restore + outer),
-        ("worker command alone (whole process)", w_wall),
-        ("  interpreter start to session start", w.get("session_start", float("nan"))),
-        ("  session start to atexit", w["atexit"] - w.get("session_start", 0.0)),
-        ("  atexit to process gone (finalization)", w_wall - w["atexit"]),
+        ("worker command run again alone (whole process)", w_wall),
+        ("worker alone: interpreter start to session start", w["session_start"]),
+        ("worker alone: session start to exit handlers", w["atexit"] - w["session_start"]),
+        ("worker alone: exit handlers to process gone (finalization)", w_wall - w["atexit"]),
         ("python -c 'import torch' (whole process)", t_wall),
-        ("  atexit to process gone (finalization)", t_wall - t["atexit"]),
+        ("import torch: exit handlers to process gone (finalization)", t_wall - t["atexit"]),
     ]
-    print(f"{a.workload}: {spec['script']} {' '.join(args)}; record {' '.join(opts) or 'adaptive'}, "
-          f"{ckpts} checkpoints")
-    for name, s in rows:
-        print(f"{name:<58} {s:7.2f} s")
+    title = (f"{a.workload}: `{spec['script']} {' '.join(args)}`, record "
+             f"{' '.join(opts) or 'adaptive'} ({sum(d['checkpoint'] for d in decisions)} "
+             f"checkpoints), epoch-loop probe replayed with --jobs 1")
+    report = {
+        "command": " ".join(["python benchmarks/profile_replay.py", *sys.argv[1:]]),
+        "machine": machine(), "workload": a.workload, "args": args, "record_options": opts,
+        "steps": dict(rows),
+        "decisions": [{k: d[k] for k in ("n", "k", "compute_s", "nbytes", "bandwidth",
+                                         "materialize_s", "ratio", "limit_value",
+                                         "checkpoint", "reason")} for d in decisions],
+    }
+    write(out, report, title, rows)
 
 
 if __name__ == "__main__":

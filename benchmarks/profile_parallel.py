@@ -1,0 +1,93 @@
+"""Diagnostic (not a benchmark): where two replay workers spend their time.
+
+Records one workload hands-free, adds run.py's inner-loop print, replays it
+with --jobs 1 and then --jobs 2 (each timed as a whole command), and reads
+flor's own accounting of each worker from the run store: its session, its
+main loop, and within that the training blocks it computed, the checkpoints
+it restored, and the rest (the outer loop).  One run of each step.
+
+    python benchmarks/profile_parallel.py [--workload image] [--epochs 24]
+
+Writes benchmarks/results/profile-parallel-WORKLOAD.json and .md (or --out).
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_replay import machine, prepare, timed, write  # noqa: E402
+from run import ROOT, WORKLOADS, _store  # noqa: E402
+from replay import add_line  # noqa: E402
+
+
+def accounting(st, run_id, main_loop):
+    """Per worker: session seconds, main-loop seconds and iterations, and the
+    main loop's training blocks (computed, restored) from the store."""
+    parts = {p["part"]: {"session_s": p["seconds"]} for p in st.rows("parts", run_id)}
+    for loop in st.rows("loops", run_id):
+        if loop["depth"] == 0 and loop["loop"] == main_loop:
+            parts[loop["part"]].update(main_loop_s=loop["seconds"],
+                                       iterations=loop["iterations"])
+    for b in st.rows("blocks", run_id):
+        p = parts[b["part"]]
+        p["block_compute_s"] = p.get("block_compute_s", 0.0) + b["compute_s"]
+        p["restore_s"] = p.get("restore_s", 0.0) + b["restore_s"]
+        p["restores"] = p.get("restores", 0) + b["restores"]
+    for p in parts.values():
+        p["outer_s"] = p["main_loop_s"] - p["block_compute_s"] - p["restore_s"]
+    return [parts[k] for k in sorted(parts)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="image", choices=sorted(WORKLOADS))
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    out = a.out or os.path.join(ROOT, "benchmarks", "results", f"profile-parallel-{a.workload}")
+    spec, work, script, source, args, env = prepare(a.workload, a.epochs)
+    py = sys.executable
+    rec_wall, _ = timed([py, "-m", "flor", "record", script, *args], work, env)
+    with open(script, "w") as f:
+        f.write(add_line(source, *spec["inner"]))
+    replays = []
+    for jobs in (1, 2):
+        wall, _ = timed([py, "-m", "flor", "replay", "--jobs", str(jobs), script, *args],
+                        work, env)
+        st = _store(env["FLOR_DIR"])
+        rep = [r for r in st.runs() if r["kind"] == "replay"][-1]
+        replays.append({"jobs": jobs, "wall_s": wall,
+                        "segments": json.loads(rep["info"])["segments"],
+                        "workers": accounting(st, rep["run_id"], rep["main_loop"])})
+        st.close()
+    shutil.rmtree(work, ignore_errors=True)
+    one, two = replays
+    outside = one["wall_s"] - one["workers"][0]["main_loop_s"]
+    rows = [("record (whole command)", rec_wall)]
+    for r in replays:
+        rows.append((f"replay --jobs {r['jobs']} (whole command), segments "
+                     f"{', '.join(f'[{s}, {e})' for s, e in r['segments'])}", r["wall_s"]))
+        for i, w in enumerate(r["workers"]):
+            pre = f"--jobs {r['jobs']} worker {i}"
+            rows += [(f"{pre}: session", w["session_s"]),
+                     (f"{pre}: main loop, {w['iterations']} iterations", w["main_loop_s"]),
+                     (f"{pre}: training blocks computed", w["block_compute_s"]),
+                     (f"{pre}: restoring {w['restores']} checkpoints", w["restore_s"]),
+                     (f"{pre}: rest of the main loop (outer loop)", w["outer_s"])]
+    rows += [("--jobs 1: outside its main loop (whole command - main loop)", outside),
+             ("ideal --jobs 2: --jobs 1 / 2", one["wall_s"] / 2)]
+    efficiency = one["wall_s"] / (2 * two["wall_s"])
+    title = (f"{a.workload}: `{spec['script']} {' '.join(args)}`, recorded adaptive, "
+             f"inner-loop probe replayed with --jobs 1 and --jobs 2 (efficiency "
+             f"{100 * efficiency:.0f}%)")
+    report = {"command": " ".join(["python benchmarks/profile_parallel.py", *sys.argv[1:]]),
+              "machine": machine(), "workload": a.workload, "args": args,
+              "record_s": rec_wall, "replays": replays, "outside_main_loop_s": outside,
+              "efficiency": efficiency}
+    write(out, report, title, rows)
+
+
+if __name__ == "__main__":
+    main()
