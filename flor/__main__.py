@@ -20,7 +20,8 @@ import time
 import traceback
 
 from .instrument import instrument, uses_flor
-from .replay import FlorError, _describe, merge, plan_replay, run_local, run_main, run_part
+from .replay import (FlorError, _describe, _outermost, merge, plan_replay, run_local,
+                     run_main, run_part)
 from .session import Session
 from .store import Store
 
@@ -104,7 +105,26 @@ def cmd_record(rest) -> int:
     print(f"flor: recorded run {session.run_id} of {os.path.basename(script)}: "
           f"{run['iterations']} iterations of the main loop, {len(ckpts)} checkpoints "
           f"({size / 2**20:.1f} MiB) in {session.store.root}", file=sys.stderr)
+    for note in _never_checkpointed(session.store.rows("decisions", session.run_id)):
+        print(f"flor: {note}", file=sys.stderr)
     return code
+
+
+def _never_checkpointed(decisions):
+    """A note for each outermost block that ran but was never checkpointed:
+    what the adaptive rule weighed at its last execution, and the way out."""
+    last, taken = {}, set()
+    for d in decisions:
+        if _outermost(d):
+            last[d["block"]] = d
+            if d["checkpoint"]:
+                taken.add(d["block"])
+    for block, d in last.items():
+        if block not in taken:
+            yield (f"block {block} ran {d['n']} times and was never checkpointed, so replay "
+                   f"re-executes it (the rule at its last execution: {d['reason']}); "
+                   "`python -m flor record --no-adaptive` checkpoints every execution, a "
+                   "larger --epsilon allows more record overhead")
 
 
 def _parse_part(text):

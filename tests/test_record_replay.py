@@ -58,6 +58,7 @@ def test_record_stores_the_run(recorded):
     assert {"python", "flor", "torch", "numpy"} <= set(json.loads(rec["versions"]))
     decisions = st.rows("decisions", rec["run_id"])
     assert [d["top_iter"] for d in decisions] == [0, 1, 2, 3]
+    assert "never checkpointed" not in proc.stderr
     for d_ in decisions:
         assert d_["checkpoint"] and d_["reason"].startswith("checkpoint: adaptivity off")
         assert d_["nbytes"] > 0 and d_["bandwidth"] > 0 and d_["materialize_s"] > 0
@@ -325,6 +326,14 @@ def test_sparse_checkpoints_still_replay_faithfully(workdir, tmp_path):
     r = runs(st, "record")[0]
     assert r["epsilon"] == 1e-9
     assert not any(x["checkpoint"] for x in st.rows("decisions", r["run_id"]))
+    # The record says which block went without checkpoints, why, and the way out.
+    (block,) = {x["block"] for x in st.rows("decisions", r["run_id"])}
+    note = re.search(rf"flor: block {re.escape(block)} ran 4 times and was never checkpointed,"
+                     r" so replay re-executes it \(the rule at its last execution: no checkpoint:"
+                     r" M/C = .* >= n/\(k\+1\) \* min\(1/\(1\+c\), eps\) = 4/1 \* .*\);"
+                     r" `python -m flor record --no-adaptive` checkpoints every execution",
+                     rec.stderr)
+    assert note, rec.stderr
     rep = flor(d, "replay", "--jobs", "2", "train.py", *ARGS)
     assert "segments [0, 4)" in rep.stderr  # no checkpoint to start a second segment from
     assert rep.stdout == rec.stdout and "deferred checks passed" in rep.stderr
