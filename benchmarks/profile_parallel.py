@@ -3,8 +3,9 @@
 Records one workload hands-free, adds run.py's inner-loop print, replays it
 with --jobs 1 and then --jobs 2 (each timed as a whole command), and reads
 flor's own accounting of each worker from the run store: its session, its
-main loop, and within that the training blocks it computed, the checkpoints
-it restored, and the rest (the outer loop).  One run of each step.
+main loop, and within that the blocks it computed and the checkpoints it
+restored (all of its blocks: the workloads' only block is their training
+loop), and the rest (the outer loop).  One run of each step.
 
     python benchmarks/profile_parallel.py [--workload image] [--epochs 24]
 
@@ -22,19 +23,21 @@ from run import ROOT, WORKLOADS, _store  # noqa: E402
 from replay import add_line  # noqa: E402
 
 
-def accounting(st, run_id, main_loop):
-    """Per worker: session seconds, main-loop seconds and iterations, and the
-    main loop's training blocks (computed, restored) from the store."""
-    parts = {p["part"]: {"session_s": p["seconds"]} for p in st.rows("parts", run_id)}
+def accounting(st, run_id, main_loop, main_run):
+    """Per worker: session seconds, main-loop seconds and iterations, and its
+    blocks (all of them: computed, restored) from the store."""
+    parts = {p["part"]: {"session_s": p["seconds"], "main_loop_s": 0.0, "iterations": 0,
+                         "block_compute_s": 0.0, "restore_s": 0.0, "restores": 0}
+             for p in st.rows("parts", run_id)}
     for loop in st.rows("loops", run_id):
-        if loop["depth"] == 0 and loop["loop"] == main_loop:
+        if (loop["loop"], loop["run"], loop["depth"]) == (main_loop, main_run, 0):
             parts[loop["part"]].update(main_loop_s=loop["seconds"],
                                        iterations=loop["iterations"])
     for b in st.rows("blocks", run_id):
         p = parts[b["part"]]
-        p["block_compute_s"] = p.get("block_compute_s", 0.0) + b["compute_s"]
-        p["restore_s"] = p.get("restore_s", 0.0) + b["restore_s"]
-        p["restores"] = p.get("restores", 0) + b["restores"]
+        p["block_compute_s"] += b["compute_s"]
+        p["restore_s"] += b["restore_s"]
+        p["restores"] += b["restores"]
     for p in parts.values():
         p["outer_s"] = p["main_loop_s"] - p["block_compute_s"] - p["restore_s"]
     return [parts[k] for k in sorted(parts)]
@@ -60,7 +63,7 @@ def main():
         rep = [r for r in st.runs() if r["kind"] == "replay"][-1]
         replays.append({"jobs": jobs, "wall_s": wall,
                         "segments": json.loads(rep["info"])["segments"],
-                        "workers": accounting(st, rep["run_id"], rep["main_loop"])})
+                        "workers": accounting(st, rep["run_id"], rep["main_loop"], rep["main_run"])})
         st.close()
     shutil.rmtree(work, ignore_errors=True)
     one, two = replays

@@ -4,9 +4,9 @@ time that the partial-replay ideal of benchmarks/run.py leaves out.
 Runs one workload plainly, records it hands-free, adds run.py's epoch-loop
 print, replays it with --jobs 1 (timed as a whole command), then runs that
 replay's worker command once more on its own, with timestamps taken inside
-it: after interpreter start, when flor's replay session starts, at exit
-(atexit, after the script and the session have finished) and, from outside,
-when the process is gone.  A bare `python -c "import torch"` is timed the
+it: at its first line, when flor's replay session starts, at exit (atexit,
+after the script and the session have finished) and, from outside, when the
+process is gone.  A bare `python -c "import torch"` is timed the
 same way for reference.  One run of each step, not a benchmark.
 
     python benchmarks/profile_replay.py [--workload language] [--epochs 12]
@@ -135,10 +135,18 @@ def main():
     decisions = st.rows("decisions", rec["run_id"])
     restore = sum(b["restore_s"] for b in st.rows("blocks", rep["run_id"]))
     part_s = st.rows("parts", rep["run_id"])[0]["seconds"]
-    plan = os.path.join(st.run_dir(rep["run_id"]), "plan.json")
+    with open(os.path.join(st.run_dir(rep["run_id"]), "plan.json")) as f:
+        plan = json.load(f)
     st.close()
-    w_wall, w = timed([py, "-c", WRAP, plan], work, env)
+    plan.pop("progress_fd", None)  # a pipe of the replay command, gone now
+    plan_path = os.path.join(work, "plan-again.json")
+    with open(plan_path, "w") as f:
+        json.dump(plan, f)
+    threads = str(os.cpu_count() or 1)  # what `flor replay --jobs 1` gives its worker
+    w_wall, w = timed([py, "-c", WRAP, plan_path], work,
+                      dict(env, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads))
     t_wall, t = timed([py, "-c", WRAP], work, env)
+    bare_wall, _ = timed([py, "-c", "pass"], work, env)
     shutil.rmtree(work, ignore_errors=True)
     outer = rec["finished"] - rec["started"] - compute
     rows = [
@@ -150,11 +158,14 @@ def main():
         ("replay: restoring checkpoints, inside that session", restore),
         ("ideal of run.py: restore + outer loop", restore + outer),
         ("worker command run again alone (whole process)", w_wall),
-        ("worker alone: interpreter start to session start", w["session_start"]),
+        ("worker alone: its first line to session start (importing flor)", w["session_start"]),
         ("worker alone: session start to exit handlers", w["atexit"] - w["session_start"]),
-        ("worker alone: exit handlers to process gone (finalization)", w_wall - w["atexit"]),
+        ("worker alone: outside its code (interpreter start; after the exit handlers, "
+         "finalization)", w_wall - w["atexit"]),
         ("python -c 'import torch' (whole process)", t_wall),
-        ("import torch: exit handlers to process gone (finalization)", t_wall - t["atexit"]),
+        ("import torch: outside its code (interpreter start, finalization)",
+         t_wall - t["atexit"]),
+        ("python -c pass (whole process: interpreter start and exit)", bare_wall),
     ]
     title = (f"{a.workload}: `{spec['script']} {' '.join(args)}`, record "
              f"{' '.join(opts) or 'adaptive'} ({sum(d['checkpoint'] for d in decisions)} "
@@ -163,7 +174,7 @@ def main():
         "command": " ".join(["python benchmarks/profile_replay.py", *sys.argv[1:]]),
         "machine": machine(), "workload": a.workload, "args": args, "record_options": opts,
         "steps": dict(rows),
-        "decisions": [{k: d[k] for k in ("n", "k", "compute_s", "nbytes", "bandwidth",
+        "decisions": [{k: d[k] for k in ("block", "ctx", "n", "k", "compute_s", "nbytes", "bandwidth",
                                          "materialize_s", "ratio", "limit_value",
                                          "checkpoint", "reason")} for d in decisions],
     }

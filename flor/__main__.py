@@ -105,7 +105,8 @@ def cmd_record(rest) -> int:
     print(f"flor: recorded run {session.run_id} of {os.path.basename(script)}: "
           f"{run['iterations']} iterations of the main loop, {len(ckpts)} checkpoints "
           f"({size / 2**20:.1f} MiB) in {session.store.root}", file=sys.stderr)
-    for note in _never_checkpointed(session.store.rows("decisions", session.run_id)):
+    for note in _never_checkpointed(session.store.rows("decisions", session.run_id,
+                                                       "ORDER BY rowid")):
         print(f"flor: {note}", file=sys.stderr)
     return code
 

@@ -58,7 +58,6 @@ def test_record_stores_the_run(recorded):
     assert {"python", "flor", "torch", "numpy"} <= set(json.loads(rec["versions"]))
     decisions = st.rows("decisions", rec["run_id"])
     assert [d["top_iter"] for d in decisions] == [0, 1, 2, 3]
-    assert "never checkpointed" not in proc.stderr
     for d_ in decisions:
         assert d_["checkpoint"] and d_["reason"].startswith("checkpoint: adaptivity off")
         assert d_["nbytes"] > 0 and d_["bandwidth"] > 0 and d_["materialize_s"] > 0
@@ -337,6 +336,24 @@ def test_sparse_checkpoints_still_replay_faithfully(workdir, tmp_path):
     rep = flor(d, "replay", "--jobs", "2", "train.py", *ARGS)
     assert "segments [0, 4)" in rep.stderr  # no checkpoint to start a second segment from
     assert rep.stdout == rec.stdout and "deferred checks passed" in rep.stderr
+
+
+def test_only_outermost_blocks_never_checkpointed_get_a_note():
+    from flor.__main__ import _never_checkpointed
+
+    def row(block, ctx, checkpoint, reason):
+        return {"block": block, "ctx": json.dumps(ctx), "n": 3, "checkpoint": checkpoint,
+                "reason": reason}
+    main = ["L", "train.py:40", 0]
+    rows = [row("train", [main + [0]], 0, "no checkpoint: first"),
+            row("train", [main + [1]], 1, "checkpoint"),
+            row("eval", [main + [0]], 0, "no checkpoint: first"),
+            row("inner", [main + [0], ["B", "train", 0, 0]], 0, "no checkpoint: nested"),
+            row("eval", [main + [1]], 0, "no checkpoint: last")]
+    notes = list(_never_checkpointed(rows))
+    assert len(notes) == 1, notes
+    assert notes[0].startswith("block eval ran 3 times and was never checkpointed")
+    assert "(the rule at its last execution: no checkpoint: last)" in notes[0]
 
 
 def test_a_name_used_twice_is_refused(tmp_path):
