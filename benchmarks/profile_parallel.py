@@ -50,39 +50,38 @@ def main():
     p.add_argument("--out", default=None)
     a = p.parse_args()
     out = a.out or os.path.join(ROOT, "benchmarks", "results", f"profile-parallel-{a.workload}")
-    spec, work, script, source, args, env = prepare(a.workload, a.epochs)
-    py = sys.executable
-    rec_wall, _ = timed([py, "-m", "flor", "record", script, *args], work, env)
-    with open(script, "w") as f:
-        f.write(add_line(source, *spec["inner"]))
+    w = prepare(a.workload, a.epochs)
+    py, script, args = sys.executable, w.script, w.args
+    rec_wall, _ = timed(w, [py, "-m", "flor", "record", script, *args])
+    w.write(add_line(w.original, *w.spec["inner"]))
     replays = []
     for jobs in (1, 2):
-        wall, _ = timed([py, "-m", "flor", "replay", "--jobs", str(jobs), script, *args],
-                        work, env)
-        st = _store(env["FLOR_DIR"])
+        wall, _ = timed(w, [py, "-m", "flor", "replay", "--jobs", str(jobs), script, *args])
+        st = _store(w.env["FLOR_DIR"])
         rep = [r for r in st.runs() if r["kind"] == "replay"][-1]
         replays.append({"jobs": jobs, "wall_s": wall,
                         "segments": json.loads(rep["info"])["segments"],
-                        "workers": accounting(st, rep["run_id"], rep["main_loop"], rep["main_run"])})
+                        "workers": accounting(st, rep["run_id"], rep["main_loop"],
+                                              rep["main_run"])})
         st.close()
-    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(os.path.dirname(w.dir), ignore_errors=True)
     one, two = replays
     outside = one["wall_s"] - one["workers"][0]["main_loop_s"]
     rows = [("record (whole command)", rec_wall)]
     for r in replays:
         rows.append((f"replay --jobs {r['jobs']} (whole command), segments "
                      f"{', '.join(f'[{s}, {e})' for s, e in r['segments'])}", r["wall_s"]))
-        for i, w in enumerate(r["workers"]):
+        for i, wk in enumerate(r["workers"]):
             pre = f"--jobs {r['jobs']} worker {i}"
-            rows += [(f"{pre}: session", w["session_s"]),
-                     (f"{pre}: main loop, {w['iterations']} iterations", w["main_loop_s"]),
-                     (f"{pre}: training blocks computed", w["block_compute_s"]),
-                     (f"{pre}: restoring {w['restores']} checkpoints", w["restore_s"]),
-                     (f"{pre}: rest of the main loop (outer loop)", w["outer_s"])]
+            rows += [(f"{pre}: session", wk["session_s"]),
+                     (f"{pre}: main loop, {wk['iterations']} iterations", wk["main_loop_s"]),
+                     (f"{pre}: training blocks computed", wk["block_compute_s"]),
+                     (f"{pre}: restoring {wk['restores']} checkpoints", wk["restore_s"]),
+                     (f"{pre}: rest of the main loop (outer loop)", wk["outer_s"])]
     rows += [("--jobs 1: outside its main loop (whole command - main loop)", outside),
              ("ideal --jobs 2: --jobs 1 / 2", one["wall_s"] / 2)]
     efficiency = one["wall_s"] / (2 * two["wall_s"])
-    title = (f"{a.workload}: `{spec['script']} {' '.join(args)}`, recorded adaptive, "
+    title = (f"{a.workload}: `{w.spec['script']} {' '.join(args)}`, recorded adaptive, "
              f"inner-loop probe replayed with --jobs 1 and --jobs 2 (efficiency "
              f"{100 * efficiency:.0f}%)")
     report = {"command": " ".join(["python benchmarks/profile_parallel.py", *sys.argv[1:]]),

@@ -21,13 +21,11 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import ROOT, WORKLOADS, WORKLOADS_DIR, _store  # noqa: E402
+from run import ROOT, WORKLOADS, Workload, _store  # noqa: E402
 from replay import _cpu, add_line  # noqa: E402
 
 WRAP = r"""
@@ -53,41 +51,31 @@ else:
 """
 
 
-def timed(argv, cwd, env):
-    """Run a command; its wall time and the MARKS it printed, if any."""
-    t = time.perf_counter()
-    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        sys.exit(f"{argv} failed:\n{proc.stderr[-3000:]}")
+def timed(w, argv, env=None):
+    """Run a command in the workload's directory (run.py's Workload.run):
+    its wall time and the MARKS it printed, if any."""
+    wall, proc = w.run(argv, env=env)
     marks = [json.loads(line[6:]) for line in proc.stderr.splitlines()
              if line.startswith("MARKS ")]
     return wall, (marks[0] if marks else {})
 
 
 def prepare(workload, epochs):
-    """A work directory holding the workload's script, its source, its
-    arguments and an environment whose FLOR_DIR already holds this machine's
-    bandwidth calibration (as in run.py, taken by a one-epoch record)."""
-    spec = WORKLOADS[workload]
-    args = list(spec["full"])
+    """run.py's Workload in a fresh directory, with its full arguments
+    (--epochs replaced if given) and FLOR_DIR a store that already holds this
+    machine's bandwidth calibration (as in run.py, here taken by a one-epoch
+    record)."""
+    w = Workload(workload, WORKLOADS[workload], False, tempfile.mkdtemp(prefix="flor-profile-"))
+    w.args = list(w.args)
     if epochs is not None:
-        args[args.index("--epochs") + 1] = str(epochs)
-    work = tempfile.mkdtemp(prefix="flor-profile-")
-    script = os.path.join(work, spec["script"])
-    with open(os.path.join(WORKLOADS_DIR, spec["script"])) as f:
-        source = f.read()
-    with open(script, "w") as f:
-        f.write(source)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               FLOR_DIR=os.path.join(work, ".flor"), PYTHONPATH=ROOT)
-    short = list(args)
+        w.args[w.args.index("--epochs") + 1] = str(epochs)
+    short = list(w.args)
     short[short.index("--epochs") + 1] = "1"
-    timed([sys.executable, "-m", "flor", "record", script, *short], work,
-          dict(env, FLOR_DIR=os.path.join(work, "warm")))
-    os.makedirs(env["FLOR_DIR"])
-    shutil.copy(os.path.join(work, "warm", "calibration.json"), env["FLOR_DIR"])
-    return spec, work, script, source, args, env
+    warm = w.fresh_store("warm")
+    w.run([sys.executable, "-m", "flor", "record", w.script, *short], env={"FLOR_DIR": warm})
+    w.calibration = os.path.join(warm, "calibration.json")
+    w.env["FLOR_DIR"] = w.fresh_store("profile")
+    return w
 
 
 def machine():
@@ -120,15 +108,14 @@ def main():
     a = p.parse_args()
     out = a.out or os.path.join(ROOT, "benchmarks", "results", f"profile-replay-{a.workload}"
                                 + ("-every" if a.no_adaptive else ""))
-    spec, work, script, source, args, env = prepare(a.workload, a.epochs)
-    py = sys.executable
-    plain_wall, _ = timed([py, script, *args], work, env)
+    w = prepare(a.workload, a.epochs)
+    py, script, args = sys.executable, w.script, w.args
+    plain_wall, _ = timed(w, [py, script, *args])
     opts = ["--no-adaptive"] if a.no_adaptive else []
-    rec_wall, _ = timed([py, "-m", "flor", "record", *opts, script, *args], work, env)
-    with open(script, "w") as f:
-        f.write(add_line(source, *spec["outer"]))
-    rep_wall, _ = timed([py, "-m", "flor", "replay", "--jobs", "1", script, *args], work, env)
-    st = _store(env["FLOR_DIR"])
+    rec_wall, _ = timed(w, [py, "-m", "flor", "record", *opts, script, *args])
+    w.write(add_line(w.original, *w.spec["outer"]))
+    rep_wall, _ = timed(w, [py, "-m", "flor", "replay", "--jobs", "1", script, *args])
+    st = _store(w.env["FLOR_DIR"])
     rec = next(r for r in st.runs() if r["kind"] == "record")
     rep = next(r for r in st.runs() if r["kind"] == "replay")
     compute = sum(b["compute_s"] for b in st.rows("blocks", rec["run_id"]))
@@ -139,15 +126,15 @@ def main():
         plan = json.load(f)
     st.close()
     plan.pop("progress_fd", None)  # a pipe of the replay command, gone now
-    plan_path = os.path.join(work, "plan-again.json")
+    plan_path = os.path.join(w.dir, "plan-again.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f)
     threads = str(os.cpu_count() or 1)  # what `flor replay --jobs 1` gives its worker
-    w_wall, w = timed([py, "-c", WRAP, plan_path], work,
-                      dict(env, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads))
-    t_wall, t = timed([py, "-c", WRAP], work, env)
-    bare_wall, _ = timed([py, "-c", "pass"], work, env)
-    shutil.rmtree(work, ignore_errors=True)
+    w_wall, marks = timed(w, [py, "-c", WRAP, plan_path],
+                          {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+    t_wall, t = timed(w, [py, "-c", WRAP])
+    bare_wall, _ = timed(w, [py, "-c", "pass"])
+    shutil.rmtree(os.path.dirname(w.dir), ignore_errors=True)
     outer = rec["finished"] - rec["started"] - compute
     rows = [
         ("plain run (whole command)", plain_wall),
@@ -158,24 +145,26 @@ def main():
         ("replay: restoring checkpoints, inside that session", restore),
         ("ideal of run.py: restore + outer loop", restore + outer),
         ("worker command run again alone (whole process)", w_wall),
-        ("worker alone: its first line to session start (importing flor)", w["session_start"]),
-        ("worker alone: session start to exit handlers", w["atexit"] - w["session_start"]),
+        ("worker alone: its first line to session start (importing flor)",
+         marks["session_start"]),
+        ("worker alone: session start to exit handlers",
+         marks["atexit"] - marks["session_start"]),
         ("worker alone: outside its code (interpreter start; after the exit handlers, "
-         "finalization)", w_wall - w["atexit"]),
+         "finalization)", w_wall - marks["atexit"]),
         ("python -c 'import torch' (whole process)", t_wall),
         ("import torch: outside its code (interpreter start, finalization)",
          t_wall - t["atexit"]),
         ("python -c pass (whole process: interpreter start and exit)", bare_wall),
     ]
-    title = (f"{a.workload}: `{spec['script']} {' '.join(args)}`, record "
+    title = (f"{a.workload}: `{w.spec['script']} {' '.join(args)}`, record "
              f"{' '.join(opts) or 'adaptive'} ({sum(d['checkpoint'] for d in decisions)} "
              f"checkpoints), epoch-loop probe replayed with --jobs 1")
     report = {
         "command": " ".join(["python benchmarks/profile_replay.py", *sys.argv[1:]]),
         "machine": machine(), "workload": a.workload, "args": args, "record_options": opts,
         "steps": dict(rows),
-        "decisions": [{k: d[k] for k in ("block", "ctx", "n", "k", "compute_s", "nbytes", "bandwidth",
-                                         "materialize_s", "ratio", "limit_value",
+        "decisions": [{k: d[k] for k in ("block", "ctx", "n", "k", "compute_s", "nbytes",
+                                         "bandwidth", "materialize_s", "ratio", "limit_value",
                                          "checkpoint", "reason")} for d in decisions],
     }
     write(out, report, title, rows)
