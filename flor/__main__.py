@@ -98,15 +98,15 @@ def cmd_record(rest) -> int:
     code, error = _run_script(script, args, inst)
     session.finish(error)
     run = session.store.run(session.run_id)
-    ckpts = [d for d in session.store.rows("decisions", session.run_id) if d["checkpoint"]]
+    decisions = session.store.rows("decisions", session.run_id, "ORDER BY rowid")
+    ckpts = [d for d in decisions if d["checkpoint"]]
     size = sum(os.path.getsize(os.path.join(session.store.ckpt_dir(session.run_id), d["file"]))
                for d in ckpts if d["file"] and os.path.exists(
                    os.path.join(session.store.ckpt_dir(session.run_id), d["file"])))
     print(f"flor: recorded run {session.run_id} of {os.path.basename(script)}: "
           f"{run['iterations']} iterations of the main loop, {len(ckpts)} checkpoints "
           f"({size / 2**20:.1f} MiB) in {session.store.root}", file=sys.stderr)
-    for note in _never_checkpointed(session.store.rows("decisions", session.run_id,
-                                                       "ORDER BY rowid")):
+    for note in _never_checkpointed(decisions):
         print(f"flor: {note}", file=sys.stderr)
     return code
 
