@@ -3,10 +3,10 @@ predicts the bandwidth of a record's own checkpoints, which the adaptive rule
 uses in its place once two have been written.
 
 In each round, in a fresh store:
-  record    `flor record --no-adaptive` of the fine-tuning workload: the
-            calibration it measures at its first decision (one 32 MiB
-            checkpoint written, then deleted) and the bandwidth of its own
-            checkpoints as the rule saw it at its last decision;
+  record    `flor record --no-adaptive` of the fine-tuning workload for
+            EPOCHS epochs: the calibration it measures at its first decision
+            (one 32 MiB checkpoint written, then deleted) and the bandwidth
+            of its own checkpoints as the rule saw it at its last decision;
   keep      a fresh process writes that workload's model (thread
             materializer, no training alongside) WRITES times, keeping every
             file, as a record does;
@@ -83,7 +83,7 @@ def writer_round(w, writes, how):
     shutil.rmtree(d)
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("WRITES ")]
     r = json.loads(line[7:])
-    return [r["nbytes"] / s / MIB for s in r["seconds"]]
+    return r["nbytes"] / MIB, [r["nbytes"] / s / MIB for s in r["seconds"]]
 
 
 def main():
@@ -100,7 +100,7 @@ def main():
     for r in range(a.rounds):
         row = record_round(w, a.epochs)
         for how in (("keep", "delete") if r % 2 == 0 else ("delete", "keep")):
-            row[how + "_mib_s"] = writer_round(w, a.writes, how)
+            row["model_mib"], row[how + "_mib_s"] = writer_round(w, a.writes, how)
         rounds.append(row)
         print(f"round {r}: {json.dumps(row)}", file=sys.stderr)
     shutil.rmtree(os.path.dirname(w.dir), ignore_errors=True)
@@ -117,11 +117,12 @@ def main():
     keep_rest = [v for x in rounds for v in x["keep_mib_s"][1:]]
     del_first = [x["delete_mib_s"][0] for x in rounds]
     del_rest = [v for x in rounds for v in x["delete_mib_s"][1:]]
-    mib = rounds[0]["checkpoint_mib"]
+    mib, model = rounds[0]["checkpoint_mib"], rounds[0]["model_mib"]
     table = [
         ("calibration, in the record (32 MiB, one write, then deleted)", span(cal)),
-        (f"the record's own checkpoints ({mib:.1f} MiB each, training alongside)", span(own)),
-        ("model alone, files kept: first write", span(keep_first)),
+        (f"the record's own checkpoints ({mib:.1f} MiB each, training alongside; "
+         f"at its last decision, epoch {a.epochs})", span(own)),
+        (f"model ({model:.1f} MiB) alone, files kept: first write", span(keep_first)),
         ("model alone, files kept: later writes", span(keep_rest)),
         ("model alone, each file deleted: first write", span(del_first)),
         ("model alone, each file deleted: later writes", span(del_rest)),
@@ -143,8 +144,8 @@ def main():
     text = "\n".join([
         f"Command: `{report['command']}`  ",
         f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}  ",
-        f"Write bandwidth, MiB/s: median (range) over {a.rounds} rounds; the fine-tuning "
-        f"model is {mib:.1f} MiB (a diagnostic, not a benchmark)", "",
+        f"Write bandwidth of the fine-tuning workload's checkpoints, MiB/s: median (range) "
+        f"over {a.rounds} rounds (a diagnostic, not a benchmark)", "",
         "| writes | MiB/s |", "|---|---:|",
         *[f"| {name} | {v} |" for name, v in table],
         "", "Calibration / the record's own bandwidth, per round: "

@@ -63,6 +63,13 @@ def test_record_stores_the_run(recorded):
         assert d_["nbytes"] > 0 and d_["bandwidth"] > 0 and d_["materialize_s"] > 0
     ckpts = os.listdir(st.ckpt_dir(rec["run_id"]))
     assert len(ckpts) == 4 and all(c.endswith(".flor") for c in ckpts)
+    # Until the run has timed two of its own writes, the rule charges the
+    # store's calibration, which leaves nothing of its own behind.
+    with open(os.path.join(d, ".flor", "calibration.json")) as f:
+        (cal,) = json.load(f).values()
+    assert cal["write_bytes_per_s"] > 0
+    assert decisions[0]["bandwidth"] == cal["write_bytes_per_s"]
+    assert not [f for f in os.listdir(os.path.join(d, ".flor")) if f.startswith("calibrate.")]
     assert "epoch 3:" in proc.stdout  # the tee: the user still sees the output
     assert [v for _, _, v in values(st, rec["run_id"], "val_acc")]
 

@@ -1,4 +1,4 @@
-"""Fine-tuning: a large frozen backbone (5 dense 4096x4096 blocks, 337 MB of
+"""Fine-tuning: a large frozen backbone (5 dense 4096x4096 blocks, 336 MB of
 float32 parameters) with a small trainable head, short epochs, on
 scikit-learn's digits.  The backbone is randomly initialised from a fixed
 seed (no pretrained weights can be downloaded here); what matters for
