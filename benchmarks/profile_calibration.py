@@ -12,9 +12,13 @@ In each round, in a fresh store:
             file, as a record does;
   delete    the same, deleting each file once written, as the calibration
             does.
-keep and delete alternate which goes first.  Medians over the rounds.
+keep and delete alternate which goes first (an even number of rounds
+balances them).  Medians over the rounds.  The writer rows time what flor
+times for a run's own checkpoints (the materializer's write_seconds:
+pickling and writing through fsync and rename); the calibration also times
+allocating its 32 MiB and the snapshot copy.
 
-    python benchmarks/profile_calibration.py [--rounds 3] [--epochs 8] [--writes 6]
+    python benchmarks/profile_calibration.py [--rounds 4] [--epochs 8] [--writes 6]
 
 Writes benchmarks/results/profile-calibration.json and .md (or --out).
 """
@@ -43,15 +47,17 @@ model = Classifier(4096, 5)
 directory, writes, delete = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "delete"
 m = Materializer(directory, mode="thread")
 seconds = []
+nbytes = []
 for i in range(writes):
-    before = m.stats()["write_seconds"]
+    before = m.stats()
     m.submit(f"w{i}", {"model": model})
     m.flush()
-    seconds.append(m.stats()["write_seconds"] - before)
+    after = m.stats()
+    seconds.append(after["write_seconds"] - before["write_seconds"])
+    nbytes.append(after["bytes_written"] - before["bytes_written"])
     if delete:
         os.unlink(m.path_for(f"w{i}"))
 m.close()
-nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
 print("WRITES " + json.dumps({"nbytes": nbytes, "seconds": seconds}))
 """
 
@@ -66,7 +72,7 @@ def record_round(w, epochs):
         (cal,) = json.load(f).values()
     st = _store(root)
     rec = st.runs()[-1]
-    decisions = st.rows("decisions", rec["run_id"])
+    decisions = st.rows("decisions", rec["run_id"], "ORDER BY rowid")
     st.close()
     shutil.rmtree(root)
     if decisions[-1]["bandwidth"] == cal["write_bytes_per_s"]:
@@ -83,12 +89,12 @@ def writer_round(w, writes, how):
     shutil.rmtree(d)
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("WRITES ")]
     r = json.loads(line[7:])
-    return r["nbytes"] / MIB, [r["nbytes"] / s / MIB for s in r["seconds"]]
+    return r["nbytes"][0] / MIB, [n / s / MIB for n, s in zip(r["nbytes"], r["seconds"])]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--writes", type=int, default=6)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
@@ -97,13 +103,15 @@ def main():
     w = Workload("finetune", WORKLOADS["finetune"], False,
                  tempfile.mkdtemp(prefix="flor-profile-"))
     rounds = []
-    for r in range(a.rounds):
-        row = record_round(w, a.epochs)
-        for how in (("keep", "delete") if r % 2 == 0 else ("delete", "keep")):
-            row["model_mib"], row[how + "_mib_s"] = writer_round(w, a.writes, how)
-        rounds.append(row)
-        print(f"round {r}: {json.dumps(row)}", file=sys.stderr)
-    shutil.rmtree(os.path.dirname(w.dir), ignore_errors=True)
+    try:
+        for r in range(a.rounds):
+            row = record_round(w, a.epochs)
+            for how in (("keep", "delete") if r % 2 == 0 else ("delete", "keep")):
+                row["model_mib"], row[how + "_mib_s"] = writer_round(w, a.writes, how)
+            rounds.append(row)
+            print(f"round {r}: {json.dumps(row)}", file=sys.stderr)
+    finally:
+        shutil.rmtree(os.path.dirname(w.dir), ignore_errors=True)
 
     def med(xs):
         return statistics.median(xs)
@@ -119,9 +127,10 @@ def main():
     del_rest = [v for x in rounds for v in x["delete_mib_s"][1:]]
     mib, model = rounds[0]["checkpoint_mib"], rounds[0]["model_mib"]
     table = [
-        ("calibration, in the record (32 MiB, one write, then deleted)", span(cal)),
-        (f"the record's own checkpoints ({mib:.1f} MiB each, training alongside; "
-         f"at its last decision, epoch {a.epochs})", span(own)),
+        ("calibration, in the record (one 32 MiB write, then deleted; allocation and "
+         "snapshot copy timed with it)", span(cal)),
+        (f"the record's own checkpoints ({mib:.1f} MiB each, training alongside): the "
+         f"running figure at its last decision, epoch {a.epochs}", span(own)),
         (f"model ({model:.1f} MiB) alone, files kept: first write", span(keep_first)),
         ("model alone, files kept: later writes", span(keep_rest)),
         ("model alone, each file deleted: first write", span(del_first)),
