@@ -114,6 +114,8 @@ def _functions(tree) -> dict[str, ast.AST]:
                 visit(child, prefix + child.name + ".")
             elif isinstance(child, ast.ClassDef):
                 visit(child, prefix + child.name + ".")
+            else:  # a function defined inside if, try, with, ...
+                visit(child, prefix)
     visit(tree, "")
     return out
 

@@ -7,6 +7,7 @@ Each case once replayed wrong values (or crashed) and was found in review."""
 import json
 import os
 import re
+import textwrap
 
 from flor.store import Store
 
@@ -123,6 +124,30 @@ def test_a_changed_helper_function_probes_the_block_that_calls_it(tmp_path):
     st = store(d)
     assert [v for _, _, v in values(st, runs(st, "replay")[-1]["run_id"], "batch_x")] == \
         [float(i) for i in range(1, 10)]
+
+
+def test_a_changed_function_defined_inside_an_if_probes_its_callers():
+    """A helper defined under `if`/`try`/`with` at module level is a function
+    of the program like any other: changing it probes the blocks calling it."""
+    from flor.source import compare_program
+
+    old = textwrap.dedent("""
+        import flor
+        try:
+            import fast_ops
+        except ImportError:
+            def step(x):
+                return x + 1
+        for e in flor.generator(range(3)):
+            if flor.SkipBlock.step_into("train"):
+                x = step(0)
+            x = flor.SkipBlock.end(x)
+    """)
+    new = old.replace("return x + 1", "print(x)\n        return x + 1")
+    cmp = compare_program({"s.py": old}, {"s.py": new})
+    assert "step" in cmp.changed_functions
+    assert cmp.probed == {"train"}
+    assert compare_program({"s.py": old}, {"s.py": old}).probed == set()
 
 
 def test_blocks_in_another_module_are_compared_too(tmp_path):
