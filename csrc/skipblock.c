@@ -417,9 +417,11 @@ sm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     if (!(eps > 0.0 && eps < 1.0) || !(c >= 0.0)) {
-        PyErr_Format(PyExc_ValueError,
-                     "epsilon must be in (0, 1) and c at least 0 (got epsilon=%R, c=%R)",
-                     PyTuple_GET_ITEM(args, 1), PyTuple_GET_ITEM(args, 2));
+        /* The values as parsed: they may have come by keyword. */
+        char got[96];
+        snprintf(got, sizeof(got), "epsilon=%.17g, c=%.17g", eps, c);
+        PyErr_Format(PyExc_ValueError, "epsilon must be in (0, 1) and c at least 0 (got %s)",
+                     got);
         return NULL;
     }
     m = (FlorSkipMachine *)type->tp_alloc(type, 0);

@@ -129,3 +129,10 @@ def test_measure_counts_without_copying():
     before = _core.pool_stats()["takes"]
     assert _core.measure({"m": model, "t": torch.zeros(5)}) == (100 * 10 + 10 + 5) * 4
     assert _core.pool_stats()["takes"] == before
+
+
+def test_skipmachine_reports_bad_arguments_given_by_keyword():
+    with pytest.raises(ValueError, match=r"got epsilon=2, c=1\)"):
+        _core.SkipMachine(_core.RECORD, epsilon=2.0, c=1.0)
+    with pytest.raises(ValueError, match=r"got epsilon=0.5, c=-1\)"):
+        _core.SkipMachine(_core.RECORD, 0.5, c=-1.0)
