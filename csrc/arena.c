@@ -255,3 +255,38 @@ flor_arena_set_inherit(flor_arena *a, int inherit)
     (void)inherit;
 #endif
 }
+
+/* ------------------------------------------------------------------ */
+/* Module functions.                                                    */
+
+PyDoc_STRVAR(pool_stats_doc,
+             "pool_stats()\n--\n\n"
+             "Staging-buffer pool counters: free bytes held, largest request, takes,\n"
+             "fresh mappings and their bytes.");
+
+static PyObject *
+mod_pool_stats(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    flor_pool *p = &((flor_state *)PyModule_GetState(module))->pool;
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K}", "free_bytes", (unsigned long long)p->free_bytes,
+                         "high_water", (unsigned long long)p->high_water, "takes",
+                         (unsigned long long)p->takes, "fresh", (unsigned long long)p->fresh,
+                         "fresh_bytes", (unsigned long long)p->fresh_bytes);
+}
+
+PyDoc_STRVAR(trim_pool_doc,
+             "trim_pool()\n--\n\n"
+             "Unmap every free staging buffer.");
+
+static PyObject *
+mod_trim_pool(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    flor_pool_clear(((flor_state *)PyModule_GetState(module)));
+    Py_RETURN_NONE;
+}
+
+PyMethodDef flor_arena_functions[] = {
+    {"pool_stats", FLOR_CFUNC(mod_pool_stats), METH_NOARGS, pool_stats_doc},
+    {"trim_pool", FLOR_CFUNC(mod_trim_pool), METH_NOARGS, trim_pool_doc},
+    {NULL, NULL, 0, NULL},
+};

@@ -140,3 +140,40 @@ flor_crc32c(uint32_t crc, const void *buf, size_t len)
 #endif
     return ~crc_soft(crc, p, len);
 }
+
+/* ------------------------------------------------------------------ */
+/* Module function.                                                     */
+
+PyDoc_STRVAR(crc32c_doc,
+             "crc32c(data, crc=0, /)\n--\n\n"
+             "CRC-32C of a bytes-like object, continuing from crc.");
+
+static PyObject *
+mod_crc32c(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    unsigned long crc = 0;
+    uint32_t r;
+    if (!flor_check_nargs("crc32c", nargs, 1, 2)) {
+        return NULL;
+    }
+    if (nargs == 2) {
+        crc = PyLong_AsUnsignedLong(args[1]);
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    r = flor_crc32c((uint32_t)crc, view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(r);
+}
+
+PyMethodDef flor_crc32c_functions[] = {
+    {"crc32c", FLOR_CFUNC(mod_crc32c), METH_FASTCALL, crc32c_doc},
+    {NULL, NULL, 0, NULL},
+};

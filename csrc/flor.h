@@ -1,12 +1,18 @@
 /* flor.h: declarations shared by the C files of flor._core.
  *
- * One C file per concern:
- *   module.c        module definition, per-module state, small helpers
+ * One C file per concern, each depending only on the files listed above it
+ * (module.c, which registers everything, depends on all of them; no two
+ * files depend on each other):
+ *   support.c       helpers: clock, argument checks, FormatError, torch/numpy lookups
  *   crc32c.c        CRC-32C checksums (hardware instruction when present)
  *   arena.c         warm host staging buffers, reused across snapshots
- *   walk.c          flor.snapshot(): the copy walk, and the Snapshot / Ref types
+ *   skeleton.c      the Ref placeholder, pickling a skeleton, rebuilding tensors
+ *                   and arrays when it is unpickled
+ *   walk.c          flor.snapshot(): the copy walk, and the Snapshot type
  *   format.c        the checkpoint file: atomic writer and verifying reader
  *   materializer.c  inline / thread / fork background writers
+ *   skipblock.c     the SkipBlock state machine and the adaptive checkpoint rule
+ *   module.c        the module: registration and per-module state
  */
 #ifndef FLOR_H
 #define FLOR_H
@@ -134,25 +140,27 @@ typedef struct {
     flor_pool pool;
 } flor_state;
 
-extern PyModuleDef flor_module;
-
+/* The module state of an object of one of flor's types.  Every type is
+ * final (none has Py_TPFLAGS_BASETYPE), so an object's type is the type the
+ * module created, and the module is the type's own. */
 static inline flor_state *
 flor_state_of_type(PyTypeObject *tp)
 {
-    PyObject *m = PyType_GetModuleByDef(tp, &flor_module);
-    return m == NULL ? NULL : (flor_state *)PyModule_GetState(m);
+    return (flor_state *)PyType_GetModuleState(tp);
 }
 
-/* module.c */
+/* support.c */
 int flor_torch_init(flor_state *st);   /* 0: torch not imported yet, 1: ready, -1: error */
 int flor_numpy_init(flor_state *st);
 PyObject *flor_format_error(flor_state *st, const char *path, const char *section,
                             const char *fmt, ...);
 double flor_now(void);
 int flor_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi);
+void flor_entries_free(flor_entry *e, uint32_t n);
 
 /* crc32c.c */
 uint32_t flor_crc32c(uint32_t crc, const void *buf, size_t len);
+extern PyMethodDef flor_crc32c_functions[];
 
 /* arena.c */
 flor_arena *flor_pool_take(flor_state *st, size_t nbytes, int pinned);
@@ -161,6 +169,27 @@ void flor_pool_trim(flor_state *st, size_t keep);
 void flor_arena_set_inherit(flor_arena *a, int inherit);
 void flor_pool_clear(flor_state *st);
 void flor_pool_release(flor_state *st); /* at module teardown: no Python calls */
+extern PyMethodDef flor_arena_functions[];
+
+/* skeleton.c: placeholders, pickling, and the active unpickling context
+ * through which _rebuild turns Refs back into objects. */
+typedef struct {
+    const flor_entry *entries;
+    const flor_blob *blobs;
+    uint32_t n_entries, n_blobs;
+    const char *data;    /* base address the blob offsets are relative to */
+    PyObject *mapping;   /* zero-copy source (a Mapping), or NULL to copy */
+    uint64_t mapping_offset; /* where `data` starts within the mapping */
+    PyObject **storages; /* per-blob cache */
+    PyObject *hook;      /* map_location hook, or NULL */
+    const char *path;    /* for messages */
+} flor_loader;
+
+PyObject *flor_ref_new(flor_state *st, int kind, Py_ssize_t index, PyObject *payload);
+extern PyType_Spec flor_ref_spec;
+PyObject *flor_pickle_skeleton(flor_state *st, PyObject *skeleton, int tree);
+PyObject *flor_unpickle(flor_state *st, PyObject *meta, flor_loader *ld);
+extern PyMethodDef flor_skeleton_functions[];
 
 /* walk.c */
 typedef struct {
@@ -184,11 +213,8 @@ typedef struct {
 typedef int (*flor_reserve_fn)(void *ctx, uint64_t data_bytes);
 
 PyObject *flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx);
-PyObject *flor_ref_new(flor_state *st, int kind, Py_ssize_t index, PyObject *payload);
-void flor_entries_free(flor_entry *e, uint32_t n);
-extern PyType_Spec flor_snapshot_spec, flor_ref_spec;
-PyObject *flor_snapshot_restore(FlorSnapshot *s);
-PyObject *flor_rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+extern PyType_Spec flor_snapshot_spec;
+extern PyMethodDef flor_walk_functions[];
 
 /* format.c */
 typedef struct {
@@ -198,9 +224,8 @@ typedef struct {
 
 int flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
                     flor_ioerr *err);
-PyObject *flor_pickle_skeleton(flor_state *st, PyObject *skeleton, int tree);
-PyObject *flor_load_file(flor_state *st, PyObject *path, PyObject *hook);
 extern PyType_Spec flor_mapping_spec;
+extern PyMethodDef flor_format_functions[];
 
 /* materializer.c */
 extern PyType_Spec flor_materializer_spec;
@@ -208,22 +233,6 @@ extern PyType_Spec flor_materializer_spec;
 /* skipblock.c */
 extern PyType_Spec flor_skipmachine_spec;
 int flor_skipblock_constants(PyObject *module);
-PyObject *flor_rule(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-extern const char flor_rule_doc[];
-
-/* Active unpickling context: how _rebuild turns Refs back into objects. */
-typedef struct {
-    const flor_entry *entries;
-    const flor_blob *blobs;
-    uint32_t n_entries, n_blobs;
-    const char *data;    /* base address the blob offsets are relative to */
-    PyObject *mapping;   /* zero-copy source (a Mapping), or NULL to copy */
-    uint64_t mapping_offset; /* where `data` starts within the mapping */
-    PyObject **storages; /* per-blob cache */
-    PyObject *hook;      /* map_location hook, or NULL */
-    const char *path;    /* for messages */
-} flor_loader;
-
-PyObject *flor_unpickle(flor_state *st, PyObject *meta, flor_loader *ld);
+extern PyMethodDef flor_skipblock_functions[];
 
 #endif /* FLOR_H */

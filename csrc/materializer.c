@@ -691,7 +691,7 @@ take_failures(FlorMaterializer *m)
 }
 
 PyDoc_STRVAR(mat_submit_doc,
-             "submit(path, obj, /)\n--\n\n"
+             "submit($self, path, obj, /)\n--\n\n"
              "Snapshot obj now and write it to path later. Returns the snapshot's data\n"
              "bytes. Waits first if the bytes held would pass max_buffer_bytes.");
 
@@ -942,6 +942,10 @@ mat_children(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
     return l;
 }
 
+PyDoc_STRVAR(mat_children_doc,
+             "children($self, /)\n--\n\n"
+             "Pids of live writer children.");
+
 static PyObject *
 mat_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -1052,7 +1056,7 @@ static PyMethodDef mat_methods[] = {
     {"flush", FLOR_CFUNC(mat_flush), METH_NOARGS, mat_flush_doc},
     {"close", FLOR_CFUNC(mat_close), METH_NOARGS, mat_close_doc},
     {"stats", FLOR_CFUNC(mat_stats), METH_NOARGS, mat_stats_doc},
-    {"children", FLOR_CFUNC(mat_children), METH_NOARGS, "Pids of live writer children."},
+    {"children", FLOR_CFUNC(mat_children), METH_NOARGS, mat_children_doc},
     {NULL, NULL, 0, NULL},
 };
 

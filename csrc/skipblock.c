@@ -203,13 +203,13 @@ joint_invariant(double M, double C, uint64_t n, uint64_t k, double c, double eps
     return *ratio < *limit;
 }
 
-const char flor_rule_doc[] =
+PyDoc_STRVAR(rule_doc,
              "rule(M, C, n, k, c, epsilon, /)\n--\n\n"
              "The adaptive checkpoint rule alone: (checkpoint, M/C, limit) with\n"
-             "checkpoint = M/C < n/(k+1) * min(1/(1+c), epsilon).";
+             "checkpoint = M/C < n/(k+1) * min(1/(1+c), epsilon).");
 
-PyObject *
-flor_rule(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+static PyObject *
+rule(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     double M, C, c, eps, ratio, limit;
     unsigned long long n, k;
@@ -538,3 +538,8 @@ flor_skipblock_constants(PyObject *module)
     }
     return 0;
 }
+
+PyMethodDef flor_skipblock_functions[] = {
+    {"rule", FLOR_CFUNC(rule), METH_FASTCALL, rule_doc},
+    {NULL, NULL, 0, NULL},
+};

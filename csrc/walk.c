@@ -130,75 +130,6 @@ pmap_free(pmap *m)
 }
 
 /* ------------------------------------------------------------------ */
-/* Ref: the placeholder a skeleton holds in place of bytes.            */
-
-typedef struct {
-    PyObject_HEAD
-    int kind;
-    Py_ssize_t index;
-    PyObject *payload;
-} FlorRef;
-
-PyObject *
-flor_ref_new(flor_state *st, int kind, Py_ssize_t index, PyObject *payload)
-{
-    FlorRef *r = PyObject_New(FlorRef, st->RefType);
-    if (r == NULL) {
-        return NULL;
-    }
-    r->kind = kind;
-    r->index = index;
-    r->payload = Py_NewRef(payload != NULL ? payload : Py_None);
-    return (PyObject *)r;
-}
-
-static void
-ref_dealloc(FlorRef *r)
-{
-    PyTypeObject *tp = Py_TYPE(r);
-    Py_XDECREF(r->payload);
-    PyObject_Free(r);
-    Py_DECREF(tp);
-}
-
-static PyObject *
-ref_reduce(FlorRef *r, PyObject *Py_UNUSED(ignored))
-{
-    flor_state *st = flor_state_of_type(Py_TYPE(r));
-    if (st == NULL) {
-        return NULL;
-    }
-    return Py_BuildValue("O(inO)", st->rebuild, r->kind, r->index, r->payload);
-}
-
-static PyObject *
-ref_repr(FlorRef *r)
-{
-    return PyUnicode_FromFormat("<flor Ref kind=%d index=%zd payload=%R>", r->kind, r->index,
-                                r->payload);
-}
-
-static PyMethodDef ref_methods[] = {
-    {"__reduce__", FLOR_CFUNC(ref_reduce), METH_NOARGS, NULL},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyType_Slot ref_slots[] = {
-    {Py_tp_dealloc, ref_dealloc},
-    {Py_tp_methods, ref_methods},
-    {Py_tp_repr, ref_repr},
-    {Py_tp_doc, "Placeholder for staged bytes inside a snapshot skeleton."},
-    {0, NULL},
-};
-
-PyType_Spec flor_ref_spec = {
-    .name = "flor._core.Ref",
-    .basicsize = sizeof(FlorRef),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = ref_slots,
-};
-
-/* ------------------------------------------------------------------ */
 /* The walker.                                                          */
 
 enum walk_kind {
@@ -682,11 +613,38 @@ cleanup:
     return res;
 }
 
+/* Copy the items of list o into res (prefilled with None when shared). */
+static int
+list_items(walker *w, PyObject *o, PyObject *res, int shared, int *flat)
+{
+    Py_ssize_t n = PyList_GET_SIZE(res), i;
+    for (i = 0; i < n; i++) {
+        PyObject *c;
+        if (PyList_GET_SIZE(o) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "list changed size during flor.snapshot");
+            return -1;
+        }
+        c = walk_child(w, PyList_GET_ITEM(o, i));
+        if (c == NULL) {
+            path_push(w, "[%zd]", i);
+            return -1;
+        }
+        *flat &= is_leaf_copy(w, c);
+        if (shared) {
+            Py_SETREF(PySequence_Fast_ITEMS(res)[i], c);
+        }
+        else {
+            PyList_SET_ITEM(res, i, c);
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 walk_list(walker *w, PyObject *o, int shared)
 {
     Py_ssize_t n = PyList_GET_SIZE(o), i;
-    int flat = 1;
+    int flat = 1, rc;
     PyObject *res = PyList_New(n);
     if (res == NULL) {
         return NULL;
@@ -704,28 +662,11 @@ walk_list(walker *w, PyObject *o, int shared)
     if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
         goto error;
     }
-    for (i = 0; i < n; i++) {
-        PyObject *c;
-        if (PyList_GET_SIZE(o) != n) {
-            PyErr_SetString(PyExc_RuntimeError, "list changed size during flor.snapshot");
-            Py_LeaveRecursiveCall();
-            goto error;
-        }
-        c = walk_child(w, PyList_GET_ITEM(o, i));
-        if (c == NULL) {
-            path_push(w, "[%zd]", i);
-            Py_LeaveRecursiveCall();
-            goto error;
-        }
-        flat &= is_leaf_copy(w, c);
-        if (shared) {
-            Py_SETREF(PySequence_Fast_ITEMS(res)[i], c);
-        }
-        else {
-            PyList_SET_ITEM(res, i, c);
-        }
-    }
+    rc = list_items(w, o, res, shared, &flat);
     Py_LeaveRecursiveCall();
+    if (rc < 0) {
+        goto error;
+    }
     if (flat) {
         /* The skeleton is private and never mutated: a list of atoms can be
          * left out of the garbage collector's generations. */
@@ -737,46 +678,57 @@ error:
     return NULL;
 }
 
-static PyObject *
-walk_tuple(walker *w, PyObject *o, int shared)
+/* Copy the items of tuple o.  *res stays NULL while every copy is the item
+ * itself; then it is made, holding the items so far. */
+static int
+tuple_items(walker *w, PyObject *o, PyObject **res)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(o), i, j;
-    PyObject *res = NULL;
-    uintptr_t found;
-    if (n == 0) {
-        return Py_NewRef(o);
-    }
-    if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
-        return NULL;
-    }
     for (i = 0; i < n; i++) {
         PyObject *item = PyTuple_GET_ITEM(o, i);
         PyObject *c = walk_child(w, item);
         if (c == NULL) {
             path_push(w, "[%zd]", i);
-            Py_LeaveRecursiveCall();
-            Py_XDECREF(res);
-            return NULL;
+            return -1;
         }
-        if (res == NULL && c != item) {
-            res = PyTuple_New(n);
-            if (res == NULL) {
+        if (*res == NULL && c != item) {
+            *res = PyTuple_New(n);
+            if (*res == NULL) {
                 Py_DECREF(c);
-                Py_LeaveRecursiveCall();
-                return NULL;
+                return -1;
             }
             for (j = 0; j < i; j++) {
-                PyTuple_SET_ITEM(res, j, Py_NewRef(PyTuple_GET_ITEM(o, j)));
+                PyTuple_SET_ITEM(*res, j, Py_NewRef(PyTuple_GET_ITEM(o, j)));
             }
         }
-        if (res != NULL) {
-            PyTuple_SET_ITEM(res, i, c);
+        if (*res != NULL) {
+            PyTuple_SET_ITEM(*res, i, c);
         }
         else {
             Py_DECREF(c);
         }
     }
+    return 0;
+}
+
+static PyObject *
+walk_tuple(walker *w, PyObject *o, int shared)
+{
+    PyObject *res = NULL;
+    uintptr_t found;
+    int rc;
+    if (PyTuple_GET_SIZE(o) == 0) {
+        return Py_NewRef(o);
+    }
+    if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
+        return NULL;
+    }
+    rc = tuple_items(w, o, &res);
     Py_LeaveRecursiveCall();
+    if (rc < 0) {
+        Py_XDECREF(res);
+        return NULL;
+    }
     if (res == NULL) {
         return Py_NewRef(o); /* nothing inside needed copying */
     }
@@ -811,25 +763,13 @@ simple_keys(PyObject *d, Py_ssize_t *nonatom)
     return 1;
 }
 
-static PyObject *
-walk_dict(walker *w, PyObject *o, int shared)
+/* Copy the items of dict o into res: into a clone of o (fast, every key an
+ * atom) only the values that are not atoms.  Counts the values replaced. */
+static int
+dict_items(walker *w, PyObject *o, PyObject *res, int fast, int *flat, Py_ssize_t *replaced)
 {
-    Py_ssize_t pos = 0, n0 = PyDict_GET_SIZE(o), nonatom = 0, replaced = 0;
-    PyObject *k, *v, *res;
-    int fast = simple_keys(o, &nonatom);
-    int flat = 1;
-
-    /* Fast path: clone the table, then replace the values that need a copy. */
-    res = fast ? PyDict_Copy(o) : PyDict_New();
-    if (res == NULL) {
-        return NULL;
-    }
-    if (shared && memo_put(w, o, res) < 0) {
-        goto error;
-    }
-    if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
-        goto error;
-    }
+    Py_ssize_t pos = 0, n0 = PyDict_GET_SIZE(o);
+    PyObject *k, *v;
     while (PyDict_Next(o, &pos, &k, &v)) {
         PyObject *ck, *cv;
         int rc;
@@ -855,26 +795,49 @@ walk_dict(walker *w, PyObject *o, int shared)
             path_push(w, "[%R]", k);
             Py_XDECREF(ck);
             Py_DECREF(k);
-            Py_LeaveRecursiveCall();
-            goto error;
+            return -1;
         }
-        flat &= is_leaf_copy(w, cv);
-        replaced++;
+        *flat &= is_leaf_copy(w, cv);
+        (*replaced)++;
         rc = PyDict_SetItem(res, ck, cv);
         Py_DECREF(ck);
         Py_DECREF(cv);
         Py_DECREF(k);
         if (rc < 0) {
-            Py_LeaveRecursiveCall();
-            goto error;
+            return -1;
         }
         if (PyDict_GET_SIZE(o) != n0) {
             PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during flor.snapshot");
-            Py_LeaveRecursiveCall();
-            goto error;
+            return -1;
         }
     }
+    return 0;
+}
+
+static PyObject *
+walk_dict(walker *w, PyObject *o, int shared)
+{
+    Py_ssize_t n0 = PyDict_GET_SIZE(o), nonatom = 0, replaced = 0;
+    PyObject *res;
+    int fast = simple_keys(o, &nonatom);
+    int flat = 1, rc;
+
+    /* Fast path: clone the table, then replace the values that need a copy. */
+    res = fast ? PyDict_Copy(o) : PyDict_New();
+    if (res == NULL) {
+        return NULL;
+    }
+    if (shared && memo_put(w, o, res) < 0) {
+        goto error;
+    }
+    if (Py_EnterRecursiveCall(" while taking a flor snapshot")) {
+        goto error;
+    }
+    rc = dict_items(w, o, res, fast, &flat, &replaced);
     Py_LeaveRecursiveCall();
+    if (rc < 0) {
+        goto error;
+    }
     if (fast && (PyDict_GET_SIZE(res) != n0 || replaced != nonatom)) {
         /* Code run by the walk swapped keys: the clone may still hold a
          * value of the live dict that was never copied. */
@@ -892,11 +855,34 @@ error:
     return NULL;
 }
 
+/* Copy the items that iterator it yields into the list items. */
+static int
+set_items(walker *w, PyObject *it, PyObject *items, int *changed)
+{
+    PyObject *item;
+    while ((item = PyIter_Next(it)) != NULL) {
+        PyObject *c = walk_child(w, item);
+        int rc;
+        if (c == NULL) {
+            Py_DECREF(item);
+            return -1;
+        }
+        *changed |= c != item;
+        rc = PyList_Append(items, c);
+        Py_DECREF(c);
+        Py_DECREF(item);
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 static PyObject *
 walk_set(walker *w, PyObject *o, int shared, int frozen)
 {
-    PyObject *res = NULL, *items = NULL, *it = NULL, *item;
-    int changed = 0;
+    PyObject *res = NULL, *items = NULL, *it = NULL;
+    int changed = 0, rc;
 
     items = PyList_New(0);
     if (items == NULL) {
@@ -912,25 +898,9 @@ walk_set(walker *w, PyObject *o, int shared, int frozen)
     if (it == NULL || Py_EnterRecursiveCall(" while taking a flor snapshot")) {
         goto error;
     }
-    while ((item = PyIter_Next(it)) != NULL) {
-        PyObject *c = walk_child(w, item);
-        int rc;
-        if (c == NULL) {
-            Py_DECREF(item);
-            Py_LeaveRecursiveCall();
-            goto error;
-        }
-        changed |= c != item;
-        rc = PyList_Append(items, c);
-        Py_DECREF(c);
-        Py_DECREF(item);
-        if (rc < 0) {
-            Py_LeaveRecursiveCall();
-            goto error;
-        }
-    }
+    rc = set_items(w, it, items, &changed);
     Py_LeaveRecursiveCall();
-    if (PyErr_Occurred()) {
+    if (rc < 0) {
         goto error;
     }
     if (frozen) {
@@ -1391,19 +1361,6 @@ blobs_release(flor_blob *b, uint32_t n)
     }
 }
 
-void
-flor_entries_free(flor_entry *e, uint32_t n)
-{
-    uint32_t i;
-    if (e == NULL) {
-        return;
-    }
-    for (i = 0; i < n; i++) {
-        free(e[i].dims);
-    }
-    free(e);
-}
-
 /* Start a non-blocking device-to-host copy of every CUDA blob. */
 static int
 cuda_start(flor_state *st, FlorSnapshot *s, PyObject *devices)
@@ -1709,7 +1666,15 @@ static void
 snapshot_dealloc(FlorSnapshot *s)
 {
     PyTypeObject *tp = Py_TYPE(s);
-    flor_state *st = flor_state_of_type(tp);
+    PyObject *t, *v, *tb;
+    flor_state *st;
+    /* Deallocation may run while an exception propagates: keep it, and
+     * never leave one of our own set. */
+    PyErr_Fetch(&t, &v, &tb);
+    st = flor_state_of_type(tp);
+    if (st == NULL) {
+        PyErr_Clear(); /* the module is gone (interpreter teardown) */
+    }
     Py_XDECREF(s->skeleton);
     blobs_release(s->blobs, s->n_blobs);
     free(s->blobs);
@@ -1719,19 +1684,15 @@ snapshot_dealloc(FlorSnapshot *s)
             flor_pool_give(st, s->arena);
         }
         else {
-            /* The module is gone (interpreter teardown): unmap directly. */
-            PyObject *t, *v, *tb;
-            PyErr_Fetch(&t, &v, &tb);
-            PyErr_Clear();
             if (s->arena->owner == getpid()) {
                 munmap(s->arena->base, s->arena->cap);
             }
             free(s->arena);
-            PyErr_Restore(t, v, tb);
         }
     }
     PyObject_Free(s);
     Py_DECREF(tp);
+    PyErr_Restore(t, v, tb);
 }
 
 static int
@@ -1747,8 +1708,8 @@ snapshot_check_owner(FlorSnapshot *s)
     return 0;
 }
 
-PyObject *
-flor_snapshot_restore(FlorSnapshot *s)
+static PyObject *
+snapshot_restore(FlorSnapshot *s)
 {
     flor_state *st = flor_state_of_type(Py_TYPE(s));
     PyObject *meta = NULL, *res = NULL;
@@ -1775,7 +1736,7 @@ flor_snapshot_restore(FlorSnapshot *s)
 static PyObject *
 snapshot_restore_meth(FlorSnapshot *s, PyObject *Py_UNUSED(ignored))
 {
-    return flor_snapshot_restore(s);
+    return snapshot_restore(s);
 }
 
 static PyObject *
@@ -1836,4 +1797,47 @@ PyType_Spec flor_snapshot_spec = {
     .basicsize = sizeof(FlorSnapshot),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = snapshot_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* Module functions.                                                    */
+
+PyDoc_STRVAR(snapshot_doc,
+             "snapshot(obj, /)\n--\n\n"
+             "Return a flor.Snapshot: an isolated copy of obj that shares no mutable\n"
+             "memory with it. Tensors on any device are copied to host memory.");
+
+static PyObject *
+mod_snapshot(PyObject *module, PyObject *obj)
+{
+    return flor_snapshot_ex((flor_state *)PyModule_GetState(module), obj, NULL, NULL);
+}
+
+static int
+measure_only(void *Py_UNUSED(ctx), uint64_t Py_UNUSED(nbytes))
+{
+    return 1;
+}
+
+PyDoc_STRVAR(measure_doc,
+             "measure(obj, /)\n--\n\n"
+             "Bytes of tensor and array data a snapshot of obj would hold, found by\n"
+             "the same walk without copying any data.");
+
+static PyObject *
+mod_measure(PyObject *module, PyObject *obj)
+{
+    PyObject *s = flor_snapshot_ex((flor_state *)PyModule_GetState(module), obj, measure_only, NULL), *r;
+    if (s == NULL) {
+        return NULL;
+    }
+    r = PyLong_FromUnsignedLongLong(((FlorSnapshot *)s)->nbytes);
+    Py_DECREF(s);
+    return r;
+}
+
+PyMethodDef flor_walk_functions[] = {
+    {"snapshot", FLOR_CFUNC(mod_snapshot), METH_O, snapshot_doc},
+    {"measure", FLOR_CFUNC(mod_measure), METH_O, measure_doc},
+    {NULL, NULL, 0, NULL},
 };
