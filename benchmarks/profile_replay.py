@@ -32,7 +32,7 @@ WRAP = r"""
 import atexit, json, sys, time
 t0 = time.perf_counter()
 marks = {}
-import flor.session as S
+import flor.runtime.session as S
 orig = S.Session.replay.__func__
 def replay(cls, *a, **k):
     marks["session_start"] = time.perf_counter() - t0

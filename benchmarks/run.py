@@ -384,7 +384,7 @@ def main():
               "rounds": args.rounds, "replay_rounds": replay_rounds_n, "quick": args.quick,
               "workloads": {}}
     sys.path.insert(0, ROOT)
-    from flor.session import DEFAULT_EPSILON
+    from flor.runtime.recording import DEFAULT_EPSILON
 
     try:
         for name in args.only.split(","):

@@ -7,9 +7,8 @@ script first uses flor.generator, flor.SkipBlock or flor.log.
 from ._core import Snapshot, snapshot
 from .api import SkipBlock, dataframe, generator, log
 from .checkpoint import load, restore, save
-from .errors import CheckpointCorrupt, CheckpointWriteError
+from .errors import CheckpointCorrupt, CheckpointWriteError, FlorReplayError
 from .materializer import Materializer
-from .session import FlorReplayError
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .session import Session
+from .runtime.session import Session
 
 __all__ = ["generator", "SkipBlock", "log", "dataframe"]
 
@@ -88,7 +88,6 @@ def dataframe(*names: str, run: str | None = None):
         raise ImportError(
             "flor.dataframe needs pandas, an optional dependency: pip install pandas"
         ) from None
-    from .checks import run_logs
     from .store import Store
 
     store = Store()
@@ -102,7 +101,7 @@ def dataframe(*names: str, run: str | None = None):
     rows = {}
     counters: dict = {}
     depth = 0
-    for r in run_logs(store, run):
+    for r in store.logs(run):
         if (r["name"] not in names) if names else r["name"].startswith("stdout@"):
             continue
         vec = tuple(json.loads(r["iter"]))

@@ -1,10 +1,20 @@
-"""The exceptions flor raises for damaged files and failed writes."""
+"""Every exception flor raises, and the one way flor prints a note."""
 from __future__ import annotations
 
 import errno as _errno
 import os
+import sys
 
-__all__ = ["CheckpointCorrupt", "CheckpointWriteError"]
+__all__ = ["CheckpointCorrupt", "CheckpointWriteError", "FlorReplayError", "FlorError",
+           "StoreError", "SegmentDone", "note"]
+
+
+def note(message: str) -> None:
+    """Print ``flor: message`` to the process's real standard error: the
+    user's script (or flor itself, in a replay worker) may have replaced
+    sys.stderr, and flor's notes are never part of the script's output."""
+    stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+    print(f"flor: {message}", file=stream, flush=True)
 
 
 class CheckpointCorrupt(ValueError):
@@ -52,3 +62,25 @@ class CheckpointWriteError(OSError):
 
     def __str__(self):
         return self.args[1]
+
+
+class FlorReplayError(RuntimeError):
+    """Replay cannot reproduce the recorded run at this point."""
+
+
+class FlorError(Exception):
+    """A user-facing error of the flor command line: printed as ``flor:
+    message``, exit status 2."""
+
+
+class StoreError(FlorError):
+    """The run store cannot be used: its database belongs to another
+    program or to a flor of another schema version."""
+
+
+class SegmentDone(BaseException):
+    """Ends a replay worker whose segment of the main loop is done.
+
+    A BaseException, like SystemExit, so that ``except Exception`` in the
+    script does not catch it; the code after the main loop then runs only in
+    the worker that replays the last iteration."""

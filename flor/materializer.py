@@ -15,7 +15,7 @@ import threading
 from . import _core
 from .errors import CheckpointWriteError
 
-__all__ = ["Materializer", "DEFAULT_MODE", "MODES"]
+__all__ = ["Materializer", "DEFAULT_MODE", "MODES", "mode_from_env"]
 
 MODES = {"inline": 0, "thread": 1, "fork": 2}
 
@@ -24,6 +24,7 @@ MODES = {"inline": 0, "thread": 1, "fork": 2}
 DEFAULT_MODE = "thread"
 
 DEFAULT_MAX_BUFFER_BYTES = 1 << 30
+ENV_MODE = "FLOR_MATERIALIZER"
 SUFFIX = ".flor"
 _TMP = re.compile(r"^(?P<final>.+)\.tmp\.(?P<pid>\d+)\.\d+$")
 
@@ -72,6 +73,14 @@ def sweep_temp_files(directory) -> list:
             except FileNotFoundError:
                 pass
     return removed
+
+
+def mode_from_env() -> str:
+    """The mode that a record uses: ``FLOR_MATERIALIZER``, else the default."""
+    mode = os.environ.get(ENV_MODE, DEFAULT_MODE)
+    if mode not in MODES:
+        raise ValueError(f"{ENV_MODE} must be thread, fork or inline, not {mode!r}")
+    return mode
 
 
 class Materializer:

@@ -1,17 +1,21 @@
 """The run store: ``.flor/`` in the working directory (``FLOR_DIR`` moves it).
 
-    .flor/flor.db                 SQLite (WAL): runs, parts, logs, output, decisions,
-                                  blockruns, blocks, loops
-    .flor/runs/<run>/source.py    the exact source of the script as it ran
-    .flor/runs/<run>/modules/     the source of the program's other files with flor calls
-    .flor/runs/<run>/ckpt/        the run's checkpoints (record runs)
-    .flor/runs/<run>/plan.json    a replay's plan
-    .flor/runs/<run>/part-N.db    a --part worker's database, until merge imports it
-    .flor/calibration.json        this machine's measured write bandwidth
+    .flor/flor.db                   SQLite (WAL): flor_schema, runs, parts, logs,
+                                    output, decisions, blockruns, blocks, loops
+    .flor/runs/<run>/source.py      the exact source of the script as it ran
+    .flor/runs/<run>/modules/       the source of the program's other files with flor calls
+    .flor/runs/<run>/ckpt/          the run's checkpoints (record runs)
+    .flor/runs/<run>/instrumented.py  a hands-free record's instrumented script
+    .flor/runs/<run>/handsfree.json   its loops, blocks, side-effect sets and give-ups
+    .flor/runs/<run>/plan.json      a replay's plan
+    .flor/runs/<run>/part-N.db      a --part worker's database, until merge imports it
+    .flor/runs/<run>/partN.stderr   a local replay worker's standard error
+    .flor/calibration.json          this machine's measured write bandwidth
 
-Every process (the recording script, each replay worker) opens its own
-connection; writes are short transactions, so concurrent workers only wait on
-each other for milliseconds.
+This module owns that layout and every SQL statement flor runs.  Every
+process (the recording script, each replay worker) opens its own
+connection; writes are short transactions, so concurrent workers only wait
+on each other for milliseconds.
 """
 from __future__ import annotations
 
@@ -22,9 +26,13 @@ import socket
 import sqlite3
 import time
 
-__all__ = ["Store", "store_root"]
+from .errors import StoreError
 
-SCHEMA = """
+__all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+
+TABLES = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY, kind TEXT NOT NULL, parent TEXT, script TEXT, script_name TEXT,
     argv TEXT, cwd TEXT, started REAL, finished REAL, status TEXT, versions TEXT,
@@ -56,10 +64,15 @@ CREATE TABLE IF NOT EXISTS blocks (
 CREATE TABLE IF NOT EXISTS loops (
     run_id TEXT, part INTEGER, loop TEXT, run INTEGER, depth INTEGER, iterations INTEGER,
     seconds REAL);
+CREATE TABLE IF NOT EXISTS flor_schema (version INTEGER NOT NULL);
 """
 
 # Tables a replay part writes; merge copies them from per-part databases.
 PART_TABLES = ("parts", "logs", "output", "blockruns", "blocks", "loops")
+# Columns of flor's runs table: a database without flor_schema that has
+# them was written by flor before the schema was versioned.
+_RUN_COLUMNS = {"run_id", "kind", "parent", "script", "script_name", "argv", "status",
+                "main_loop", "main_run", "iterations", "info"}
 
 
 def store_root() -> str:
@@ -70,13 +83,101 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-class Store:
+class Layout:
+    """The files of the store under `root`: run directories, kept sources,
+    plans, part databases, the calibration."""
+
+    def __init__(self, root: str | None = None):
+        self.root = os.path.abspath(root) if root else store_root()
+
+    # -- layout -------------------------------------------------------------
+
+    def run_dir(self, run_id: str) -> str:
+        return os.path.join(self.root, "runs", run_id)
+
+    def ckpt_dir(self, run_id: str) -> str:
+        return os.path.join(self.run_dir(run_id), "ckpt")
+
+    def plan_path(self, run_id: str) -> str:
+        return os.path.join(self.run_dir(run_id), "plan.json")
+
+    def part_db(self, run_id: str, part: int) -> str:
+        return os.path.join(self.run_dir(run_id), f"part-{part}.db")
+
+    def worker_log(self, run_id: str, part: int) -> str:
+        return os.path.join(self.run_dir(run_id), f"part{part}.stderr")
+
+    def save_instrumented(self, run_id, text: str, summary: dict):
+        """Keep a hands-free record's instrumented script and its summary."""
+        run_dir = self.run_dir(run_id)
+        with open(os.path.join(run_dir, "instrumented.py"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(run_dir, "handsfree.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+
+    def save_module_source(self, run_id, relpath, text):
+        """Keep the source of another file of the program (one with flor calls)."""
+        path = os.path.join(self.run_dir(run_id), "modules", relpath)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+
+    def module_sources(self, run_id) -> dict:
+        """{None: the script's source, relpath: another file's source}."""
+        out = {}
+        run_dir = self.run_dir(run_id)
+        try:
+            with open(os.path.join(run_dir, "source.py")) as f:
+                out[None] = f.read()
+        except FileNotFoundError:
+            pass
+        base = os.path.join(run_dir, "modules")
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    out[os.path.relpath(path, base)] = f.read()
+        return out
+
+    def latest_plan(self) -> str | None:
+        """The replay whose plan was written last (merge's default)."""
+        runs_dir = os.path.join(self.root, "runs")
+        if not os.path.isdir(runs_dir):
+            return None
+        plans = sorted((os.path.getmtime(self.plan_path(d)), d) for d in os.listdir(runs_dir)
+                       if os.path.isfile(self.plan_path(d)))
+        return plans[-1][1] if plans else None
+
+    def bandwidth(self, measure) -> float:
+        """Write bandwidth of this machine (bytes/s), measured once per store
+        and host by `measure()` and kept in calibration.json."""
+        path = os.path.join(self.root, "calibration.json")
+        host = socket.gethostname()
+        try:
+            with open(path) as f:
+                cal = json.load(f)
+        except (FileNotFoundError, ValueError):
+            cal = {}
+        if host in cal and cal[host].get("write_bytes_per_s", 0) > 0:
+            return float(cal[host]["write_bytes_per_s"])
+        bps = float(measure())
+        cal[host] = {"write_bytes_per_s": bps, "measured": time.time()}
+        os.makedirs(self.root, exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(cal, f)
+        os.replace(tmp, path)
+        return bps
+
+
+
+class Store(Layout):
     """The run store.  `db_file` points a replay part at a database of its
     own (merge copies it into flor.db): one writer per file, which is safe
     where SQLite's write-ahead log is not, on network file systems."""
 
     def __init__(self, root: str | None = None, db_file: str | None = None):
-        self.root = os.path.abspath(root) if root else store_root()
+        super().__init__(root)
         self.db_file = db_file or os.path.join(self.root, "flor.db")
         self._conn = None
         self._pid = None
@@ -89,10 +190,15 @@ class Store:
             os.makedirs(os.path.dirname(self.db_file), exist_ok=True)
             conn = sqlite3.connect(self.db_file, timeout=120, isolation_level=None,
                                    check_same_thread=False)
-            if self.db_file.endswith("flor.db"):
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
-            conn.executescript(SCHEMA)
+            try:
+                if self.db_file.endswith("flor.db"):
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    conn.execute("PRAGMA synchronous=NORMAL")
+                with _Transaction(conn):
+                    _check_schema(conn, self.db_file)
+            except BaseException:
+                conn.close()
+                raise
             conn.row_factory = sqlite3.Row
             self._conn, self._pid = conn, os.getpid()
         return self._conn
@@ -111,12 +217,6 @@ class Store:
                 self.db.executemany(sql, rows)
 
     # -- runs ---------------------------------------------------------------
-
-    def run_dir(self, run_id: str) -> str:
-        return os.path.join(self.root, "runs", run_id)
-
-    def ckpt_dir(self, run_id: str) -> str:
-        return os.path.join(self.run_dir(run_id), "ckpt")
 
     def new_run(self, kind, script, argv, source, parent=None, run_id=None, **fields) -> str:
         run_id = run_id or new_run_id()
@@ -149,33 +249,6 @@ class Store:
     def runs(self) -> list[dict]:
         return [dict(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]
 
-    def source(self, run_id) -> str | None:
-        return self.module_sources(run_id).get(None)
-
-    def save_module_source(self, run_id, relpath, text):
-        """Keep the source of another file of the program (one with flor calls)."""
-        path = os.path.join(self.run_dir(run_id), "modules", relpath)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-
-    def module_sources(self, run_id) -> dict:
-        """{None: the script's source, relpath: another file's source}."""
-        out = {}
-        run_dir = self.run_dir(run_id)
-        try:
-            with open(os.path.join(run_dir, "source.py")) as f:
-                out[None] = f.read()
-        except FileNotFoundError:
-            pass
-        base = os.path.join(run_dir, "modules")
-        for dirpath, _, files in os.walk(base):
-            for name in files:
-                path = os.path.join(dirpath, name)
-                with open(path) as f:
-                    out[os.path.relpath(path, base)] = f.read()
-        return out
-
     def records(self, script) -> list[dict]:
         """Record runs of this script (by path, else by name), newest first."""
         path = os.path.abspath(script)
@@ -190,6 +263,25 @@ class Store:
     def latest_record(self, script) -> dict | None:
         """The newest finished record run of this script."""
         return next((r for r in self.records(script) if r["status"] == "finished"), None)
+
+    def checkpoint_counts(self) -> dict[str, int]:
+        """{run id: checkpoints its record decided to take}."""
+        return dict(self.db.execute(
+            "SELECT run_id, COUNT(*) FROM decisions WHERE checkpoint = 1 GROUP BY run_id"
+        ).fetchall())
+
+    def restore_ratios(self, script_name) -> list[float]:
+        """For each block of each earlier replay of this script that restored
+        checkpoints: its seconds per restore over its record's estimated
+        seconds per checkpoint."""
+        rows = self.db.execute(
+            "SELECT b.restore_s / b.restores AS r, m.materialize_s / m.k AS w "
+            "FROM blocks b JOIN runs rp ON b.run_id = rp.run_id "
+            "JOIN runs rc ON rp.parent = rc.run_id "
+            "JOIN blocks m ON m.run_id = rc.run_id AND m.block = b.block "
+            "WHERE rc.script_name = ? AND b.restores > 0 AND m.k > 0 AND m.materialize_s > 0",
+            (script_name,)).fetchall()
+        return [r["r"] / r["w"] for r in rows if r["w"] > 0]
 
     # -- per-run data -------------------------------------------------------
 
@@ -245,28 +337,55 @@ class Store:
         return [dict(r) for r in self.db.execute(
             f"SELECT * FROM {table} WHERE run_id = ? {order}", (run_id,))]
 
-    # -- machine calibration -------------------------------------------------
+    def run_rows(self, table, run_id) -> list[dict]:
+        """The rows of `table` that make up the run: every replay part stores
+        what came before and after the main loop, which only the first part
+        (before) and the last part (after) contribute."""
+        nparts = None
+        run = self.run(run_id)
+        if run is not None and run["kind"] == "replay":
+            nparts = json.loads(run["info"] or "{}").get("nparts", 1)
+        order = "ORDER BY part, ord" if table != "blockruns" else ""
+        return [r for r in self.rows(table, run_id, order) if _makes_up(r, nparts)]
 
-    def bandwidth(self, measure) -> float:
-        """Write bandwidth of this machine (bytes/s), measured once per store
-        and host by `measure()` and kept in calibration.json."""
-        path = os.path.join(self.root, "calibration.json")
-        host = socket.gethostname()
-        try:
-            with open(path) as f:
-                cal = json.load(f)
-        except (FileNotFoundError, ValueError):
-            cal = {}
-        if host in cal and cal[host].get("write_bytes_per_s", 0) > 0:
-            return float(cal[host]["write_bytes_per_s"])
-        bps = float(measure())
-        cal[host] = {"write_bytes_per_s": bps, "measured": time.time()}
-        os.makedirs(self.root, exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(cal, f)
-        os.replace(tmp, path)
-        return bps
+    def logs(self, run_id) -> list[dict]:
+        """The run's logged values and printed lines, in the order logged."""
+        return self.run_rows("logs", run_id)
+
+
+def _makes_up(row, nparts) -> bool:
+    if nparts is None or row["phase"] == "main":
+        return True
+    if row["phase"] == "pre":
+        return row["part"] == 0
+    return row["part"] == nparts - 1
+
+
+def _check_schema(conn, db_file):
+    """Create flor's tables in a new database; refuse one of another program
+    or of another schema version (inside a write transaction, so that two
+    processes opening a new store do not both create it)."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "flor_schema" in tables:
+        row = conn.execute("SELECT version FROM flor_schema").fetchone()
+        if row is None or row[0] != SCHEMA_VERSION:
+            found = "no version" if row is None else f"schema version {row[0]}"
+            raise StoreError(f"{db_file} has {found}; this flor reads schema version "
+                             f"{SCHEMA_VERSION}. Use the flor that wrote it, or point FLOR_DIR "
+                             "at another directory")
+        return
+    if tables:
+        columns = ({r[1] for r in conn.execute("PRAGMA table_info(runs)")}
+                   if "runs" in tables else set())
+        if not _RUN_COLUMNS <= columns:
+            raise StoreError(f"{db_file} is not a flor store (it holds the tables "
+                             f"{', '.join(sorted(tables))}); flor leaves it untouched. Point "
+                             "FLOR_DIR at another directory")
+    for statement in TABLES.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute("INSERT INTO flor_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+
 
 class _Transaction:
     """BEGIN IMMEDIATE ... COMMIT (or ROLLBACK) on an autocommit connection."""

@@ -87,9 +87,7 @@ def edit(path, anchor, line, after=True):
 
 
 def values(st, run_id, name):
-    from flor.checks import run_logs
-
-    return [(r["iter"], r["seq"], json.loads(r["value"])) for r in run_logs(st, run_id)
+    return [(r["iter"], r["seq"], json.loads(r["value"])) for r in st.logs(run_id)
             if r["name"] == name]
 
 

@@ -6,10 +6,10 @@ import textwrap
 
 import pytest
 
-from flor.analysis import Script, block_effects
-from flor.checks import equal
-from flor.instrument import instrument, uses_flor
-from flor.probe import detect, is_log_like
+from flor.program.analysis import Script, block_effects
+from flor.program.instrument import instrument, uses_flor
+from flor.program.probe import detect, is_log_like
+from flor.replay.checks import equal
 
 
 def effects(src, after="print(everything_read_after)"):
@@ -277,7 +277,7 @@ def test_while_loops_become_tracked_for_loops():
     import io
     import contextlib
 
-    import flor.handsfree as rt
+    import flor.runtime.handsfree as rt
     ns["__flor__"] = rt
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -1,5 +1,5 @@
 """Splitting the main loop among replay workers."""
-from flor.replay import partition
+from flor.replay.plan import partition
 
 ALL = set(range(100))
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from flor.checks import compare_logs
+from flor.replay.checks import compare_logs
 
 from conftest import ROOT, block_stats, edit, flor, read, runs, store, values, write_script
 
@@ -54,7 +54,7 @@ def test_record_stores_the_run(recorded):
     (rec,) = runs(st, "record")
     assert rec["status"] == "finished" and rec["iterations"] == 4
     assert json.loads(rec["argv"]) == ["train.py", *ARGS]
-    assert st.source(rec["run_id"]) == read(EXAMPLE)
+    assert st.module_sources(rec["run_id"])[None] == read(EXAMPLE)
     assert {"python", "flor", "torch", "numpy"} <= set(json.loads(rec["versions"]))
     decisions = st.rows("decisions", rec["run_id"])
     assert [d["top_iter"] for d in decisions] == [0, 1, 2, 3]
@@ -347,7 +347,7 @@ def test_sparse_checkpoints_still_replay_faithfully(workdir, tmp_path):
 
 
 def test_only_outermost_blocks_never_checkpointed_get_a_note():
-    from flor.__main__ import _never_checkpointed
+    from flor.runtime.recording import never_checkpointed
 
     def row(block, ctx, checkpoint, reason):
         return {"block": block, "ctx": json.dumps(ctx), "n": 3, "checkpoint": checkpoint,
@@ -358,7 +358,7 @@ def test_only_outermost_blocks_never_checkpointed_get_a_note():
             row("eval", [main + [0]], 0, "no checkpoint: first"),
             row("inner", [main + [0], ["B", "train", 0, 0]], 0, "no checkpoint: nested"),
             row("eval", [main + [1]], 0, "no checkpoint: last")]
-    notes = list(_never_checkpointed(rows))
+    notes = list(never_checkpointed(rows))
     assert len(notes) == 1, notes
     assert notes[0].startswith("block eval ran 3 times and was never checkpointed")
     assert "(the rule at its last execution: no checkpoint: last)" in notes[0]

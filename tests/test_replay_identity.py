@@ -129,7 +129,12 @@ def test_a_changed_helper_function_probes_the_block_that_calls_it(tmp_path):
 def test_a_changed_function_defined_inside_an_if_probes_its_callers():
     """A helper defined under `if`/`try`/`with` at module level is a function
     of the program like any other: changing it probes the blocks calling it."""
-    from flor.source import compare_program
+    from flor.program.source import changed_functions, manual_blocks, map_files
+
+    def probed(old, new):
+        affected = changed_functions({"s.py": old}, {"s.py": new})
+        files = map_files({"s.py": old}, {"s.py": new})
+        return affected, manual_blocks({"s.py": old}, {"s.py": new}, files, affected)[0]
 
     old = textwrap.dedent("""
         import flor
@@ -144,10 +149,10 @@ def test_a_changed_function_defined_inside_an_if_probes_its_callers():
             x = flor.SkipBlock.end(x)
     """)
     new = old.replace("return x + 1", "print(x)\n        return x + 1")
-    cmp = compare_program({"s.py": old}, {"s.py": new})
-    assert "step" in cmp.changed_functions
-    assert cmp.probed == {"train"}
-    assert compare_program({"s.py": old}, {"s.py": old}).probed == set()
+    affected, blocks = probed(old, new)
+    assert "step" in affected
+    assert blocks == {"train"}
+    assert probed(old, old) == (set(), set())
 
 
 def test_blocks_in_another_module_are_compared_too(tmp_path):

@@ -39,8 +39,8 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from .analysis import GiveUp, Script, assigned_names, block_effects, root
-from .source import called_names
+from .analysis import GiveUp, Script, block_effects
+from .syntax import assigned_names, bodies, called_names, functions, root, walk_scope
 
 __all__ = ["instrument", "Instrumented", "uses_flor", "RUNTIME"]
 
@@ -109,12 +109,12 @@ def uses_flor(source: str) -> bool:
 def _rewrite_bodies(stmt, rewrite):
     """Replace each statement list of a compound statement (if, with, try,
     match: bodies, else, finally, handlers, cases) by rewrite(list)."""
-    for name in ("body", "orelse", "finalbody"):
-        sub = getattr(stmt, name, None)
-        if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+    for name, sub in bodies(stmt):
+        if name in ("handlers", "cases"):
+            for part in sub:
+                part.body = rewrite(part.body)
+        else:
             setattr(stmt, name, rewrite(sub))
-    for part in (getattr(stmt, "handlers", None) or []) + (getattr(stmt, "cases", None) or []):
-        part.body = rewrite(part.body)
 
 
 def _rt(attr):
@@ -166,24 +166,13 @@ class _Instrumenter:
 
     def run(self, filename) -> Instrumented:
         self.out = Instrumented(code=None, text="")
-        self._functions(self.tree, "")
+        self.out.functions = {q: (f.lineno, f.end_lineno, called_names(f.body))
+                              for q, f in functions(self.tree).items()}
         self.tree.body = self._scope(self.tree.body, self.tree, "<module>", {})
         ast.fix_missing_locations(self.tree)
         self.out.code = compile(self.tree, filename, "exec", dont_inherit=True)
         self.out.text = ast.unparse(self.tree)
         return self.out
-
-    def _functions(self, node, prefix):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                q = prefix + child.name
-                self.out.functions[q] = (child.lineno, child.end_lineno,
-                                         called_names(child.body))
-                self._functions(child, q + ".")
-            elif isinstance(child, ast.ClassDef):
-                self._functions(child, prefix + child.name + ".")
-            else:
-                self._functions(child, prefix)
 
     # -- scopes and candidate main loops ------------------------------------
 
@@ -193,7 +182,7 @@ class _Instrumenter:
         for s in stmts:
             if isinstance(s, ast.FunctionDef):
                 if not any(isinstance(n, (ast.Yield, ast.YieldFrom))
-                           for n in _scope_nodes(s.body)):
+                           for n in walk_scope(s.body)):
                     defs = {n.name: n for n in s.body if isinstance(n, ast.FunctionDef)}
                     s.body = self._scope(s.body, s, _q(qualname, s.name), defs)
                 out.append(s)
@@ -312,16 +301,10 @@ def _bindable(scope):
     names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
     names |= {x.arg for x in (a.vararg, a.kwarg) if x is not None}
     names |= assigned_names(scope.body)
-    for n in _scope_nodes(scope.body):
+    for n in walk_scope(scope.body):
         if isinstance(n, (ast.Global, ast.Nonlocal)):
             names |= set(n.names)
     return names
-
-
-def _scope_nodes(stmts):
-    from .analysis import _walk_scope
-
-    return _walk_scope(stmts)
 
 
 def _q(prefix, name):

@@ -26,17 +26,15 @@ import ast
 import io
 import itertools
 import logging
-import os
 import random
 import sys
 import threading
 import types
 
-from .analysis import root as root_of
-from .instrument import RUNTIME
-from .session import OFF, REPLAY, Session
+from ..program.syntax import root as root_of
+from .session import Session
 
-__all__ = ["UNBOUND", "loop", "step_into", "end", "abandon", "count", "run_script"]
+__all__ = ["UNBOUND", "loop", "step_into", "end", "abandon", "count"]
 
 
 class _Unbound:
@@ -64,7 +62,6 @@ class _Unbound:
 
 UNBOUND = _Unbound()
 count = itertools.count
-_open: list = []  # per open step_into: True if it is a session SkipBlock
 _compiled: dict = {}
 
 # Values that are not training state: never captured.
@@ -77,28 +74,28 @@ _NOT_STATE_MODULES = ("tqdm", "torch.utils.tensorboard", "tensorboardX", "wandb"
 
 def loop(iterable, key):
     s = Session.get()
-    if s.mode == OFF or s.ctx:
+    if not s.at_top_level():
         return iterable
     return s.loop(iterable, key, None)
 
 
 def step_into(key, owner, names, paths, globals_, rebound) -> bool:
+    """A session SkipBlock when its own loop is the innermost one tracked;
+    otherwise the block runs as plain code."""
     s = Session.get()
-    own = s.mode != OFF and bool(s.ctx) and s.ctx[-1][0] == "L" and s.ctx[-1][1] == owner
-    _open.append(own)
-    if not own:
+    if s.innermost_loop() != owner:
+        s.open_plain()
         return True
     frame = sys._getframe(1)
     expect = None
-    if s.mode == REPLAY:  # what end() would capture if the block were skipped
+    if s.replaying:  # what end() would capture if the block were skipped
         expect = _capture(s, names, paths, globals_, rebound, frame)[3]
     return s.step_into(key, False, frame, expect_sig=expect)
 
 
 def abandon():
     """The block's body raised: close it without a checkpoint."""
-    if _open and _open.pop():
-        Session.get().abandon()
+    Session.get().abandon()
 
 
 def _value(path, g, ns):
@@ -222,12 +219,11 @@ def _capture(s, names, paths, globals_, rebound, frame):
 def end(key, names, paths, globals_, rebound):
     """Close the block: checkpoint (record) or restore (replay, skipped) its
     side effects, and return the values of `names` to rebind."""
-    own = _open.pop() if _open else False
+    s = Session.get()
     frame = sys._getframe(1)
-    if not own:
+    if s.close_plain():
         ns, g = frame.f_locals, frame.f_globals
         return tuple(ns[n] if n in ns else g.get(n, UNBOUND) for n in names)
-    s = Session.get()
     items, captured, extra, labels = _capture(s, names, paths, globals_, rebound, frame)
     ns, g = frame.f_locals, frame.f_globals
     objs = [items[i][1] for i in captured]
@@ -250,13 +246,3 @@ def end(key, names, paths, globals_, rebound):
                 g[label[len("global "):]] = values[i]
     return tuple(values[:len(names)])
 
-
-def run_script(path: str, inst):
-    """Run the instrumented code of `path` as ``__main__``; as run_main does."""
-    main = types.ModuleType("__main__")
-    main.__file__ = os.path.abspath(path)
-    main.__builtins__ = __builtins__
-    main.__dict__[RUNTIME] = sys.modules[__name__]
-    # Kept as __main__ after the run: objects the script defined pickle by name.
-    sys.modules["__main__"] = main
-    exec(inst.code, main.__dict__)

@@ -44,7 +44,11 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-__all__ = ["Effects", "GiveUp", "Script", "block_effects", "path_of", "MAX_DEPTH"]
+from .syntax import (assigned_names, free_names, own_nodes, path_of, root, simple_statements,
+                     walk_scope)
+from .syntax import targets as single_targets
+
+__all__ = ["Effects", "GiveUp", "Script", "block_effects", "read_first", "MAX_DEPTH"]
 
 MAX_DEPTH = 3
 OPAQUE = {"exec", "eval", "globals", "locals", "vars"}
@@ -73,110 +77,6 @@ class Effects:
             self.paths.append(path)
 
 
-def path_of(node) -> str | None:
-    """``a``, ``a.b``, ``a["k"]``, ``a[0].b``; a non-constant subscript stops
-    the path at its container.  None for anything else."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = path_of(node.value)
-        return f"{base}.{node.attr}" if base else None
-    if isinstance(node, ast.Subscript):
-        base = path_of(node.value)
-        if base is None:
-            return None
-        if isinstance(node.slice, ast.Constant) and isinstance(
-                node.slice.value, (int, str)) and not isinstance(node.slice.value, bool):
-            return f"{base}[{node.slice.value!r}]"
-        return base
-    if isinstance(node, ast.Starred):
-        return path_of(node.value)
-    return None
-
-
-def root(path: str) -> str:
-    for i, ch in enumerate(path):
-        if ch in ".[":
-            return path[:i]
-    return path
-
-
-def _targets(node) -> list:
-    if isinstance(node, (ast.Tuple, ast.List)):
-        return [t for elt in node.elts for t in _targets(elt)]
-    return [node]
-
-
-def _walk_scope(nodes):
-    """Every node under `nodes`, not entering nested functions, classes or lambdas."""
-    stack = list(reversed(nodes))
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            continue
-        stack.extend(reversed(list(ast.iter_child_nodes(node))))
-
-
-def _simple_statements(stmts):
-    """The simple statements under `stmts`, in order, entering compound ones."""
-    for s in stmts:
-        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            yield s
-            continue
-        compound = False
-        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
-            sub = getattr(s, name, None)
-            if isinstance(sub, list) and sub:
-                compound = True
-        if not compound:
-            yield s
-            continue
-        yield s  # the header: for targets, with-as, except-as
-        for name in ("body", "handlers", "orelse", "finalbody", "cases"):
-            sub = getattr(s, name, None) or []
-            inner = []
-            for x in sub:
-                inner.extend(x.body if isinstance(x, (ast.ExceptHandler, ast.match_case))
-                             else [x])
-            yield from _simple_statements(inner)
-
-
-def assigned_names(nodes) -> set[str]:
-    out = set()
-    for n in _walk_scope(nodes):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
-            out.add(n.id)
-        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            out.add(n.name)
-        elif isinstance(n, (ast.Import, ast.ImportFrom)):
-            for a in n.names:
-                out.add((a.asname or a.name).split(".")[0])
-        elif isinstance(n, ast.ExceptHandler) and n.name:
-            out.add(n.name)
-    return out
-
-
-def loaded_names(nodes) -> set[str]:
-    """Names read under `nodes`, nested functions included."""
-    out = set()
-    for node in nodes:
-        for n in ast.walk(node):
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
-                out.add(n.id)
-    return out
-
-
-def free_names(fn) -> set[str]:
-    """Names a function (or lambda) reads that are not its own locals."""
-    body = fn.body if isinstance(fn.body, list) else [fn.body]
-    a = fn.args
-    params = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
-    params |= {x.arg for x in (a.vararg, a.kwarg) if x is not None}
-    declared = {g for m in _walk_scope(body) if isinstance(m, ast.Global) for g in m.names}
-    return loaded_names(body) - ((assigned_names(body) | params) - declared)
-
-
 def _not_state(tree) -> set[str]:
     """Names bound at module level to modules, functions and classes."""
     out = set()
@@ -196,7 +96,7 @@ class Script:
     def __init__(self, tree: ast.Module):
         self.tree = tree
         self.functions: dict[str, ast.FunctionDef | None] = {}
-        for n in _walk_scope(tree.body):
+        for n in walk_scope(tree.body):
             if isinstance(n, ast.FunctionDef):
                 # Defined twice: which definition runs is decided at run time.
                 self.functions[n.name] = None if n.name in self.functions else n
@@ -239,7 +139,7 @@ class Script:
         params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
         kwonly = [a.arg for a in fn.args.kwonlyargs]
         variadic = {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None}
-        declared_global = {g for n in _walk_scope(fn.body) if isinstance(n, ast.Global)
+        declared_global = {g for n in walk_scope(fn.body) if isinstance(n, ast.Global)
                            for g in n.names}
         local_defs = {n.name: n for n in fn.body if isinstance(n, ast.FunctionDef)}
         eff = Effects()
@@ -266,7 +166,7 @@ class Script:
         """Whether calling `fn` runs a loop (its body, or a script function it calls)."""
         if fn is None or fn in seen:
             return False
-        for n in _walk_scope(fn.body):
+        for n in walk_scope(fn.body):
             if isinstance(n, (ast.For, ast.While, ast.AsyncFor)):
                 return True
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
@@ -323,7 +223,7 @@ def _apply_call(script, call, eff, local_defs, depth, stack):
 def _collect(script, stmts, eff, local_defs, depth, stack):
     """Apply the rules to every statement under `stmts`."""
     for s in stmts:
-        for n in _walk_scope([s]):
+        for n in walk_scope([s]):
             if isinstance(n, (ast.Return, ast.Yield, ast.YieldFrom, ast.Await)) and depth == 0:
                 raise GiveUp(f"line {n.lineno}: the block {type(n).__name__.lower()}s")
             if isinstance(n, ast.Nonlocal):
@@ -333,37 +233,24 @@ def _collect(script, stmts, eff, local_defs, depth, stack):
                 raise GiveUp(f"line {n.lineno}: {n.func.id}()")
             if isinstance(n, ast.Name):
                 eff.reads.add(n.id)
-    for s in _simple_statements(stmts):
+    for s in simple_statements(stmts):
         handled = set()
         _rule(script, s, eff, local_defs, depth, stack, handled)
         # Calls to the script's own functions anywhere in the statement.
-        for n in _walk_scope(_own_nodes(s)):
+        for n in walk_scope(own_nodes(s)):
             if isinstance(n, ast.Call) and id(n) not in handled:
                 _apply_call(script, n, eff, local_defs, depth, stack)
 
 
-def _own_nodes(s) -> list:
-    """A statement's own expressions: a compound statement's header, not its body."""
-    if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return []
-    bodies = ("body", "orelse", "finalbody", "handlers", "cases")
-    out = []
-    for name, value in ast.iter_fields(s):
-        if name in bodies:
-            continue
-        out.extend(value if isinstance(value, list) else [value])
-    return [n for n in out if isinstance(n, ast.AST)]
-
-
 def _mutates(stmts, names) -> bool:
     """Whether `stmts` change an object bound to one of `names` in place."""
-    for n in _walk_scope(stmts):
+    for n in walk_scope(stmts):
         target = None
         if isinstance(n, ast.AugAssign):
             target = n.target
         elif isinstance(n, (ast.Assign, ast.AnnAssign)):
             for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
-                for tt in _targets(t):
+                for tt in single_targets(t):
                     if isinstance(tt, (ast.Attribute, ast.Subscript)):
                         target = tt
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
@@ -378,8 +265,8 @@ def read_first(stmts) -> set[str]:
     """Names the statements read before (in source order) they assign them:
     their values come from before the block, or from its previous iteration."""
     stored, first = set(), set()
-    for s in _simple_statements(stmts):
-        own = _walk_scope(_own_nodes(s))
+    for s in simple_statements(stmts):
+        own = walk_scope(own_nodes(s))
         names = [n for n in own if isinstance(n, ast.Name)]
         for n in names:
             if isinstance(n.ctx, ast.Load) and n.id not in stored:
@@ -393,7 +280,7 @@ def read_first(stmts) -> set[str]:
 
 def _add_targets(eff, targets, rule, script):
     for t in targets:
-        for tt in _targets(t):
+        for tt in single_targets(t):
             p = path_of(tt)
             if p is not None and root(p) not in script.not_state:
                 eff.add(p, rule)
@@ -441,7 +328,7 @@ def _rule(script, s, eff, local_defs, depth, stack, handled):
     elif isinstance(s, (ast.With, ast.AsyncWith)):
         targets = [i.optional_vars for i in s.items if i.optional_vars is not None]
     if targets is not None:
-        paths = [path_of(tt) for t in targets for tt in _targets(t)]
+        paths = [path_of(tt) for t in targets for tt in single_targets(t)]
         if any(p is not None and p in eff.rules for p in paths):
             _add_targets(eff, targets, 0, script)  # rule 0
             return
@@ -482,7 +369,7 @@ def block_effects(script: Script, block: list, scope, local_defs=None) -> Effect
     inside = assigned_names(block) - read_first(block)
     block_ids = {id(n) for b in block for n in ast.walk(b)}
     outside = set()  # names read in the scope outside the block
-    for sub in _walk_scope(scope.body):
+    for sub in walk_scope(scope.body):
         if id(sub) in block_ids:
             continue
         if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):

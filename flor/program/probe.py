@@ -19,6 +19,8 @@ import ast
 import difflib
 from dataclasses import dataclass, field
 
+from .syntax import bodies, callers_closure, header, is_compound
+
 __all__ = ["Probe", "detect", "is_log_like"]
 
 _LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
@@ -68,34 +70,18 @@ def is_log_like(stmt) -> bool:
     return False
 
 
-def _header(stmt) -> str:
-    """ast.dump of a compound statement without its bodies."""
-    import copy
-
-    head = copy.copy(stmt)
-    for name in ("body", "orelse", "finalbody", "handlers", "cases"):
-        if hasattr(head, name):
-            setattr(head, name, [])
-    return ast.dump(head)
-
-
 def _flatten(stmts, depth, out):
     for s in stmts:
-        compound = any(isinstance(getattr(s, f, None), list) and getattr(s, f)
-                       and isinstance(getattr(s, f)[0], (ast.stmt, ast.excepthandler,
-                                                          ast.match_case))
-                       for f in ("body", "orelse", "finalbody", "handlers", "cases"))
-        if not compound:
+        if not is_compound(s):
             out.append((f"{depth}|{ast.dump(s)}", s, depth))
             continue
-        out.append((f"{depth}|{_header(s)}", s, depth))
-        for f in ("body", "handlers", "orelse", "finalbody", "cases"):
-            sub = getattr(s, f, None) or []
-            if f in ("orelse", "finalbody") and sub:
+        out.append((f"{depth}|{ast.dump(header(s))}", s, depth))
+        for f, sub in bodies(s):
+            if f in ("orelse", "finalbody"):
                 out.append((f"{depth + 1}|<{f}>", s, depth + 1))
             for x in sub:
                 if isinstance(x, (ast.ExceptHandler, ast.match_case)):
-                    out.append((f"{depth + 1}|{_header(x)}", x, depth + 1))
+                    out.append((f"{depth + 1}|{ast.dump(header(x))}", x, depth + 1))
                     _flatten(x.body, depth + 2, out)
                 else:
                     _flatten([x], depth + 1, out)
@@ -141,18 +127,13 @@ def detect(old_source: str, new_source: str, inst) -> Probe:
             if line is not None:
                 changed_lines.append(line)
     # Functions whose body changed, then every function that calls them.
-    affected = set()
-    for qual, (first, last, _) in inst.functions.items():
+    changed, calls = set(), {}
+    for qual, (first, last, called) in inst.functions.items():
+        simple = qual.rsplit(".", 1)[-1]
+        calls.setdefault(simple, set()).update(called)
         if any(first <= ln <= last for ln in changed_lines):
-            affected.add(qual.rsplit(".", 1)[-1])
-    grew = True
-    while grew:
-        grew = False
-        for qual, (_, _, calls) in inst.functions.items():
-            simple = qual.rsplit(".", 1)[-1]
-            if simple not in affected and set(calls) & affected:
-                affected.add(simple)
-                grew = True
+            changed.add(simple)
+    affected = callers_closure(changed, calls)
     for b in inst.blocks:
         if any(b.line <= ln <= b.end_line for ln in changed_lines) or set(b.calls) & affected:
             probe.probed.add(b.key)

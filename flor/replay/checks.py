@@ -1,16 +1,12 @@
-"""Deferred checks and the assembly of a replay's results.
+"""Deferred checks: the replay's values against the record's, and every
+likely-cause heuristic for a difference.
 
-A replay's workers each store the logs and output of the iterations they
-replayed; the first part contributes what came before the main loop and the
-last part what came after it.
-
-The deferred check compares the replay's logged values with the record's.
-A value is identified by its statement (file:line in recorded line numbers),
-its context (the enclosing loops and block executions, see session.py) and
-its count within that context.  Every value that both runs logged is
-compared, and a value the record logged is reported missing when the replay
-should have logged it too: its statement is still in the program and every
-block execution around it ran again.
+A value is identified by its statement (its location, in recorded line
+numbers), its context (the enclosing loop iterations and block executions,
+flor/context.py) and its count within that context.  Every value that both
+runs logged is compared, and a value the record logged is reported missing
+when the replay should have logged it too: its statement is still in the
+program and every block execution around it ran again.
 """
 from __future__ import annotations
 
@@ -22,52 +18,14 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .analysis import Script, path_of, root
+from ..context import describe, enclosing_blocks, parse_location
+from ..program.analysis import Script
+from ..program.syntax import path_of, root
+from .plan import Plan
 
-__all__ = ["run_logs", "merged_output", "compare_logs", "CheckReport", "equal", "explain"]
+__all__ = ["compare_logs", "CheckReport", "equal", "explain"]
 
 RAN = ("step_into", "execute")
-
-
-def _nparts(store, run_id):
-    run = store.run(run_id)
-    if run is None or run["kind"] != "replay":
-        return None
-    return json.loads(run["info"] or "{}").get("nparts", 1)
-
-
-def _keep(row, nparts):
-    """Which stored rows make up the run: replay parts repeat pre and post."""
-    if nparts is None or row["phase"] == "main":
-        return True
-    if row["phase"] == "pre":
-        return row["part"] == 0
-    return row["part"] == nparts - 1
-
-
-def _rows(store, table, run_id):
-    nparts = _nparts(store, run_id)
-    return [r for r in store.rows(table, run_id, "ORDER BY part, ord" if table != "blockruns"
-                                  else "") if _keep(r, nparts)]
-
-
-def run_logs(store, run_id):
-    return _rows(store, "logs", run_id)
-
-
-def merged_output(store, run_id):
-    """A replay's (stdout, stderr): before the main loop, its iterations in
-    order, after it."""
-    rows = _rows(store, "output", run_id)
-    out = []
-    for stream in ("stdout", "stderr"):
-        mine = [r for r in rows if r["stream"] == stream]
-        main = sorted((r for r in mine if r["phase"] == "main"),
-                      key=lambda r: (r["iter"] if r["iter"] is not None else -1, r["part"], r["ord"]))
-        out.append("".join([r["text"] for r in mine if r["phase"] == "pre"] +
-                           [r["text"] for r in main] +
-                           [r["text"] for r in mine if r["phase"] == "post"]))
-    return tuple(out)
 
 
 @dataclass
@@ -78,6 +36,7 @@ class CheckReport:
     missing: list = field(default_factory=list)  # (loc, name, ctx, seq, recorded)
     ambiguous: int = 0
     causes: dict = field(default_factory=dict)  # loc -> likely cause
+    run_causes: list = field(default_factory=list)  # likely causes for the whole run
     shown_loc: dict = field(default_factory=dict)  # recorded loc -> current file:line
 
     @property
@@ -93,10 +52,10 @@ class CheckReport:
                  f"record logged or printed, {len(self.mismatches)} differ and "
                  f"{len(self.missing)} were not logged again:"]
         for loc, name, ctx, seq, rec, rep in self.mismatches[:limit]:
-            lines.append(f"  {self._stmt(loc, name)} at {_where(ctx, seq)}: recorded "
+            lines.append(f"  {self._stmt(loc, name)} at {describe(ctx, seq)}: recorded "
                          f"{_show(rec)}, replayed {_show(rep)}")
         for loc, name, ctx, seq, rec in self.missing[:max(0, limit - len(self.mismatches))]:
-            lines.append(f"  {self._stmt(loc, name)} at {_where(ctx, seq)}: recorded "
+            lines.append(f"  {self._stmt(loc, name)} at {describe(ctx, seq)}: recorded "
                          f"{_show(rec)}, not logged by the replay")
         more = len(self.mismatches) + len(self.missing) - limit
         if more > 0:
@@ -150,24 +109,17 @@ def equal(a, b, tolerance=0.0) -> bool:
     return a == b
 
 
-def _where(ctx, seq):
-    parts = []
-    for frame in json.loads(ctx):
-        parts.append(f"iteration {frame[3]} of the loop at {frame[1]}" if frame[0] == "L"
-                     else f"block {frame[1]}")
-    return (" > ".join(parts) or "top level") + (f" #{seq}" if seq else "")
-
-
 def _present(loc, files):
-    rel, _, line = loc.rpartition(":")
+    rel, line, new = parse_location(loc)
     fmap = files.get(rel)
-    return fmap is not None and line.isdigit() and int(line) in fmap
+    return fmap is not None and not new and line is not None and line in fmap
 
 
 def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> CheckReport:
+    """Compare a replay's values with its record's (`plan`: the replay's
+    Plan, read from the store when not given)."""
     if plan is None:
-        with open(os.path.join(store.run_dir(replay_id), "plan.json")) as f:
-            plan = json.load(f)
+        plan = Plan.load(store.plan_path(replay_id))
     report = CheckReport()
     recorded, seen_twice = {}, set()
     for r in store.rows("logs", record_id):
@@ -179,7 +131,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
         del recorded[key]
     report.ambiguous = len(seen_twice)
     replayed = {}
-    for r in run_logs(store, replay_id):
+    for r in store.logs(replay_id):
         replayed[(r["loc"], r["name"], r["ctx"], r["seq"])] = r["value"]
     for key, value in replayed.items():
         if key in recorded:
@@ -188,18 +140,14 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
             if recorded[key] != value and not equal(
                     json.loads(recorded[key]), json.loads(value), tolerance):
                 report.mismatches.append((*key, recorded[key], value))
-    ran = {(b["block"], b["ctx"], b["occurrence"]) for b in _rows(store, "blockruns", replay_id)
-           if b["state"] in RAN}
-    files = {rel: set(f["present"]) for rel, f in plan["files"].items()}
+    ran = {(b["block"], b["ctx"], b["occurrence"])
+           for b in store.run_rows("blockruns", replay_id) if b["state"] in RAN}
+    files = plan.present()
     for key, value in recorded.items():
         loc, name, ctx, seq = key
         if key in replayed or not _present(loc, files):
             continue
-        frames = json.loads(ctx)
-        blocks_ran = all(
-            (f[1], json.dumps(frames[:i], separators=(",", ":")), f[2]) in ran
-            for i, f in enumerate(frames) if f[0] == "B")
-        if blocks_ran:
+        if all(b in ran for b in enclosing_blocks(ctx)):
             report.missing.append((*key, value))
     return report
 
@@ -235,75 +183,78 @@ def _paths_read(stmt):
     return out
 
 
-def explain(report, store, plan, source):
-    """Fill report.shown_loc (current file:line of each statement) and
-    report.causes (a likely cause per statement that differed)."""
-    files = plan.get("files", {})
-    back = {rel: {int(v): int(k) for k, v in f.get("lines", {}).items()}
-            for rel, f in files.items()}
+def explain(report, store, plan, source, rec=None):
+    """Fill report.shown_loc (current file:line of each statement),
+    report.causes (a likely cause per statement that differed) and
+    report.run_causes (causes that concern the whole replay)."""
+    back = {rel: {v: k for k, v in lines.items()} for rel, (lines, _) in plan.line_maps().items()}
     bad = {loc for loc, *_ in report.mismatches + report.missing}
     try:
         tree = ast.parse(source)
     except SyntaxError:
         tree = None
     lines = source.splitlines()
-    hands_free = plan.get("hands_free") or {}
-    restored = {b["block"] for b in _rows(store, "blockruns", plan["replay_id"])
+    hands_free = plan.hands_free or {}
+    restored = {b["block"] for b in store.run_rows("blockruns", plan.replay_id)
                 if b["state"] in ("skip", "pseudoresume")}
     blocks = [b for b in hands_free.get("blocks", []) if b["key"] in restored]
     not_state = Script(tree).not_state if tree is not None else set()
+    parts = store.rows("parts", plan.replay_id)
     captured = {}  # block -> what the replay captured, completion included
-    for part in store.rows("parts", plan["replay_id"]):
+    for part in parts:
         for key, labels in (json.loads(part["info"] or "{}").get("captured") or {}).items():
             for label in labels:
                 for name in label.split(":", 1)[0].split(", "):
                     captured.setdefault(key, set()).add(name.removeprefix("global "))
     for loc in bad:
-        rel, _, line = loc.rpartition(":")
-        if rel.endswith(":new"):
-            rel, cur = rel[:-4], int(line)
-        elif line.isdigit():
-            cur = back.get(rel, {}).get(int(line))
-        else:
-            cur = None
+        rel, line, new = parse_location(loc)
+        cur = line if new else back.get(rel, {}).get(line) if line is not None else None
         report.shown_loc[loc] = f"{rel}:{cur}" if cur else loc
-        if cur is None or tree is None or rel != os.path.basename(plan["script"]):
+        if cur is None or tree is None or rel != os.path.basename(plan.script):
             continue
-        stmt = _statement_at(tree, cur)
-        text = "\n".join(lines[stmt.lineno - 1:stmt.end_lineno]) if stmt else ""
-        if _CLOCK.search(text):
-            report.causes[loc] = ("the statement reads the clock, so its values differ "
-                                  "between runs")
-            continue
-        before = [b for b in blocks if b["line"] < cur] or blocks
-        if not before:
-            if not hands_free:
-                continue
-            report.causes[loc] = (
-                "no block was restored before it: the difference comes from outside "
+        report.causes[loc] = _statement_cause(tree, lines, cur, rel, blocks, hands_free,
+                                              captured, not_state)
+        if report.causes[loc] is None:
+            del report.causes[loc]
+    if not report.passed and rec is not None:
+        rec_threads = json.loads(rec["info"] or "{}").get("threads")
+        used = {json.loads(p["info"] or "{}").get("threads") for p in parts}
+        if rec_threads is not None and used - {rec_threads}:
+            report.run_causes.append(
+                f"the record ran torch with {rec_threads} intra-op threads and the replay "
+                f"with {sorted(t for t in used if t)}; CPU results match bit for bit only "
+                "with the same thread count (set it in the script with torch.set_num_threads)")
+
+
+def _statement_cause(tree, lines, cur, rel, blocks, hands_free, captured, not_state):
+    """The likely cause of a difference in the statement at line `cur`."""
+    stmt = _statement_at(tree, cur)
+    text = "\n".join(lines[stmt.lineno - 1:stmt.end_lineno]) if stmt else ""
+    if _CLOCK.search(text):
+        return "the statement reads the clock, so its values differ between runs"
+    before = [b for b in blocks if b["line"] < cur] or blocks
+    if not before:
+        if not hands_free:
+            return None
+        return ("no block was restored before it: the difference comes from outside "
                 "flor's blocks (nondeterminism, the clock, other processes or files)")
+    b = max(before, key=lambda b: b["line"])
+    held = sorted(set(b["names"] + b["paths"] + b["globals"]) | captured.get(b["key"], set()))
+    suspects = []
+    for p in sorted(_paths_read(stmt)) if stmt else []:
+        r = root(p)
+        if r not in b["reads"] or (p == r and r in not_state):
             continue
-        b = max(before, key=lambda b: b["line"])
-        held = sorted(set(b["names"] + b["paths"] + b["globals"]) |
-                      captured.get(b["key"], set()))
-        suspects = []
-        for p in sorted(_paths_read(stmt)) if stmt else []:
-            r = root(p)
-            if r not in b["reads"] or (p == r and r in not_state):
-                continue
-            if any(p == h or p.startswith(h + ".") or p.startswith(h + "[") for h in held):
-                continue
-            if any(q != p and q.startswith(p + ".") for q in _paths_read(stmt)
-                   if root(q) == r):
-                continue  # report the longest path read
-            suspects.append(p)
-        where = f"{rel}:{b['line']}"
-        if suspects:
-            report.causes[loc] = (f"the side-effect set of the block at {where} may be "
-                                  f"missing {', '.join(f'`{x}`' for x in suspects)}")
-        else:
-            report.causes[loc] = (
-                f"the side-effect set of the block at {where} (restored from a checkpoint) "
-                f"may be incomplete; it holds {', '.join(held) or 'only the random state'}. "
-                "State changed where flor cannot see it (another module's code, a C "
-                "extension) is not captured")
+        if any(p == h or p.startswith(h + ".") or p.startswith(h + "[") for h in held):
+            continue
+        if any(q != p and q.startswith(p + ".") for q in _paths_read(stmt) if root(q) == r):
+            continue  # report the longest path read
+        suspects.append(p)
+    where = f"{rel}:{b['line']}"
+    if suspects:
+        return (f"the side-effect set of the block at {where} may be "
+                f"missing {', '.join(f'`{x}`' for x in suspects)}")
+    return (f"the side-effect set of the block at {where} (restored from a checkpoint) "
+            f"may be incomplete; it holds {', '.join(held) or 'only the random state'}. "
+            "State changed where flor cannot see it (another module's code, a C "
+            "extension) is not captured")

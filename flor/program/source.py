@@ -1,18 +1,23 @@
 """What changed between the recorded program and the one being replayed.
 
-A SkipBlock is the body of ``if flor.SkipBlock.step_into(...):`` together
-with the ``flor.SkipBlock.end(...)`` call that follows it.  Replay steps into
-a block when its body changed, when its end() call changed, when it says
-``probed=True``, or when its body calls (directly or through other
-functions) a function of the program whose definition changed.  Every other
-block is skipped.
+Each file of the program that record kept (the script, and the modules of
+the user's own that called flor or printed) is compared with its current
+version:
 
-Each file of the program that holds flor calls is compared (the script, and
-the modules of the user's own that record saw calling flor).  Unnamed blocks
-and loops are identified by the line of their call in the *recorded* file;
-current lines map back to recorded ones by text, and the calls of
-flor.generator and SkipBlock.step_into also by their order in the file, so
-that editing the line of such a call (adding a comment) keeps its identity.
+- `map_files`: each current line that is unchanged maps to its recorded
+  line, and each call of flor.generator and SkipBlock.step_into also maps by
+  the order of such calls in the file, so that editing the line of such a
+  call (adding a comment) keeps its identity;
+- `changed_functions`: the functions whose definition changed, and every
+  function that calls one of them, directly or not;
+- `manual_blocks` (the manual API): a SkipBlock is the body of ``if
+  flor.SkipBlock.step_into(...):`` with the ``flor.SkipBlock.end(...)`` call
+  that follows it.  Replay steps into a block when its body changed, when
+  its end() call changed, when it says ``probed=True``, or when its body
+  calls a changed function.  Every other block is skipped.
+
+Unnamed blocks and loops are identified by the location of their call in
+the *recorded* file (flor/context.py).
 """
 from __future__ import annotations
 
@@ -20,7 +25,11 @@ import ast
 import difflib
 from dataclasses import dataclass, field
 
-__all__ = ["BlockSite", "FileMap", "Comparison", "compare_program", "find_blocks", "line_map"]
+from ..context import location
+from .syntax import bodies, called_names, callers_closure, functions
+
+__all__ = ["BlockSite", "FileMap", "Comparison", "map_files", "changed_functions",
+           "manual_blocks", "find_blocks", "line_map"]
 
 
 @dataclass
@@ -42,11 +51,13 @@ class FileMap:
 
 @dataclass
 class Comparison:
+    """What replay decided from comparing the programs."""
+
+    files: dict[str, FileMap] = field(default_factory=dict)
+    changed_functions: set[str] = field(default_factory=set)  # and their callers
     probed: set[str] = field(default_factory=set)  # block keys to step into
     changed_end: set[str] = field(default_factory=set)  # blocks whose end() changed
     added: set[str] = field(default_factory=set)  # blocks new in the current source
-    changed_functions: set[str] = field(default_factory=set)
-    files: dict[str, FileMap] = field(default_factory=dict)
 
 
 def _is_flor_call(node, attr):
@@ -69,27 +80,11 @@ def _literal(call, pos, kw):
     return None
 
 
-def called_names(nodes) -> set[str]:
-    """Simple names of everything `nodes` call: f() gives f, a.b.m() gives m."""
-    names = set()
-    for node in nodes:
-        for n in ast.walk(node):
-            if isinstance(n, ast.Call):
-                if isinstance(n.func, ast.Name):
-                    names.add(n.func.id)
-                elif isinstance(n.func, ast.Attribute):
-                    names.add(n.func.attr)
-    return names
-
-
 def find_blocks(source: str) -> list[BlockSite]:
     tree = ast.parse(source)
     sites = []
     for parent in ast.walk(tree):
-        for fieldname in ("body", "orelse", "finalbody"):
-            stmts = getattr(parent, fieldname, None)
-            if not isinstance(stmts, list):
-                continue
+        for _, stmts in bodies(parent):
             for i, stmt in enumerate(stmts):
                 if not (isinstance(stmt, ast.If) and _is_flor_call(stmt.test, "step_into")):
                     continue
@@ -101,23 +96,6 @@ def find_blocks(source: str) -> list[BlockSite]:
                     forced=_literal(call, 1, "probed") is True,
                     body=[ast.dump(s) for s in stmt.body], end=end, calls=called_names(stmt.body)))
     return sites
-
-
-def _functions(tree) -> dict[str, ast.AST]:
-    """Functions and methods by qualified name (Class.method)."""
-    out = {}
-
-    def visit(node, prefix):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                out[prefix + child.name] = child
-                visit(child, prefix + child.name + ".")
-            elif isinstance(child, ast.ClassDef):
-                visit(child, prefix + child.name + ".")
-            else:  # a function defined inside if, try, with, ...
-                visit(child, prefix)
-    visit(tree, "")
-    return out
 
 
 def line_map(old: str, new: str) -> dict[int, int]:
@@ -160,57 +138,56 @@ def site_map(old_tree, new_tree) -> dict[int, int]:
     return m
 
 
-def block_key(relpath: str, name: str | None, line: int) -> str:
-    return name if name else f"{relpath}:{line}"
+def _pairs(old: dict[str, str], new: dict[str, str]):
+    """(relpath, recorded text, current text) of each file still present."""
+    return [(rel, text, new[rel]) for rel, text in old.items() if rel in new]
 
 
-def compare_program(old: dict[str, str], new: dict[str, str]) -> Comparison:
-    """Compare recorded sources with current ones, both {relpath: text}."""
-    cmp = Comparison()
-    trees = {}
-    for rel, text in old.items():
-        cur = new.get(rel)
-        if cur is None:
-            continue
-        old_tree, new_tree = ast.parse(text), ast.parse(cur)
-        trees[rel] = (text, cur, old_tree, new_tree)
+def map_files(old: dict[str, str], new: dict[str, str]) -> dict[str, FileMap]:
+    """Line and call-site maps of each recorded file ({relpath: text}) that
+    is still present."""
+    files = {}
+    for rel, text, cur in _pairs(old, new):
         lines = line_map(text, cur)
-        cmp.files[rel] = FileMap(lines=lines, sites=site_map(old_tree, new_tree),
-                                 present=set(lines.values()))
-    # Functions whose definition changed, then everything that calls them.
+        files[rel] = FileMap(lines=lines, sites=site_map(ast.parse(text), ast.parse(cur)),
+                             present=set(lines.values()))
+    return files
+
+
+def changed_functions(old: dict[str, str], new: dict[str, str]) -> set[str]:
+    """Simple names of the functions whose definition changed, and of every
+    function that calls one of them."""
     changed, calls = set(), {}
-    for rel, (_, _, old_tree, new_tree) in trees.items():
-        before = {k: ast.dump(v) for k, v in _functions(old_tree).items()}
-        for qual, node in _functions(new_tree).items():
+    for _, text, cur in _pairs(old, new):
+        before = {k: ast.dump(v) for k, v in functions(ast.parse(text)).items()}
+        for qual, node in functions(ast.parse(cur)).items():
             simple = qual.rsplit(".", 1)[-1]
             calls.setdefault(simple, set()).update(called_names(node.body))
             if before.get(qual) != ast.dump(node):
                 changed.add(simple)
-    affected = set(changed)
-    grew = True
-    while grew:
-        grew = False
-        for name, called in calls.items():
-            if name not in affected and called & affected:
-                affected.add(name)
-                grew = True
-    cmp.changed_functions = affected
-    for rel, (text, cur, _, _) in trees.items():
-        fmap = cmp.files[rel]
-        recorded = {block_key(rel, s.name, s.line): s for s in find_blocks(text)}
+    return callers_closure(changed, calls)
+
+
+def manual_blocks(old: dict[str, str], new: dict[str, str], files: dict[str, FileMap],
+                  affected: set[str]) -> tuple[set, set, set]:
+    """(probed, changed_end, added) block keys of the manual API's blocks."""
+    probed, changed_end, added = set(), set(), set()
+    for rel, text, cur in _pairs(old, new):
+        fmap = files[rel]
+        recorded = {s.name or location(rel, s.line): s for s in find_blocks(text)}
         for site in find_blocks(cur):
             line = fmap.sites.get(site.line, fmap.lines.get(site.line))
             if site.name is None and line is None:
-                cmp.added.add(f"{rel}:new:{site.line}")
+                added.add(location(rel, site.line, None, mapped=True))
                 continue
-            key = block_key(rel, site.name, line if site.name is None else site.line)
+            key = site.name or location(rel, line)
             before = recorded.get(key)
             if before is None:
-                cmp.added.add(key)
+                added.add(key)
                 continue
             if site.forced or site.body != before.body or site.calls & affected:
-                cmp.probed.add(key)
+                probed.add(key)
             if site.end != before.end:
-                cmp.changed_end.add(key)
-                cmp.probed.add(key)
-    return cmp
+                changed_end.add(key)
+                probed.add(key)
+    return probed, changed_end, added

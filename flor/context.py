@@ -1,0 +1,211 @@
+"""Identity: where in a run a value, a printed line or a checkpoint belongs.
+
+A *context* is the list of frames enclosing a point of the program,
+outermost first:
+
+    ["L", loop, run, i]        iteration i of the run-th run of `loop` (counted
+                               among the runs of that loop in its own context)
+    ["B", block, occurrence]   the occurrence-th execution of `block` (counted
+                               among that block's executions in its context)
+
+It is stored as compact JSON: the ``ctx`` column of flor.db and the
+``"ctx"`` field of every block checkpoint.  A block or loop that runs several
+times per iteration (inside a helper called twice) gets one context per run,
+and a block skipped in replay leaves the numbering of what follows unchanged.
+
+A *location* names a statement: ``file:line`` in the recorded file's line
+numbers, or ``file:new:line`` for a line that exists only in the edited
+file that replay runs.  Paths are relative to the script's directory.
+
+This module is the one encoder and parser of both; the live stack of a
+running session is a `Context`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+__all__ = ["LOOP", "BLOCK", "Context", "encode", "decode", "top_key", "is_outermost",
+           "enclosing_blocks", "describe", "location", "parse_location", "checkpoint_name"]
+
+LOOP, BLOCK = "L", "B"
+
+
+def encode(frames) -> str:
+    return json.dumps(frames, separators=(",", ":"))
+
+
+def decode(text: str) -> list:
+    return json.loads(text)
+
+
+def top_key(loop, run) -> str:
+    """The encoded main-loop run ``[loop, run]`` (the ``top`` column)."""
+    return encode([loop, run])
+
+
+def is_outermost(ctx: str) -> bool:
+    """Whether a block execution at `ctx` is nested in no other block."""
+    return not any(frame[0] == BLOCK for frame in decode(ctx))
+
+
+def enclosing_blocks(ctx: str) -> list[tuple[str, str, int]]:
+    """(block, its own context, occurrence) of every block around `ctx`."""
+    frames = decode(ctx)
+    return [(f[1], encode(frames[:i]), f[2]) for i, f in enumerate(frames) if f[0] == BLOCK]
+
+
+def describe(ctx: str, seq: int = 0) -> str:
+    """``iteration 3 of the loop at train.py:40 > block train #1``."""
+    parts = [f"iteration {f[3]} of the loop at {f[1]}" if f[0] == LOOP else f"block {f[1]}"
+             for f in decode(ctx)]
+    return (" > ".join(parts) or "top level") + (f" #{seq}" if seq else "")
+
+
+def location(rel: str, line: int, recorded: int | None = None, mapped: bool = False) -> str:
+    """The location of `line` of file `rel`.  When the file was mapped
+    (`mapped`, in replay), `recorded` is its line in the recorded file, or
+    None for a line that replay added."""
+    if not mapped:
+        return f"{rel}:{line}"
+    return f"{rel}:{recorded}" if recorded is not None else f"{rel}:new:{line}"
+
+
+def parse_location(loc: str) -> tuple[str, int | None, bool]:
+    """(file, line, new) of a location; line is None if it is not a number."""
+    rel, _, line = loc.rpartition(":")
+    new = rel.endswith(":new")
+    if new:
+        rel = rel[:-4]
+    return rel, int(line) if line.isdigit() else None, new
+
+
+def checkpoint_name(key: str, ctx: str, occurrence: int, indices) -> str:
+    """The file name (without .flor) of a block execution's checkpoint."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("._")[:40] or "block"
+    where = ".".join(map(str, indices)) or "top"
+    digest = hashlib.sha1(f"{key}\0{ctx}\0{occurrence}".encode()).hexdigest()[:10]
+    return f"{slug}@{where}-{digest}"
+
+
+class LoopFrame(list):
+    """["L", loop, run, i]: the index is updated in place as the loop runs."""
+
+    __slots__ = ()
+
+
+class BlockFrame(list):
+    """["B", block, occurrence], with what the session knows of the open
+    block: the context it runs in, its handle in the C state machine, its
+    state, the checkpoint loaded for it (replay) and the seconds that took."""
+
+    __slots__ = ("ctx", "handle", "state", "payload", "load_s")
+
+    @property
+    def key(self):
+        return self[1]
+
+    @property
+    def occurrence(self):
+        return self[2]
+
+
+class _Plain:
+    """A hands-free block that runs as ordinary code (its loop is not
+    tracked here): open, but not part of the identity."""
+
+    __slots__ = ()
+
+
+PLAIN = _Plain()
+
+
+class Context:
+    """The stack of open loops and blocks of a session, and the counters
+    that number loop runs, block occurrences and repeated values within
+    each context."""
+
+    def __init__(self):
+        self.frames: list = []  # LoopFrame, BlockFrame and PLAIN, outermost first
+        self.counts: dict[tuple, int] = {}
+
+    def _identity(self):
+        return [f for f in self.frames if f is not PLAIN]
+
+    def encode(self) -> str:
+        return encode(self._identity())
+
+    def next(self, kind: str, key, ctx: str) -> int:
+        """Number the next `kind` ("L" loop run, "B" block occurrence, "S"
+        a value's sequence) of `key` in context `ctx`, from 0."""
+        k = (kind, ctx, key)
+        n = self.counts.get(k, 0)
+        self.counts[k] = n + 1
+        return n
+
+    def forget_finished(self):
+        """Counters of contexts inside a finished main-loop iteration are
+        never needed again."""
+        self.counts = {k: v for k, v in self.counts.items() if k[1] == "[]"}
+
+    def depth(self) -> int:
+        """Open loops and blocks, not counting plain ones."""
+        return len(self._identity())
+
+    def at_top_level(self) -> bool:
+        return not self._identity()
+
+    def innermost_loop(self):
+        """The key of the innermost frame if it is a loop, else None."""
+        frames = self._identity()
+        return frames[-1][1] if frames and frames[-1][0] == LOOP else None
+
+    def indices(self) -> list[int]:
+        return [f[3] for f in self.frames if f is not PLAIN and f[0] == LOOP]
+
+    def top(self):
+        """(encoded [loop, run], index) of the outermost loop, or (None, None)."""
+        frames = self._identity()
+        if frames and frames[0][0] == LOOP:
+            return encode(frames[0][1:3]), frames[0][3]
+        return None, None
+
+    # -- the stack --------------------------------------------------------
+
+    def push_loop(self, key, run) -> LoopFrame:
+        frame = LoopFrame([LOOP, key, run, -1])
+        self.frames.append(frame)
+        return frame
+
+    def remove(self, frame):
+        """Close a loop (its generator may finish after inner frames closed)."""
+        self.frames.remove(frame)
+
+    def push_block(self, key, occurrence, ctx, handle, state, payload, load_s) -> BlockFrame:
+        """Open a block execution; `ctx` is the encoded context it runs in."""
+        frame = BlockFrame([BLOCK, key, occurrence])
+        frame.ctx = ctx
+        frame.handle, frame.state, frame.payload, frame.load_s = handle, state, payload, load_s
+        self.frames.append(frame)
+        return frame
+
+    def push_plain(self):
+        self.frames.append(PLAIN)
+
+    def innermost_block(self):
+        """The innermost open block: a BlockFrame, PLAIN, or None."""
+        for f in reversed(self.frames):
+            if f is PLAIN or isinstance(f, BlockFrame):
+                return f
+        return None
+
+    def pop_block(self):
+        """Close the innermost open block and return it (BlockFrame or PLAIN),
+        or None when no block is open."""
+        for i in range(len(self.frames) - 1, -1, -1):
+            f = self.frames[i]
+            if f is PLAIN or isinstance(f, BlockFrame):
+                del self.frames[i]
+                return f
+        return None

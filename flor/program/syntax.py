@@ -1,0 +1,202 @@
+"""Walking Python source: the AST vocabulary shared by flor's analyses.
+
+- statement bodies: `BODIES`, `bodies`, `is_compound`, `header`, `own_nodes`,
+  `simple_statements`;
+- scopes: `walk_scope` (not entering nested functions, classes, lambdas),
+  `assigned_names`, `loaded_names`, `free_names`;
+- paths, the objects statements read and change: `path_of`, `root`, `targets`;
+- functions and calls: `functions`, `called_names`, and `callers_closure`,
+  the fixpoint of "changed functions and everything that calls them".
+"""
+from __future__ import annotations
+
+import ast
+import copy
+
+__all__ = ["BODIES", "bodies", "is_compound", "header", "own_nodes", "simple_statements",
+           "walk_scope", "assigned_names", "loaded_names", "free_names", "path_of", "root",
+           "targets", "functions", "called_names", "callers_closure"]
+
+# The fields of a compound statement that hold statements (or except
+# handlers and match cases, which hold statements), in source order.
+BODIES = ("body", "handlers", "orelse", "finalbody", "cases")
+
+
+def bodies(stmt):
+    """(field, list) of each non-empty body of a compound statement, in
+    source order; handlers and cases are listed as they are."""
+    out = []
+    for name in BODIES:
+        sub = getattr(stmt, name, None)
+        if isinstance(sub, list) and sub and isinstance(
+                sub[0], (ast.stmt, ast.excepthandler, ast.match_case)):
+            out.append((name, sub))
+    return out
+
+
+def is_compound(stmt) -> bool:
+    return bool(bodies(stmt))
+
+
+def header(stmt):
+    """A copy of a compound statement without its bodies."""
+    head = copy.copy(stmt)
+    for name in BODIES:
+        if hasattr(head, name):
+            setattr(head, name, [])
+    return head
+
+
+def own_nodes(stmt) -> list:
+    """A statement's own expressions: a compound statement's header, not its body."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return []
+    out = []
+    for name, value in ast.iter_fields(stmt):
+        if name in BODIES:
+            continue
+        out.extend(value if isinstance(value, list) else [value])
+    return [n for n in out if isinstance(n, ast.AST)]
+
+
+def simple_statements(stmts):
+    """The statements under `stmts`, in order, entering compound ones (each
+    yielded first, for its header: for targets, with-as, except-as) but not
+    functions or classes."""
+    for s in stmts:
+        yield s
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for _, sub in bodies(s):
+            inner = []
+            for x in sub:
+                inner.extend(x.body if isinstance(x, (ast.ExceptHandler, ast.match_case))
+                             else [x])
+            yield from simple_statements(inner)
+
+
+def walk_scope(nodes):
+    """Every node under `nodes`, not entering nested functions, classes or lambdas."""
+    stack = list(reversed(nodes))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def assigned_names(nodes) -> set[str]:
+    out = set()
+    for n in walk_scope(nodes):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            out.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            for a in n.names:
+                out.add((a.asname or a.name).split(".")[0])
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            out.add(n.name)
+    return out
+
+
+def loaded_names(nodes) -> set[str]:
+    """Names read under `nodes`, nested functions included."""
+    out = set()
+    for node in nodes:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                out.add(n.id)
+    return out
+
+
+def free_names(fn) -> set[str]:
+    """Names a function (or lambda) reads that are not its own locals."""
+    body = fn.body if isinstance(fn.body, list) else [fn.body]
+    a = fn.args
+    params = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+    params |= {x.arg for x in (a.vararg, a.kwarg) if x is not None}
+    declared = {g for m in walk_scope(body) if isinstance(m, ast.Global) for g in m.names}
+    return loaded_names(body) - ((assigned_names(body) | params) - declared)
+
+
+def path_of(node) -> str | None:
+    """``a``, ``a.b``, ``a["k"]``, ``a[0].b``; a non-constant subscript stops
+    the path at its container.  None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = path_of(node.value)
+        return f"{base}.{node.attr}" if base else None
+    if isinstance(node, ast.Subscript):
+        base = path_of(node.value)
+        if base is None:
+            return None
+        if isinstance(node.slice, ast.Constant) and isinstance(
+                node.slice.value, (int, str)) and not isinstance(node.slice.value, bool):
+            return f"{base}[{node.slice.value!r}]"
+        return base
+    if isinstance(node, ast.Starred):
+        return path_of(node.value)
+    return None
+
+
+def root(path: str) -> str:
+    """The name a path starts from."""
+    for i, ch in enumerate(path):
+        if ch in ".[":
+            return path[:i]
+    return path
+
+
+def targets(node) -> list:
+    """The single targets of an assignment target (tuples unpacked)."""
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return [t for elt in node.elts for t in targets(elt)]
+    return [node]
+
+
+def functions(tree) -> dict[str, ast.AST]:
+    """Functions and methods by qualified name (``Class.method``, ``f.inner``)."""
+    out = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[prefix + child.name] = child
+                visit(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".")
+            else:
+                visit(child, prefix)
+    visit(tree, "")
+    return out
+
+
+def called_names(nodes) -> set[str]:
+    """Simple names of everything `nodes` call: f() gives f, a.b.m() gives m."""
+    names = set()
+    for node in nodes:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call):
+                if isinstance(n.func, ast.Name):
+                    names.add(n.func.id)
+                elif isinstance(n.func, ast.Attribute):
+                    names.add(n.func.attr)
+    return names
+
+
+def callers_closure(changed: set[str], calls: dict[str, set[str]]) -> set[str]:
+    """`changed` function names and every function that calls one of them,
+    directly or not; `calls` maps a function's simple name to the simple
+    names it calls."""
+    affected = set(changed)
+    grew = True
+    while grew:
+        grew = False
+        for name, called in calls.items():
+            if name not in affected and called & affected:
+                affected.add(name)
+                grew = True
+    return affected

@@ -1,0 +1,7 @@
+"""The parent process of ``python -m flor replay``.
+
+    plan.py     the Plan (one JSON writer and reader), planning, segments
+    workers.py  running the segments: local worker processes, or --part
+    results.py  assembling the output, running the checks, merge
+    checks.py   the deferred checks and every likely-cause heuristic
+"""

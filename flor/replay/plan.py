@@ -1,0 +1,294 @@
+"""The plan of a replay: what changed, which checkpoints exist, and how the
+main loop is split among workers.
+
+    plan = what changed in the program (blocks to step into, line maps), the
+           recorded checkpoints, and the main loop's iterations split into
+           contiguous segments whose boundaries fall just after checkpointed
+           iterations, balanced by the times the record measured
+
+A `Plan` is written once, to ``.flor/runs/<replay>/plan.json``, by the
+process that plans the replay, and read by every worker and by merge.  It
+holds only what is true of the replay wherever it runs: no process-local
+value (a file descriptor, a thread count) belongs in it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+from ..context import is_outermost, location, top_key
+from ..errors import FlorError, note
+from ..program.instrument import instrument
+from ..program.probe import detect
+from ..program.source import Comparison, changed_functions, manual_blocks, map_files
+from ..store import Store, new_run_id
+
+__all__ = ["Plan", "plan_replay", "partition", "iteration_costs", "instrument_current",
+           "register", "describe"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    store: str  # the run store's root
+    script: str  # absolute path of the edited script
+    argv: list  # [script, *args] as the workers run it
+    record: str  # the recorded run replayed
+    replay_id: str
+    segments: list  # [[start, end), ...] of main-loop iterations, one per part
+    probed: list  # blocks to step into
+    changed_end: list  # blocks whose end() call changed: their checkpoints are not used
+    files: dict  # {relpath: {"lines": {cur: rec}, "sites": {cur: rec}, "present": [rec]}}
+    checkpoints: list  # [[block, ctx, occurrence, file name], ...]
+    ckpt_dir: str
+    main_loop: str | None
+    main_run: int | None
+    iterations: int
+    epsilon: float
+    c: float
+    hands_free: dict | None  # {"hindsight", "other", "blocks"} for a hands-free record
+    tolerance: float | None = None  # --tolerance REL for the deferred checks
+
+    def save(self, path: str):
+        data = dataclasses.asdict(self)
+        if data["tolerance"] is None:
+            del data["tolerance"]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            data = json.load(f)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def line_maps(self) -> dict[str, tuple[dict[int, int], dict[int, int]]]:
+        """{relpath: (current line -> recorded line, current call line -> recorded)}."""
+        return {rel: ({int(k): v for k, v in f["lines"].items()},
+                      {int(k): v for k, v in f["sites"].items()})
+                for rel, f in self.files.items()}
+
+    def present(self) -> dict[str, set[int]]:
+        """{relpath: recorded lines still in the file}."""
+        return {rel: set(f["present"]) for rel, f in self.files.items()}
+
+
+def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None) -> list[list[int]]:
+    """Split iterations [0, total) into at most `jobs` contiguous segments, each
+    starting just after a resumable iteration (one whose block executions were
+    all checkpointed), so that the busiest worker finishes soonest.
+
+    A worker first pseudoresumes the iterations before its segment, at
+    pseudo[i] seconds each, then replays its own at work[i] each.  Without
+    costs every iteration counts 1 and pseudoresume 0: equal-length segments.
+    """
+    if total <= 0:
+        return [[0, 0]]
+    work = list(work) if work is not None else [1.0] * total
+    pseudo = list(pseudo) if pseudo is not None else [0.0] * total
+    starts = sorted(i + 1 for i in resumable if 0 <= i < total - 1)
+    pw, pp = [0.0], [0.0]
+    for w, p in zip(work, pseudo):
+        pw.append(pw[-1] + w)
+        pp.append(pp[-1] + p)
+
+    def cost(s, e):
+        return pp[s] + pw[e] - pw[s]
+
+    def greedy(limit):
+        """Segment starts if every worker can finish within `limit`, else None."""
+        bounds = [0]
+        while cost(bounds[-1], total) > limit:
+            s = bounds[-1]
+            reach = [c for c in starts if c > s and cost(s, c) <= limit]
+            if not reach or len(bounds) == jobs:
+                return None
+            bounds.append(reach[-1])
+        return bounds
+
+    lo, hi = 0.0, cost(0, total)
+    best = [0]
+    for _ in range(60):  # bisect the busiest worker's time
+        mid = (lo + hi) / 2
+        found = greedy(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    best = greedy(hi) or best
+    return [[b, e] for b, e in zip(best, best[1:] + [total])]
+
+
+def _main_iteration(row, main_top):
+    return row["top_iter"] if row["top"] == main_top else None
+
+
+def iteration_costs(rec, decisions, loops, probed, no_restore):
+    """Seconds per main-loop iteration when replayed (probed blocks run, the
+    others are restored) and when pseudoresumed, from what the record measured."""
+    total = rec["iterations"] or 0
+    main_top = top_key(rec["main_loop"], rec["main_run"])
+    loop = [r for r in loops if (r["loop"], r["run"], r["depth"]) ==
+            (rec["main_loop"], rec["main_run"], 0)]
+    block_time, run_time, pseudo_time = [0.0] * total, [0.0] * total, [0.0] * total
+    for d in decisions:
+        i = _main_iteration(d, main_top)
+        if i is None or not 0 <= i < total or not is_outermost(d["ctx"]):
+            continue
+        block_time[i] += d["compute_s"]
+        restorable = d["checkpoint"] and d["block"] not in no_restore
+        restore = (rec["c"] or 0.0) * (d["materialize_s"] or 0.0)
+        run_time[i] += d["compute_s"] if d["block"] in probed or not restorable else restore
+        pseudo_time[i] += restore if restorable else d["compute_s"]
+    outer = max(0.0, (loop[0]["seconds"] - sum(block_time)) / total) if loop and total else 0.0
+    return [outer + t for t in run_time], [outer + t for t in pseudo_time]
+
+
+def instrument_current(source, script, lines: dict):
+    """Instrument the current script of a hands-free replay, naming each loop
+    and block by its line in the recorded script (``file:new:N`` if new);
+    `lines` maps current lines to recorded ones."""
+    rel = os.path.basename(script)
+    return instrument(source, os.path.abspath(script),
+                      lambda line: location(rel, line, lines.get(line), mapped=True))
+
+
+def _pick_record(store: Store, script: str, run_id):
+    if run_id is not None:
+        rec = store.run(run_id)
+        if rec is None or rec["kind"] != "record":
+            raise FlorError(f"no recorded run {run_id!r} in {store.root}; "
+                            "`python -m flor runs` lists them")
+        return rec
+    rec = store.latest_record(script)
+    if rec is None:
+        raise FlorError(f"no recorded run of {os.path.basename(script)} in {store.root}; "
+                        f"record it first: python -m flor record {script}")
+    newest = store.records(script)[0]
+    if newest["run_id"] != rec["run_id"]:
+        note(f"the latest record of {os.path.basename(script)}, run {newest['run_id']}, "
+             f"{newest['status']}; replaying run {rec['run_id']}")
+    return rec
+
+
+def _compare(store, script, rec):
+    """(Comparison, hands-free summary or None, recorded and current sources)."""
+    recorded = store.module_sources(rec["run_id"])
+    if None not in recorded:
+        raise FlorError(f"the source of run {rec['run_id']} is missing from {store.root}")
+    base = os.path.dirname(os.path.abspath(script))
+    old, new = {}, {}
+    for rel, text in recorded.items():
+        rel = rel or os.path.basename(script)
+        old[rel] = text
+        path = os.path.join(base, rel)
+        if os.path.isfile(path):
+            with open(path) as f:
+                new[rel] = f.read()
+    cmp = Comparison(files=map_files(old, new), changed_functions=changed_functions(old, new))
+    hands_free = None
+    if json.loads(rec["info"] or "{}").get("hands_free"):
+        # What to step into: the blocks that hold (or reach) a change.
+        rel = os.path.basename(script)
+        lines = cmp.files[rel].lines if rel in cmp.files else {}
+        inst = instrument_current(new[rel], script, lines)
+        probe = detect(old[rel], new[rel], inst)
+        cmp.probed = probe.probed
+        hands_free = {"hindsight": probe.hindsight, "other": probe.other,
+                      "blocks": inst.summary()["blocks"]}
+    else:
+        cmp.probed, cmp.changed_end, cmp.added = manual_blocks(old, new, cmp.files,
+                                                               cmp.changed_functions)
+    return cmp, hands_free, new
+
+
+def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=None,
+                tolerance=None):
+    """Plan the replay of the latest finished record of `script` (or `run_id`)
+    with `args` on `jobs` workers.  Returns (plan, record row, comparison,
+    current source of the script)."""
+    if not os.path.isfile(script):
+        raise FlorError(f"no such script: {script}")
+    rec = _pick_record(store, script, run_id)
+    cmp, hands_free, new = _compare(store, script, rec)
+    decisions = store.rows("decisions", rec["run_id"])
+    loops = store.rows("loops", rec["run_id"])
+    main_top = top_key(rec["main_loop"], rec["main_run"])
+    total = rec["iterations"] or 0
+    restorable: dict = {}
+    for d in decisions:
+        if is_outermost(d["ctx"]):
+            ok = bool(d["checkpoint"]) and d["block"] not in cmp.changed_end
+            restorable.setdefault(_main_iteration(d, main_top), []).append(ok)
+    resumable = {i for i in range(total) if all(restorable.get(i, [True]))}
+    work, pseudo = iteration_costs(rec, decisions, loops, cmp.probed, cmp.changed_end)
+    segments = partition(total, jobs, resumable, work, pseudo)
+    if part is not None:
+        # Parts run on other machines must agree on one replay id.
+        digest = hashlib.sha1(json.dumps(
+            [sorted(new.items()), list(args), jobs, rec["run_id"]]).encode()).hexdigest()[:10]
+        replay_id = f"{rec['run_id']}-r{digest}"
+    else:
+        replay_id = new_run_id()
+    plan = Plan(
+        store=store.root, script=os.path.abspath(script), argv=[script, *args],
+        record=rec["run_id"], replay_id=replay_id, segments=segments,
+        probed=sorted(cmp.probed), changed_end=sorted(cmp.changed_end),
+        files={rel: {"lines": {str(k): v for k, v in f.lines.items()},
+                     "sites": {str(k): v for k, v in f.sites.items()},
+                     "present": sorted(f.present)} for rel, f in cmp.files.items()},
+        checkpoints=[[d["block"], d["ctx"], d["occurrence"], d["file"]]
+                     for d in decisions if d["checkpoint"] and d["file"]],
+        ckpt_dir=store.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
+        main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
+        hands_free=hands_free, tolerance=tolerance)
+    return plan, rec, cmp, new[os.path.basename(script)]
+
+
+def register(store: Store, plan: Plan, rec, source: str, mode: str):
+    """Create the replay run (if new) and write its plan next to it."""
+    if store.run(plan.replay_id) is None:
+        store.new_run("replay", plan.script, plan.argv[1:], source, parent=rec["run_id"],
+                      run_id=plan.replay_id, main_loop=plan.main_loop,
+                      main_run=plan.main_run, iterations=plan.iterations,
+                      info=json.dumps({"nparts": len(plan.segments), "mode": mode,
+                                       "segments": plan.segments, "probed": plan.probed}))
+    plan.save(store.plan_path(plan.replay_id))
+
+
+def describe(plan: Plan, rec, cmp: Comparison, args) -> list[str]:
+    """What replay is about to do, as notes."""
+    notes = []
+    hf = plan.hands_free
+    if hf is not None and not hf["blocks"]:
+        notes.append("the script has no SkipBlock (no loop nested in a loop, no call of a "
+                     "looping function of the script): replay re-executes all of it")
+    elif cmp.probed:
+        notes.append("stepping into changed blocks: " + ", ".join(sorted(cmp.probed)))
+    else:
+        notes.append("no block changed: every block is skipped")
+    if cmp.changed_end:
+        notes.append("end() changed for: " + ", ".join(sorted(cmp.changed_end)) +
+                     " (their checkpoints are not used)")
+    if cmp.changed_functions:
+        notes.append("changed functions: " + ", ".join(sorted(cmp.changed_functions)))
+    if hf is not None:
+        for line, text in hf["hindsight"]:
+            notes.append(f"hindsight statement at line {line}: {text}")
+        if hf["other"]:
+            notes.append("WARNING: the script changed in ways other than hindsight "
+                         "statements (their blocks are re-executed; --strict refuses):\n" +
+                         "\n".join(f"    line {line}: {text}" for line, text in hf["other"]))
+    recorded_argv = json.loads(rec["argv"])
+    if list(args) != recorded_argv[1:]:
+        notes.append(f"arguments differ from the record's {recorded_argv[1:]}")
+    segs = ", ".join(f"[{s}, {e})" for s, e in plan.segments)
+    notes.append(f"replaying run {rec['run_id']}: {plan.iterations} iterations "
+                 f"in segments {segs}")
+    return notes

@@ -1,0 +1,91 @@
+"""Assembling a replay: its output in iteration order, the deferred checks,
+the timing; and ``merge``, which imports parts that ran elsewhere first.
+
+Each worker stores the output and logs of the iterations it replayed; the
+first part contributes what came before the main loop and the last part
+what came after it (Store.run_rows).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from ..errors import FlorError, note
+from ..store import Store
+from .checks import compare_logs, explain
+from .plan import Plan, register
+
+__all__ = ["merged_output", "conclude", "merge"]
+
+
+def merged_output(store: Store, run_id):
+    """A replay's (stdout, stderr): before the main loop, its iterations in
+    order, after it."""
+    rows = store.run_rows("output", run_id)
+    out = []
+    for stream in ("stdout", "stderr"):
+        mine = [r for r in rows if r["stream"] == stream]
+        main = sorted((r for r in mine if r["phase"] == "main"),
+                      key=lambda r: (r["iter"] if r["iter"] is not None else -1, r["part"], r["ord"]))
+        out.append("".join([r["text"] for r in mine if r["phase"] == "pre"] +
+                           [r["text"] for r in main] +
+                           [r["text"] for r in mine if r["phase"] == "post"]))
+    return tuple(out)
+
+
+def conclude(store: Store, plan: Plan, rec, seconds, strict) -> int:
+    """Print the replay's output, run the deferred checks, report; the exit
+    status (1 if the checks failed and `strict`)."""
+    replay_id = plan.replay_id
+    out, err = merged_output(store, replay_id)
+    sys.stdout.write(out)
+    sys.stdout.flush()
+    sys.stderr.write(err)
+    report = compare_logs(store, rec["run_id"], replay_id, plan, tolerance=plan.tolerance or 0.0)
+    with open(plan.script) as f:
+        explain(report, store, plan, f.read(), rec)
+    recorded = (rec["finished"] or 0) - (rec["started"] or 0)
+    info = json.loads(store.run(replay_id)["info"] or "{}")
+    info.update(checks_passed=report.passed, compared=report.compared,
+                mismatches=len(report.mismatches), missing=len(report.missing),
+                seconds=seconds)
+    store.update_run(replay_id, finished=time.time(), status="finished", info=json.dumps(info))
+    note(report.summary())
+    for cause in report.run_causes:
+        note(f"likely cause: {cause}")
+    if recorded > 0 and seconds > 0:
+        note(f"replay {replay_id} took {seconds:.1f} s; the recorded run took "
+             f"{recorded:.1f} s ({recorded / seconds:.1f}x)")
+    return 1 if strict and not report.passed else 0
+
+
+def merge(store: Store, replay_id=None, strict=False) -> int:
+    """Assemble a replay whose parts ran separately (--part I/N)."""
+    if replay_id is None:
+        replay_id = store.latest_plan()
+        if replay_id is None:
+            raise FlorError(f"no replay to merge in {store.root}")
+    plan_path = store.plan_path(replay_id)
+    if not os.path.isfile(plan_path):
+        raise FlorError(f"no replay {replay_id!r} in {store.root}")
+    plan = Plan.load(plan_path)
+    nparts = len(plan.segments)
+    dbs = [store.part_db(replay_id, p) for p in range(nparts)]
+    missing = [p for p, db in enumerate(dbs) if not os.path.isfile(db)]
+    if missing:
+        raise FlorError(f"replay {replay_id}: parts {missing} of {nparts} have not run; "
+                        f"run them with --part I/{nparts}")
+    for db in dbs:
+        store.import_part(db)
+    parts = {p["part"]: p for p in store.rows("parts", replay_id)}
+    unfinished = [p for p in range(nparts) if parts.get(p, {}).get("status") != "finished"]
+    if unfinished:
+        raise FlorError(f"replay {replay_id}: parts {unfinished} of {nparts} did not finish")
+    rec = store.run(plan.record)
+    with open(plan.script) as f:
+        source = f.read()
+    register(store, plan, rec, source, "parts")
+    seconds = max(p["seconds"] or 0 for p in parts.values())
+    return conclude(store, plan, rec, seconds, strict)

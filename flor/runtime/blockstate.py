@@ -1,0 +1,106 @@
+"""What a block checkpoint holds, and how it is put back.
+
+    {"block": key, "ctx": context, "occurrence": n,   # whose checkpoint it is
+     "sig": ["torch.nn.modules...Net", ...],         # what end() received
+     "objs": [model, optimizer, ...],                # the objects (flor.snapshot)
+     "modes": [{submodule: training flag}, ...],     # per nn.Module, else None
+     "rng": {"random": ..., "numpy": ..., "torch": ..., "cuda": ...}}
+
+`payload` builds it at a block's end() in record; in replay `belongs`
+checks that a loaded file is the checkpoint of the block execution asking
+for it, and `apply` restores the live objects from it.
+"""
+from __future__ import annotations
+
+import random
+import sys
+
+from ..checkpoint import restore
+
+__all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state"]
+
+
+def rng_state() -> dict:
+    state = {"random": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state()
+        if torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["random"])
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])
+    torch = sys.modules.get("torch")
+    if torch is not None and "torch" in state:
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def module_modes(objs):
+    """The training flag of every submodule of every nn.Module in objs, which
+    state_dict() leaves out but code after the block may depend on."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return [None] * len(objs)
+    return [{name: m.training for name, m in o.named_modules()}
+            if isinstance(o, torch.nn.Module) else None for o in objs]
+
+
+def set_module_modes(objs, modes):
+    for o, mode in zip(objs, modes or []):
+        if mode:
+            for name, m in o.named_modules():
+                if name in mode:
+                    m.training = mode[name]
+
+
+def signature(objs) -> list:
+    """What end() received: the type of each object (or, hands-free, what
+    each captured name and path is)."""
+    return [f"{type(o).__module__}.{type(o).__qualname__}" for o in objs]
+
+
+def payload(key: str, ctx: str, occurrence: int, sig: list, objs) -> dict:
+    return {"block": key, "ctx": ctx, "occurrence": occurrence, "sig": sig,
+            "objs": list(objs), "modes": module_modes(objs), "rng": rng_state()}
+
+
+def belongs(loaded, key: str, ctx: str, occurrence: int) -> bool:
+    return (isinstance(loaded, dict) and loaded.get("block") == key
+            and loaded.get("ctx") == ctx and loaded.get("occurrence") == occurrence)
+
+
+def _rebind(live, saved):
+    """A rebound name's restored value: the saved one, except that an object
+    restored through its state dict is loaded into the live object."""
+    if callable(getattr(live, "load_state_dict", None)) and isinstance(saved, dict) \
+            and not isinstance(live, dict):
+        return restore(live, saved)
+    return saved
+
+
+def apply(saved: dict, objs, rebind=None) -> list:
+    """Restore `objs` from a checkpoint: in place where they can change
+    (``rebind[i]`` returns the saved value instead), then their modules'
+    training flags and the random state.  Returns the restored objects."""
+    rebind = rebind or [False] * len(objs)
+    out = [_rebind(live, s) if again else restore(live, s)
+           for live, s, again in zip(objs, saved["objs"], rebind)]
+    set_module_modes(out, saved.get("modes"))
+    set_rng_state(saved["rng"])
+    torch = sys.modules.get("torch")
+    for o in out:
+        if torch is not None and isinstance(o, torch.optim.Optimizer):
+            # The block stepped this optimizer in record; torch's LR
+            # schedulers read this flag to warn about a missing step().
+            o._opt_called = True
+    return out

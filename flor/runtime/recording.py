@@ -1,0 +1,262 @@
+"""Record: the session policy of a recording script, and the record command.
+
+Every block body runs.  At a block's end() the adaptive rule (the C state
+machine, csrc/skipblock.c) weighs M, the seconds a checkpoint of the
+block's side effects would take (bytes measured by the snapshot walk over
+this machine's write bandwidth), against C, the block's mean compute time;
+a checkpoint that passes is handed, with the random state, to a background
+Materializer.  Each decision and its reason is stored.  At the end the run
+row gets its main loop (the longest-running top-level loop), iteration
+count and status.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from .. import _core
+from ..context import checkpoint_name, is_outermost, location
+from ..errors import CheckpointWriteError, SegmentDone, note
+from ..materializer import Materializer, mode_from_env
+from . import blockstate
+
+__all__ = ["Recording", "record_script", "summary", "never_checkpointed", "DEFAULT_EPSILON",
+           "DEFAULT_C"]
+
+DEFAULT_EPSILON = 1 / 15
+DEFAULT_C = 1.38
+CALIBRATION_BYTES = 32 << 20
+
+
+def estimate_c(store, script_name) -> float:
+    """Restore time over materialize time, from earlier replays of this
+    script: the median over blocks of (seconds per restore) / (estimated
+    seconds per checkpoint).  1.38 (the paper's measurement) until then."""
+    if script_name is None:
+        return DEFAULT_C
+    ratios = sorted(store.restore_ratios(script_name))
+    return ratios[len(ratios) // 2] if ratios else DEFAULT_C
+
+
+def versions() -> dict:
+    from .. import __version__
+
+    v = {"python": sys.version.split()[0], "flor": __version__}
+    for mod in ("torch", "numpy"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            v[mod] = getattr(m, "__version__", "?")
+    return v
+
+
+class Recording:
+    mode = "record"
+    first_phase = None
+    part = 0
+
+    def __init__(self, store, script, argv, epsilon=None, adaptive=None, hands_free=None):
+        self.store = store
+        eps = epsilon if epsilon is not None else float(
+            os.environ.get("FLOR_EPSILON", DEFAULT_EPSILON))
+        if adaptive is None:
+            adaptive = os.environ.get("FLOR_ADAPTIVE", "1") not in ("0", "false", "off")
+        self.script = os.path.abspath(script) if script else None
+        c = estimate_c(store, os.path.basename(script) if script else None)
+        self.machine = _core.SkipMachine(_core.RECORD, eps, c, adaptive)
+        source = None
+        if script is not None:
+            with open(script) as f:
+                source = f.read()
+        self.run_id = store.new_run("record", self.script, argv, source, epsilon=eps, c=c,
+                                    versions=json.dumps(versions()),
+                                    info=json.dumps({"adaptive": adaptive,
+                                                     "hands_free": hands_free is not None}))
+        self.hands_free = hands_free is not None
+        if hands_free is not None:
+            store.save_instrumented(self.run_id, hands_free.text, hands_free.summary())
+        self.last_bytes: dict[str, int] = {}  # block -> bytes of its last checkpoint
+        self._sources: list[tuple[str, str]] = []  # files to keep with the run
+        self._mat = None
+        self._bw = None
+
+    # -- identity -----------------------------------------------------------
+
+    def location(self, rel, line, structural):
+        return location(rel, line)
+
+    def saw_file(self, path, rel):
+        """A file of the program called flor or printed: replay compares its
+        source, so the run keeps it (stored at the next flush)."""
+        if path != self.script and not rel.startswith("..") and os.path.isfile(path):
+            self._sources.append((path, rel))
+
+    def keep_sources(self, session):
+        pending, self._sources = self._sources, []
+        for path, rel in pending:
+            with open(path) as f:
+                self.store.save_module_source(self.run_id, rel, f.read())
+
+    # -- loops and blocks ---------------------------------------------------
+
+    def loop(self, session, iterable, key, run):
+        return session.iterate(iterable, key, run)
+
+    def iteration_done(self, session, progress):
+        pass
+
+    def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
+        return None, 0.0, probed  # record runs every block
+
+    def entered(self, session, key, ctx, occurrence, state):
+        pass
+
+    def restore(self, session, block, objs, sig, rebind, hint):
+        raise AssertionError("record never skips a block")
+
+    def executed(self, session, b, objs, seconds, sig):
+        """Decide whether to checkpoint this execution, and do it."""
+        nbytes = self.last_bytes.get(b.key)
+        if nbytes is None:
+            nbytes = _core.measure(list(objs))
+        bw = self.bandwidth()
+        ok, reason, ratio, limit, M = self.machine.decide(b.handle, nbytes, bw)
+        fname = None
+        indices = session.context.indices()
+        if ok:
+            fname = checkpoint_name(b.key, b.ctx, b.occurrence, indices)
+            payload = blockstate.payload(b.key, b.ctx, b.occurrence, sig, objs)
+            try:
+                self.last_bytes[b.key] = self._materializer().submit(fname, payload)
+            except CheckpointWriteError as e:
+                note(f"checkpoint of block {b.key!r} failed: {e}")
+                fname = None
+        st = self.machine.stats()[b.handle]
+        top, top_iter = session.context.top()
+        session.logbook.decisions.append((
+            self.run_id, b.key, b.ctx, b.occurrence, json.dumps(indices), top, top_iter,
+            st["n"], st["k"], seconds, st["compute_s"] / st["n"], nbytes, bw, M,
+            ratio if math.isfinite(ratio) else None, limit, int(ok), reason,
+            fname + ".flor" if fname else None))
+
+    # -- checkpoint writing -------------------------------------------------
+
+    def _materializer(self):
+        if self._mat is None:
+            self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode_from_env())
+        return self._mat
+
+    def bandwidth(self) -> float:
+        """Bytes per second this machine materializes: measured by the run's
+        own writes once there are some, else by a one-time calibration."""
+        if self._mat is not None:
+            st = self._mat.stats()
+            if st["written"] >= 2 and st["write_seconds"] > 0:
+                return st["bytes_written"] / st["write_seconds"]
+        if self._bw is None:
+            self._bw = self.store.bandwidth(self._calibrate)
+        return self._bw
+
+    def _calibrate(self) -> float:
+        from ..checkpoint import save
+
+        path = os.path.join(self.store.root, f"calibrate.{os.getpid()}.flor")
+        t0 = time.perf_counter()
+        save({"bytes": bytearray(CALIBRATION_BYTES)}, path)
+        dt = time.perf_counter() - t0
+        os.unlink(path)
+        return CALIBRATION_BYTES / dt
+
+    # -- the end ------------------------------------------------------------
+
+    def close(self) -> list:
+        """Make every checkpoint durable; returns the failed writes."""
+        if self._mat is None:
+            return []
+        try:
+            self._mat.close()
+        except CheckpointWriteError as e:
+            note(str(e))
+            return e.failures
+        return []
+
+    def finish(self, session, error, failures):
+        failed = error is not None and not isinstance(error, SegmentDone)
+        torch = sys.modules.get("torch")
+        top = [row for row in session.loop_stats if row[2] == 0]
+        main = max(top, key=lambda r: r[4]) if top else None
+        self.store.update_run(
+            self.run_id, finished=time.time(), status="failed" if failed else "finished",
+            main_loop=main[0] if main else None, main_run=main[1] if main else None,
+            iterations=main[3] if main else 0, versions=json.dumps(versions()),
+            info=json.dumps({"failed_writes": [f[0] for f in failures],
+                             "threads": torch.get_num_threads() if torch is not None else None,
+                             "adaptive": self.machine.adaptive,
+                             "hands_free": self.hands_free,
+                             "flor_seconds": session.flor_s,
+                             "captured": session.block_labels,
+                             "error": repr(error) if failed else None}))
+
+
+def record_script(script, args, epsilon=None, adaptive=None) -> int:
+    """``python -m flor record``: run `script` with `args` as ``__main__``,
+    recording it (hands-free if it does not import flor); print the summary.
+    Returns the script's exit status."""
+    import traceback
+
+    from ..program.instrument import instrument, uses_flor
+    from .script import run_main
+    from .session import Session
+
+    with open(script) as f:
+        source = f.read()
+    inst = None
+    if not uses_flor(source):  # hands-free: instrument the unmodified script
+        rel = os.path.basename(script)
+        try:
+            inst = instrument(source, os.path.abspath(script), lambda line: location(rel, line))
+        except SyntaxError as e:
+            traceback.print_exception(e, limit=0)
+            return 1
+    session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive,
+                             hands_free=inst)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    code, error = run_main(script, sys.stderr, inst)
+    session.finish(error)
+    for line in summary(session.store, session.run_id):
+        note(line)
+    return code
+
+
+def summary(store, run_id) -> list[str]:
+    """What a finished record stored: iterations, checkpoints and bytes, and
+    a note for each outermost block the adaptive rule never checkpointed."""
+    run = store.run(run_id)
+    decisions = store.rows("decisions", run_id, "ORDER BY rowid")
+    ckpt_dir = store.ckpt_dir(run_id)
+    ckpts = [d for d in decisions if d["checkpoint"]]
+    size = sum(os.path.getsize(os.path.join(ckpt_dir, d["file"])) for d in ckpts
+               if d["file"] and os.path.exists(os.path.join(ckpt_dir, d["file"])))
+    return [f"recorded run {run_id} of {run['script_name']}: {run['iterations']} iterations of "
+            f"the main loop, {len(ckpts)} checkpoints ({size / 2**20:.1f} MiB) in {store.root}",
+            *never_checkpointed(decisions)]
+
+
+def never_checkpointed(decisions):
+    """A note for each outermost block that ran but was never checkpointed:
+    what the adaptive rule weighed at its last execution, and the way out."""
+    last, taken = {}, set()
+    for d in decisions:
+        if is_outermost(d["ctx"]):
+            last[d["block"]] = d
+            if d["checkpoint"]:
+                taken.add(d["block"])
+    for block, d in last.items():
+        if block not in taken:
+            yield (f"block {block} ran {d['n']} times and was never checkpointed, so replay "
+                   f"re-executes it (the rule at its last execution: {d['reason']}); "
+                   "`python -m flor record --no-adaptive` checkpoints every execution, a "
+                   "larger --epsilon allows more record overhead")

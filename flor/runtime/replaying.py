@@ -1,0 +1,196 @@
+"""Replay: the session policy of a replay worker (``python -m flor replay``).
+
+The worker runs the edited script with one segment [start, end) of the
+plan's main-loop iterations.  The main loop yields iterations [0, end):
+those before `start` are pseudoresumed (blocks restored from their
+checkpoints, or run where there is none; their output is discarded), those
+in the segment are replayed (probed blocks run, the others are restored).
+A worker that is not the last stops when its segment ends (SegmentDone).
+
+A checkpoint is used only after checking, before restoring anything, that
+it is the checkpoint of the block execution asking for it (its block,
+context and occurrence) and that it holds what the edited script's end()
+call would capture; otherwise the block runs, and the worker says why.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from .. import _core
+from ..checkpoint import load
+from ..context import location
+from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
+from . import blockstate
+
+__all__ = ["Replaying"]
+
+STATE_NAMES = {_core.EXECUTE: "execute", _core.SKIP: "skip", _core.STEP_INTO: "step_into",
+               _core.PSEUDORESUME: "pseudoresume"}
+
+
+class Replaying:
+    mode = "replay"
+    first_phase = "pre"
+
+    def __init__(self, store, plan, part, progress_fd=None):
+        self.store, self.plan, self.part = store, plan, part
+        self.run_id = plan.replay_id
+        self.segment = tuple(plan.segments[part])
+        self.last_part = part == len(plan.segments) - 1
+        self.probed = set(plan.probed)
+        self.no_restore = set(plan.changed_end)
+        self.files = plan.line_maps()
+        self.ckpts = {(b, c, int(o)): f for b, c, o, f in plan.checkpoints}
+        self.main = (plan.main_loop, plan.main_run)
+        self.machine = _core.SkipMachine(_core.REPLAY, plan.epsilon, plan.c)
+        self.progress_fd = progress_fd
+        self.main_seen = False
+        self.reexecuted = 0
+        self._sig_noted: set[str] = set()
+        store.clear_part(self.run_id, part)
+        store.set_part(self.run_id, part, "running")
+
+    # -- identity -----------------------------------------------------------
+
+    def location(self, rel, line, structural):
+        """In recorded line numbers: the edited file is mapped to the recorded one."""
+        fmap = self.files.get(rel)
+        if fmap is None:
+            return location(rel, line)
+        lines, sites = fmap
+        old = sites.get(line) if structural else None
+        return location(rel, line, old if old is not None else lines.get(line), mapped=True)
+
+    def saw_file(self, path, rel):
+        pass
+
+    def keep_sources(self, session):
+        pass
+
+    # -- the main loop ------------------------------------------------------
+
+    def loop(self, session, iterable, key, run):
+        if session.context.at_top_level() and (key, run) == self.main:
+            return self._main(session, iterable, key, run)
+        return session.iterate(iterable, key, run)
+
+    def _main(self, session, iterable, key, run):
+        total = self.plan.iterations
+        start, end = self.segment
+        frame = session.context.push_loop(key, run)
+        session.phase = "main"
+        self.main_seen = True
+        it = iter(iterable)
+        t0, n = time.perf_counter(), 0
+        try:
+            while n < min(end, total):
+                pseudo = n < start
+                self.machine.phase = _core.PSEUDORESUME_PHASE if pseudo else _core.WORK
+                session.discard = pseudo  # before fetching the item: its output belongs to it
+                frame[3] = n
+                try:
+                    x = next(it)
+                except StopIteration:
+                    break
+                n += 1
+                yield x
+                session.end_iteration(progress=not pseudo)
+        finally:
+            session.discard = False
+            self.machine.phase = _core.WORK
+            session.context.remove(frame)
+            session.loop_stats.append((key, run, 0, n, time.perf_counter() - t0))
+            session.phase = "post"
+        if not self.last_part:
+            raise SegmentDone(self.part)
+
+    def iteration_done(self, session, progress):
+        if progress and self.progress_fd is not None:
+            try:
+                os.write(self.progress_fd,
+                         f"{self.part} {session.context.top()[1]}\n".encode())
+            except OSError:
+                self.progress_fd = None
+
+    # -- blocks -------------------------------------------------------------
+
+    def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
+        """(checkpoint, seconds to load it, probed) for a block execution:
+        None where the block runs instead."""
+        probed = probed or key in self.probed
+        pseudo = self.machine.phase == _core.PSEUDORESUME_PHASE
+        if not (pseudo or not probed) or key in self.no_restore:
+            return None, 0.0, probed
+        t0 = time.perf_counter()
+        payload = self._load(key, ctx, occurrence)
+        load_s = time.perf_counter() - t0
+        if payload is not None and expect_sig is not None and payload["sig"] != expect_sig:
+            if key not in self._sig_noted:
+                self._sig_noted.add(key)
+                note(f"block {key}: its checkpoints hold {payload['sig']}, the edited "
+                     f"script needs {expect_sig}; re-executing it")
+            payload = None
+            self.reexecuted += 1
+        return payload, load_s, probed
+
+    def _load(self, key, ctx, occurrence):
+        fname = self.ckpts.get((key, ctx, occurrence))
+        where = f"block {key!r} at {json.loads(ctx) or 'the top level'}"
+        if fname is None:
+            self.reexecuted += 1  # record did not checkpoint this execution
+            return None
+        path = os.path.join(self.plan.ckpt_dir, fname)
+        try:
+            payload = load(path, map_location="cpu")
+        except FileNotFoundError:
+            note(f"checkpoint {fname} is missing; re-executing {where}")
+        except CheckpointCorrupt as e:
+            note(f"{e}; re-executing {where}")
+        else:
+            if blockstate.belongs(payload, key, ctx, occurrence):
+                return payload
+            note(f"checkpoint {fname} does not belong to {where}; re-executing it")
+        self.reexecuted += 1
+        return None
+
+    def entered(self, session, key, ctx, occurrence, state):
+        session.logbook.blockruns.append((self.run_id, self.part, session.phase, key, ctx,
+                                          occurrence, STATE_NAMES[state]))
+
+    def executed(self, session, block, objs, seconds, sig):
+        raise AssertionError("replay never executes a block as record does")
+
+    def restore(self, session, b, objs, sig, rebind, hint):
+        """A skipped block's end(): restore `objs` from its checkpoint."""
+        t0 = time.perf_counter()
+        saved = b.payload
+        if saved["sig"] != sig:
+            raise FlorReplayError(
+                f"SkipBlock {b.key!r}: its checkpoint holds {saved['sig']} but end() received "
+                f"{sig}. The program changed after record, so flor cannot skip "
+                f"this block; {hint}")
+        out = blockstate.apply(saved, objs, rebind)
+        self.machine.restored(b.handle, b.load_s + time.perf_counter() - t0)
+        return out
+
+    # -- the end ------------------------------------------------------------
+
+    def close(self) -> list:
+        return []
+
+    def finish(self, session, error, failures):
+        failed = error is not None and not isinstance(error, SegmentDone)
+        torch = sys.modules.get("torch")
+        if not self.main_seen:
+            note(f"the recorded main loop ({self.main[0]}) never ran in this replay; "
+                 "the whole script ran in every worker")
+        self.store.set_part(self.run_id, self.part, "failed" if failed else "finished",
+                            time.time() - session.started,
+                            {"reexecuted": self.reexecuted,
+                             "threads": torch.get_num_threads() if torch is not None else None,
+                             "main_seen": self.main_seen,
+                             "captured": session.block_labels,
+                             "error": repr(error) if failed else None})

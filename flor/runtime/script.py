@@ -1,0 +1,51 @@
+"""Run the user's script as ``__main__``, as ``python script.py`` would."""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+import types
+
+from ..errors import SegmentDone
+
+__all__ = ["run_main", "run_instrumented"]
+
+
+def run_instrumented(path: str, inst):
+    """Run the instrumented code of `path` (hands-free mode) as ``__main__``."""
+    from ..program.instrument import RUNTIME
+    from . import handsfree
+
+    main = types.ModuleType("__main__")
+    main.__file__ = os.path.abspath(path)
+    main.__builtins__ = __builtins__
+    main.__dict__[RUNTIME] = handsfree
+    # Kept as __main__ after the run: objects the script defined pickle by name.
+    sys.modules["__main__"] = main
+    exec(inst.code, main.__dict__)
+
+
+def run_main(script, stderr, inst=None):
+    """Run `script` as ``__main__`` (its instrumented code `inst` in hands-free
+    mode), and return (exit status, the exception that ended it or None).
+    A traceback, or the message of ``sys.exit("...")``, goes to `stderr` as
+    Python would print it."""
+    try:
+        if inst is not None:
+            run_instrumented(script, inst)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except SegmentDone:
+        return 0, None
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=stderr)
+            code = 1
+        return code, (e if code else None)
+    except BaseException as e:  # the script failed: report it as Python would
+        traceback.print_exc(file=stderr)
+        return 1, e
+    return 0, None

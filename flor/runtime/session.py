@@ -1,0 +1,312 @@
+"""The state behind flor.generator, flor.SkipBlock and flor.log in one process.
+
+A `Session` tracks loops, blocks and logs, and leaves what differs between
+record and replay to its policy:
+
+- `Recording` (recording.py): every block body runs; at end() the adaptive
+  rule decides whether to checkpoint the block's side effects.
+- `Replaying` (replaying.py): the main loop yields the worker's segment of
+  the recorded iterations (pseudoresuming those before it); a block that was
+  not probed is skipped and end() restores it from its checkpoint.
+
+A process that does not record (``FLOR_MODE=off``, a forked DataLoader
+worker) gets an `Inert` session: flor calls run the code and store nothing.
+
+Identity (flor/context.py): everything stored is keyed by its context, the
+enclosing loop iterations and block executions, so a checkpoint, a logged
+value or a decision belongs to exactly one execution.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import sys
+import time
+
+from .. import _core
+from ..context import PLAIN, Context, location
+from ..store import Store
+from .blockstate import signature
+from .capture import Capture
+from .logbook import Logbook
+
+__all__ = ["Session", "Inert"]
+
+BODY_RUNS = (_core.EXECUTE, _core.STEP_INTO)
+
+
+def _accounted(method):
+    """Add the time spent in `method` to the session's own main-thread time
+    (once: calls nested in another accounted call are not counted twice)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        if self._in_flor:
+            return method(self, *args, **kwargs)
+        self._in_flor = True
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.flor_s += time.perf_counter() - t0
+            self._in_flor = False
+    return timed
+
+
+def _ret(objs):
+    if len(objs) == 0:
+        return None
+    return objs[0] if len(objs) == 1 else tuple(objs)
+
+
+class Inert:
+    """The session of a process that does not record."""
+
+    mode = "off"
+    replaying = False
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.block_labels: dict = {}
+
+    def loop(self, iterable, name, frame):
+        return iter(iterable)
+
+    def step_into(self, name, probed, frame, expect_sig=None):
+        return True
+
+    def end(self, objs, frame, sig=None, rebind=None, as_list=False, hint=None):
+        return list(objs) if as_list else _ret(objs)
+
+    def abandon(self):
+        pass
+
+    def log(self, name, value, frame):
+        pass
+
+    def at_top_level(self):
+        return False  # nothing is tracked
+
+    def innermost_loop(self):
+        return None
+
+    def open_plain(self):
+        pass
+
+    def close_plain(self):
+        return True
+
+
+class Session:
+    _current: "Session | Inert | None" = None
+
+    @classmethod
+    def get(cls) -> "Session | Inert":
+        s = cls._current
+        if s is not None and s.pid == os.getpid():
+            return s
+        if s is not None:
+            # A forked child of a flor process (a DataLoader worker): inert.
+            cls._current = Inert()
+            return cls._current
+        mode = os.environ.pop("FLOR_MODE", "record").lower()
+        if mode == "off":
+            cls._current = Inert()
+        elif mode == "record":
+            main = sys.modules.get("__main__")
+            cls._current = cls.record(getattr(main, "__file__", None), sys.argv,
+                                      watch_exceptions=True)
+        else:
+            raise ValueError(f"FLOR_MODE must be record or off, not {mode!r}; replay runs "
+                             "through `python -m flor replay`")
+        return cls._current
+
+    @classmethod
+    def record(cls, script, argv, epsilon=None, adaptive=None, store=None,
+               watch_exceptions=False, hands_free=None) -> "Session":
+        """Start recording `script` (its instrumented code `hands_free`)."""
+        from .recording import Recording
+
+        policy = Recording(store or Store(), script, argv, epsilon, adaptive, hands_free)
+        cls._current = cls(policy, script, tee=True, stderr=False,
+                           watch_exceptions=watch_exceptions)
+        return cls._current
+
+    @classmethod
+    def replay(cls, plan, part, store=None, tee=False, progress_fd=None) -> "Session":
+        """Start replaying segment `part` of `plan` (a flor.replay.plan.Plan)."""
+        from .replaying import Replaying
+
+        policy = Replaying(store or Store(plan.store), plan, part, progress_fd)
+        cls._current = cls(policy, plan.script, tee=tee, stderr=True, watch_exceptions=False)
+        return cls._current
+
+    def __init__(self, policy, script, tee, stderr, watch_exceptions):
+        self.policy = policy
+        self.mode = policy.mode
+        self.replaying = policy.mode == "replay"
+        self.store, self.machine = policy.store, policy.machine
+        self.run_id, self.part = policy.run_id, policy.part
+        self.pid = os.getpid()
+        self.script = os.path.abspath(script) if script else None
+        self.base = os.path.dirname(self.script) if self.script else os.getcwd()
+        self.context = Context()
+        self.logbook = Logbook(self)
+        self.phase = policy.first_phase  # replay: "pre", "main", "post" around the main loop
+        self.discard = False  # replay: output of a pseudoresumed iteration is dropped
+        self.names: dict[str, str] = {}  # block name -> its call site
+        self.seen_files: set[str] = set()
+        self.loop_stats = []
+        self.block_labels: dict[str, list] = {}  # hands-free: what each block captured
+        self.started = time.time()
+        self.flor_s = 0.0  # seconds flor itself spent on the main thread
+        self._in_flor = False
+        self.finished = False
+        self.capture = Capture(self._output, tee, stderr, watch_exceptions)
+        atexit.register(self.finish)
+
+    # -- identity -----------------------------------------------------------
+
+    def site(self, frame, structural=False) -> str:
+        """The location of a frame's current line (flor/context.py).
+        `structural` asks for the line of a loop or block call, which
+        replay also maps by the order of such calls in the file."""
+        fn = os.path.abspath(frame.f_code.co_filename)
+        if fn not in self.seen_files:
+            self.seen_files.add(fn)
+            self.policy.saw_file(fn, os.path.relpath(fn, self.base))
+        rel = os.path.relpath(fn, self.base)
+        return self.policy.location(rel, frame.f_lineno, structural)
+
+    def at_top_level(self) -> bool:
+        return self.context.at_top_level()
+
+    def innermost_loop(self):
+        return self.context.innermost_loop()
+
+    # -- loops --------------------------------------------------------------
+
+    def loop(self, iterable, name, frame):
+        key = name or self.site(frame, structural=True)
+        run = self.context.next("L", key, self.context.encode())
+        return self.policy.loop(self, iterable, key, run)
+
+    def iterate(self, iterable, key, run):
+        """A tracked loop: its index is part of the context of what it runs."""
+        depth = self.context.depth()
+        frame = self.context.push_loop(key, run)
+        t0, n = time.perf_counter(), 0
+        try:
+            for x in iterable:
+                frame[3] = n
+                n += 1
+                yield x
+                if depth == 0:
+                    self.end_iteration()
+        finally:
+            self.context.remove(frame)
+            self.loop_stats.append((key, run, depth, n, time.perf_counter() - t0))
+
+    @_accounted
+    def end_iteration(self, progress=False):
+        """A main-loop iteration ended: store what it logged."""
+        self.logbook.end_line()  # a line left unended belongs to this iteration
+        self.context.forget_finished()
+        self._flush()
+        self.policy.iteration_done(self, progress)
+
+    # -- blocks -------------------------------------------------------------
+
+    @_accounted
+    def step_into(self, name, probed, frame, expect_sig=None) -> bool:
+        where = self.site(frame, structural=True)
+        if name is not None:
+            first = self.names.setdefault(name, where)
+            if first != where:
+                raise ValueError(
+                    f"SkipBlock name {name!r} is used at {first} and at {where}; "
+                    "give each block its own name")
+        key = name or where
+        handle = self.machine.block(key)
+        ctx = self.context.encode()
+        occurrence = self.context.next("B", key, ctx)
+        payload, load_s, probed = self.policy.checkpoint_for(key, ctx, occurrence, probed,
+                                                             expect_sig)
+        state = self.machine.enter(handle, bool(probed), payload is not None)
+        self.policy.entered(self, key, ctx, occurrence, state)
+        self.context.push_block(key, occurrence, ctx, handle, state, payload, load_s)
+        return state in BODY_RUNS
+
+    def open_plain(self):
+        """A hands-free block that just runs (its loop is not tracked)."""
+        self.context.push_plain()
+
+    def close_plain(self) -> bool:
+        """Close the innermost block if it is plain (or none is open)."""
+        if self.context.innermost_block() in (PLAIN, None):
+            self.context.pop_block()
+            return True
+        return False
+
+    def abandon(self):
+        """The innermost block's body raised: close it without a checkpoint."""
+        b = self.context.pop_block()
+        if b is not None and b is not PLAIN:
+            self.machine.leave(b.handle)
+
+    @_accounted
+    def end(self, objs, frame, sig=None, rebind=None, as_list=False,
+            hint="pass probed=True to its step_into() to re-execute it"):
+        """Close the innermost block (see SkipBlock.end).  `sig` names the
+        objects (default: their types); `rebind[i]` restores objs[i] by
+        returning the saved value instead of updating it in place (objects
+        with load_state_dict are always loaded in place)."""
+        ret = list if as_list else _ret
+        if self.context.innermost_block() in (PLAIN, None):
+            raise RuntimeError(
+                "flor.SkipBlock.end() without a matching flor.SkipBlock.step_into()")
+        b = self.context.pop_block()
+        state, seconds = self.machine.leave(b.handle)
+        sig = signature(objs) if sig is None else list(sig)
+        if state == _core.EXECUTE:
+            self.policy.executed(self, b, objs, seconds, sig)
+            return ret(objs)
+        if state == _core.STEP_INTO:
+            return ret(objs)
+        return ret(self.policy.restore(self, b, objs, sig, rebind, hint))
+
+    # -- logs and output ----------------------------------------------------
+
+    @_accounted
+    def log(self, name, value, frame):
+        if self.discard:
+            return
+        self.logbook.value(name, value, self.site(frame))
+
+    @_accounted
+    def _output(self, stream, text):
+        if self.discard or not text:
+            return
+        self.logbook.text(stream, text)
+
+    def _flush(self):
+        self.policy.keep_sources(self)
+        self.logbook.flush(self.store)
+
+    # -- the end ------------------------------------------------------------
+
+    def finish(self, error: BaseException | None = None):
+        """Make every checkpoint durable and store what the run measured."""
+        if self.finished or self.pid != os.getpid():
+            return
+        self.finished = True
+        error = error if error is not None else self.capture.error
+        self.capture.restore()
+        failures = self.policy.close()
+        self._flush()
+        self.store.add_blocks([
+            (self.run_id, self.part, s["key"], s["n"], s["k"], s["compute_s"],
+             s["materialize_s"], s["restore_s"], s["restores"], s["skips"], s["steps"],
+             s["nbytes"]) for s in self.machine.stats()])
+        self.store.add_loops([(self.run_id, self.part, *row) for row in self.loop_stats])
+        self.policy.finish(self, error, failures)
