@@ -9,6 +9,7 @@ import pytest
 from flor.program.analysis import Script, block_effects
 from flor.program.instrument import instrument, uses_flor
 from flor.program.probe import detect, is_log_like
+from flor.program.source import changed_functions
 from flor.replay.checks import equal
 
 
@@ -312,13 +313,38 @@ def test_probe_detection_steps_into_blocks_that_reach_a_changed_function():
     """)
     new = old.replace("        model.step(x)", "        model.step(x)\n        print(x)")
     inst = instrument(new, "s.py", lambda line: f"s.py:{line}")
-    probe = detect(old, new, inst)
+    probe = detect(old, new, inst, changed_functions({"s.py": old}, {"s.py": new}))
     assert probe.probed == {"s.py:7"} and probe.other == []  # the call of train()
     assert probe.hindsight == [(5, "print(x)")]
     edited = new.replace("for y in val:", "for y in val[:2]:")
-    probe = detect(old, edited, instrument(edited, "s.py", lambda line: f"s.py:{line}"))
+    probe = detect(old, edited, instrument(edited, "s.py", lambda line: f"s.py:{line}"),
+                   changed_functions({"s.py": old}, {"s.py": edited}))
     assert probe.probed == {"s.py:7", "s.py:8"}
     assert probe.other == [(8, "changed: for y in val[:2]:")]
+
+
+def test_probe_detection_steps_into_the_block_whose_function_lost_a_statement():
+    """A statement deleted at the end of train() changes train(), not the
+    function defined after it."""
+    old = textwrap.dedent("""
+        def train(model, data):
+            for x in data:
+                model.step(x)
+            model.count += 1
+
+        def evaluate(model, data):
+            for x in data:
+                model.score(x)
+
+        for epoch in range(3):
+            train(net, data)
+            evaluate(net, val)
+    """)
+    new = old.replace("    model.count += 1\n", "")
+    inst = instrument(new, "s.py", lambda line: f"s.py:{line}")
+    probe = detect(old, new, inst, changed_functions({"s.py": old}, {"s.py": new}))
+    assert probe.probed == {"s.py:11"}  # the call of train(), not of evaluate()
+    assert probe.other == [(6, "removed: model.count += 1")]
 
 
 def test_value_comparison_is_exact_unless_a_tolerance_is_given():

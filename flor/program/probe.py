@@ -9,8 +9,9 @@ log-like: an expression statement that assigns nothing and calls ``print``,
 Everything else (assignments, control flow, changed arguments, deletions)
 is an *other change*: replay warns, listing them, or refuses with --strict.
 
-A block is stepped into when a change lies inside it, or inside a function
-of the script that the block calls (directly or through other functions);
+A block is stepped into when a change lies inside it, or when it calls
+(directly or through other functions) a function of the script whose
+definition changed, as the manual API decides (source.changed_functions);
 every other block is skipped.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import ast
 import difflib
 from dataclasses import dataclass, field
 
-from .syntax import bodies, callers_closure, header, is_compound
+from .syntax import bodies, header, is_compound
 
 __all__ = ["Probe", "detect", "is_log_like"]
 
@@ -94,9 +95,11 @@ def _describe(node, lines) -> str:
     return text
 
 
-def detect(old_source: str, new_source: str, inst) -> Probe:
+def detect(old_source: str, new_source: str, inst, changed: set[str]) -> Probe:
     """Compare the recorded and current scripts.  `inst` is the instrumented
-    current script (its blocks and functions, in current line numbers)."""
+    current script (its blocks, in current line numbers); `changed` names the
+    functions whose definition changed and their callers
+    (source.changed_functions)."""
     old = _flatten(ast.parse(old_source).body, 0, [])
     new = _flatten(ast.parse(new_source).body, 0, [])
     old_lines, new_lines = old_source.splitlines(), new_source.splitlines()
@@ -126,15 +129,7 @@ def detect(old_source: str, new_source: str, inst) -> Probe:
                     probe.other.append((line, "removed: " + _describe(node, old_lines)))
             if line is not None:
                 changed_lines.append(line)
-    # Functions whose body changed, then every function that calls them.
-    changed, calls = set(), {}
-    for qual, (first, last, called) in inst.functions.items():
-        simple = qual.rsplit(".", 1)[-1]
-        calls.setdefault(simple, set()).update(called)
-        if any(first <= ln <= last for ln in changed_lines):
-            changed.add(simple)
-    affected = callers_closure(changed, calls)
     for b in inst.blocks:
-        if any(b.line <= ln <= b.end_line for ln in changed_lines) or set(b.calls) & affected:
+        if any(b.line <= ln <= b.end_line for ln in changed_lines) or set(b.calls) & changed:
             probe.probed.add(b.key)
     return probe

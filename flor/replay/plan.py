@@ -198,7 +198,7 @@ def _compare(store, script, rec):
         rel = os.path.basename(script)
         lines = cmp.files[rel].lines if rel in cmp.files else {}
         inst = instrument_current(new[rel], script, lines)
-        probe = detect(old[rel], new[rel], inst)
+        probe = detect(old[rel], new[rel], inst, cmp.changed_functions)
         cmp.probed = probe.probed
         hands_free = {"hindsight": probe.hindsight, "other": probe.other,
                       "blocks": inst.summary()["blocks"]}
