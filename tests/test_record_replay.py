@@ -376,3 +376,25 @@ def test_a_name_used_twice_is_refused(tmp_path):
     proc = flor(d, "record", "twice.py", check=False)
     assert proc.returncode == 1
     assert "SkipBlock name 'b' is used at twice.py:3 and at twice.py:6" in proc.stderr
+
+
+def test_blocks_that_hold_only_numbers_record_to_the_end(tmp_path):
+    """A block whose checkpoints hold no tensor or array bytes: once two are
+    written the run's own bandwidth is unknown, and the rule keeps using the
+    calibration instead of failing the training run."""
+    d = str(tmp_path)
+    write_script(d, "floats.py", """
+        w, b = 0.0, 0.0
+        for epoch in range(6):
+            for step in range(50):
+                x = step / 50
+                err = w * x + b - (2 * x - 1)
+                w -= 0.1 * err * x
+                b -= 0.1 * err
+            print(f"epoch {epoch} w {w:.6f} b {b:.6f}")
+    """)
+    rec = flor(d, "record", "--no-adaptive", "floats.py")
+    assert "6 iterations of the main loop, 6 checkpoints" in rec.stderr, rec.stderr
+    flor(d, "record", "floats.py")  # adaptive: asks for the bandwidth at every end()
+    st = store(d)
+    assert [r["status"] for r in runs(st, "record")] == ["finished", "finished"]

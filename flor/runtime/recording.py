@@ -153,7 +153,8 @@ class Recording:
         own writes once there are some, else by a one-time calibration."""
         if self._mat is not None:
             st = self._mat.stats()
-            if st["written"] >= 2 and st["write_seconds"] > 0:
+            # Checkpoints of numbers alone carry no data bytes: no measure.
+            if st["written"] >= 2 and st["write_seconds"] > 0 and st["bytes_written"] > 0:
                 return st["bytes_written"] / st["write_seconds"]
         if self._bw is None:
             self._bw = self.store.bandwidth(self._calibrate)
