@@ -47,6 +47,19 @@ def zombies_of(pid):
     return found
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _store_outside_the_checkout(tmp_path_factory):
+    """Runs that a test records without naming FLOR_DIR (snippets, code run
+    in this process) go to a temporary store, never to the checkout."""
+    old = os.environ.get("FLOR_DIR")
+    os.environ["FLOR_DIR"] = str(tmp_path_factory.mktemp("default-store") / ".flor")
+    yield
+    if old is None:
+        os.environ.pop("FLOR_DIR", None)
+    else:
+        os.environ["FLOR_DIR"] = old
+
+
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")
