@@ -12,6 +12,7 @@
  *   format.c        the checkpoint file: atomic writer and verifying reader
  *   materializer.c  inline / thread / fork background writers
  *   skipblock.c     the SkipBlock state machine and the adaptive checkpoint rule
+ *   capture.c       output capture: the Journal of writes and the Tee that feeds it
  *   module.c        the module: registration and per-module state
  */
 #ifndef FLOR_H
@@ -113,6 +114,8 @@ typedef struct {
     PyTypeObject *MappingType;
     PyTypeObject *MaterializerType;
     PyTypeObject *SkipMachineType;
+    PyTypeObject *JournalType;
+    PyTypeObject *TeeType;
     PyObject *FormatError; /* raised with (path, section, detail) */
 
     PyObject *kind_cache; /* {type: walk kind} */
@@ -234,5 +237,8 @@ extern PyType_Spec flor_materializer_spec;
 extern PyType_Spec flor_skipmachine_spec;
 int flor_skipblock_constants(PyObject *module);
 extern PyMethodDef flor_skipblock_functions[];
+
+/* capture.c */
+extern PyType_Spec flor_journal_spec, flor_tee_spec;
 
 #endif /* FLOR_H */

@@ -126,9 +126,10 @@ class Context:
     that number loop runs, block occurrences and repeated values within
     each context."""
 
-    def __init__(self):
+    def __init__(self, on_change=None):
         self.frames: list = []  # LoopFrame, BlockFrame and PLAIN, outermost first
         self.counts: dict[tuple, int] = {}
+        self.on_change = on_change or (lambda: None)  # called after every change of identity
 
     def _identity(self):
         return [f for f in self.frames if f is not PLAIN]
@@ -176,11 +177,18 @@ class Context:
     def push_loop(self, key, run) -> LoopFrame:
         frame = LoopFrame([LOOP, key, run, -1])
         self.frames.append(frame)
+        self.on_change()
         return frame
+
+    def set_index(self, frame: LoopFrame, i: int):
+        """A loop moves to its iteration i."""
+        frame[3] = i
+        self.on_change()
 
     def remove(self, frame):
         """Close a loop (its generator may finish after inner frames closed)."""
         self.frames.remove(frame)
+        self.on_change()
 
     def push_block(self, key, occurrence, ctx, handle, state, payload, load_s) -> BlockFrame:
         """Open a block execution; `ctx` is the encoded context it runs in."""
@@ -188,6 +196,7 @@ class Context:
         frame.ctx = ctx
         frame.handle, frame.state, frame.payload, frame.load_s = handle, state, payload, load_s
         self.frames.append(frame)
+        self.on_change()
         return frame
 
     def push_plain(self):
@@ -207,5 +216,7 @@ class Context:
             f = self.frames[i]
             if f is PLAIN or isinstance(f, BlockFrame):
                 del self.frames[i]
+                if f is not PLAIN:
+                    self.on_change()
                 return f
         return None

@@ -19,6 +19,7 @@ on each other for milliseconds.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -30,7 +31,12 @@ from .errors import StoreError
 
 __all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# What turns a store of version v into version v + 1.
+MIGRATIONS = {
+    1: ["ALTER TABLE output ADD COLUMN ctx TEXT",  # output rows know their block
+        "ALTER TABLE output ADD COLUMN loc TEXT"],  # and the statement that printed them
+}
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -46,7 +52,7 @@ CREATE TABLE IF NOT EXISTS logs (
 CREATE INDEX IF NOT EXISTS logs_by_run ON logs (run_id, name);
 CREATE TABLE IF NOT EXISTS output (
     run_id TEXT, part INTEGER, ord INTEGER, stream TEXT, phase TEXT, top TEXT,
-    iter INTEGER, text TEXT);
+    iter INTEGER, text TEXT, ctx TEXT, loc TEXT);
 CREATE INDEX IF NOT EXISTS output_by_run ON output (run_id);
 CREATE TABLE IF NOT EXISTS decisions (
     run_id TEXT, block TEXT, ctx TEXT, occurrence INTEGER, iter TEXT, top TEXT,
@@ -349,8 +355,59 @@ class Store(Layout):
         return [r for r in self.rows(table, run_id, order) if _makes_up(r, nparts)]
 
     def logs(self, run_id) -> list[dict]:
-        """The run's logged values and printed lines, in the order logged."""
-        return self.run_rows("logs", run_id)
+        """The run's logged values and printed lines, in the order logged.
+        A printed line is a value of the statement that printed it, named
+        ``stdout@file:line``; its ``seq`` counts its statement's lines in
+        its context."""
+        rows = self.run_rows("logs", run_id) + printed_lines(self.run_rows("output", run_id))
+        return sorted(rows, key=lambda r: (r["part"], r["ord"]))
+
+
+def printed_lines(output: list[dict]) -> list[dict]:
+    """Log rows of the lines printed on stdout by statements of the user's
+    program, from output rows in order.  A line is a value of the statement
+    that printed it; one that a statement leaves unended is a value of its
+    own when another statement (or the same one in another context) writes
+    next, or when output not of the user's program does."""
+    out, counts = [], {}
+    pending = None  # (row where a line not yet ended began, its text so far)
+
+    def emit(row, text):
+        key = (row["loc"], row["ctx"])
+        seq = counts.get(key, 0)
+        counts[key] = seq + 1
+        out.append({"run_id": row["run_id"], "part": row["part"], "ord": row["ord"],
+                    "phase": row["phase"], "top": row["top"], "ctx": row["ctx"],
+                    "name": f"stdout@{row['loc']}", "iter": _indices(row["ctx"]), "seq": seq,
+                    "value": json.dumps(text), "loc": row["loc"]})
+
+    for row in output:
+        if row["stream"] != "stdout":
+            continue
+        if pending is not None and (row["loc"], row["ctx"]) != (pending[0]["loc"],
+                                                                pending[0]["ctx"]):
+            emit(*pending)
+            pending = None
+        if row["loc"] is None:
+            continue
+        lines = row["text"].split("\n")
+        for i, line in enumerate(lines[:-1]):
+            if i == 0 and pending is not None:
+                emit(pending[0], pending[1] + line)
+                pending = None
+            else:
+                emit(row, line)
+        if lines[-1]:
+            pending = (pending[0], pending[1] + lines[-1]) if pending else (row, lines[-1])
+    if pending is not None:
+        emit(*pending)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _indices(ctx):
+    """The `iter` column of a context: the indices of its loops."""
+    return json.dumps([f[3] for f in json.loads(ctx or "[]") if f[0] == "L"])
 
 
 def _makes_up(row, nparts) -> bool:
@@ -362,29 +419,41 @@ def _makes_up(row, nparts) -> bool:
 
 
 def _check_schema(conn, db_file):
-    """Create flor's tables in a new database; refuse one of another program
-    or of another schema version (inside a write transaction, so that two
-    processes opening a new store do not both create it)."""
+    """Create flor's tables in a new database, and bring an older flor store
+    up to this schema; refuse a database of another program or of a newer
+    schema.  Runs inside a write transaction, so that two processes opening
+    a new store do not both create it."""
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if "flor_schema" in tables:
         row = conn.execute("SELECT version FROM flor_schema").fetchone()
-        if row is None or row[0] != SCHEMA_VERSION:
+        if row is None or row[0] > SCHEMA_VERSION:
             found = "no version" if row is None else f"schema version {row[0]}"
             raise StoreError(f"{db_file} has {found}; this flor reads schema version "
-                             f"{SCHEMA_VERSION}. Use the flor that wrote it, or point FLOR_DIR "
-                             "at another directory")
-        return
-    if tables:
+                             f"{SCHEMA_VERSION} and older. Use the flor that wrote it, or point "
+                             "FLOR_DIR at another directory")
+        version = row[0]
+    elif tables:
         columns = ({r[1] for r in conn.execute("PRAGMA table_info(runs)")}
                    if "runs" in tables else set())
         if not _RUN_COLUMNS <= columns:
             raise StoreError(f"{db_file} is not a flor store (it holds the tables "
                              f"{', '.join(sorted(tables))}); flor leaves it untouched. Point "
                              "FLOR_DIR at another directory")
-    for statement in TABLES.split(";"):
-        if statement.strip():
+        # Written by flor before the schema was versioned: the tables of version 1.
+        conn.execute("CREATE TABLE flor_schema (version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO flor_schema (version) VALUES (1)")
+        version = 1
+    else:
+        for statement in TABLES.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.execute("INSERT INTO flor_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+        return
+    for v in range(version, SCHEMA_VERSION):
+        for statement in MIGRATIONS[v]:
             conn.execute(statement)
-    conn.execute("INSERT INTO flor_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+    if version != SCHEMA_VERSION:
+        conn.execute("UPDATE flor_schema SET version = ?", (SCHEMA_VERSION,))
 
 
 class _Transaction:

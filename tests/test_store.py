@@ -50,11 +50,30 @@ def test_a_store_of_another_schema_version_is_refused(tmp_path):
         Store(str(tmp_path / ".flor")).runs()
 
 
-def test_a_store_written_before_the_version_table_is_kept(tmp_path):
-    st = Store(str(tmp_path / ".flor"))
-    run = st.new_run("record", "/x/train.py", ["train.py"], None)
-    st.db.execute("DROP TABLE flor_schema")
-    st.close()
-    again = Store(str(tmp_path / ".flor"))
-    assert [r["run_id"] for r in again.runs()] == [run]
-    assert again.db.execute("SELECT version FROM flor_schema").fetchone()[0] == SCHEMA_VERSION
+def _old_store(root, version):
+    """A store as an older flor wrote it: version 1 (or, with None, before
+    the version table) had output rows without their context and location."""
+    from flor.store import TABLES
+
+    root.mkdir()
+    with sqlite3.connect(root / "flor.db") as conn:
+        for statement in TABLES.replace(", ctx TEXT, loc TEXT", "").split(";"):
+            if statement.strip() and (version is not None or "flor_schema" not in statement):
+                conn.execute(statement)
+        if version is not None:
+            conn.execute("INSERT INTO flor_schema VALUES (?)", (version,))
+        conn.execute("INSERT INTO runs (run_id, kind, script) VALUES ('r1', 'record', 'a.py')")
+        conn.execute("INSERT INTO output VALUES ('r1', 0, 1, 'stdout', NULL, NULL, NULL, 'hi')")
+
+
+@pytest.mark.parametrize("version", [None, 1])
+def test_an_older_store_is_brought_up_to_this_schema(tmp_path, version):
+    root = tmp_path / ".flor"
+    _old_store(root, version)
+    st = Store(str(root))
+    assert [r["run_id"] for r in st.runs()] == ["r1"]
+    assert st.db.execute("SELECT version FROM flor_schema").fetchone()[0] == SCHEMA_VERSION
+    (row,) = st.rows("output", "r1")
+    assert row["text"] == "hi" and row["ctx"] is None and row["loc"] is None
+    st.add_output([("r1", 0, 2, "stdout", None, None, None, "again", "[]", "a.py:3")])
+    assert [r["text"] for r in st.run_rows("output", "r1")] == ["hi", "again"]

@@ -122,7 +122,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
         plan = Plan.load(store.plan_path(replay_id))
     report = CheckReport()
     recorded, seen_twice = {}, set()
-    for r in store.rows("logs", record_id):
+    for r in store.logs(record_id):
         key = (r["loc"], r["name"], r["ctx"], r["seq"])
         if key in recorded:
             seen_twice.add(key)

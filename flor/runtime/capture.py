@@ -1,17 +1,22 @@
 """Capture of a running script's output and uncaught exception.
 
 While flor runs a script, sys.stdout (and, in a replay worker, sys.stderr)
-is an `Output` that hands every write to a sink, and passes it on to the
-real stream when it tees.  `Capture` installs them and an excepthook that
-notes the exception ending the run; `restore()` puts back exactly what it
-replaced, and only that.
+is an `Output` whose write is a C `Tee` (csrc/capture.c): it passes the text
+on to the real stream when it tees, and journals it in the session's
+`Journal`, attributed to the statement of the user's program that wrote it.
+`Capture` installs them and an excepthook that notes the exception ending
+the run; `restore()` puts back exactly what it replaced, and only that.
 """
 from __future__ import annotations
 
 import io
 import sys
 
-__all__ = ["Capture", "Output"]
+from .. import _core
+
+__all__ = ["Capture", "Output", "STREAMS"]
+
+STREAMS = ("stdout", "stderr")  # the journal's stream numbers
 
 
 class _Binary:
@@ -32,17 +37,13 @@ class _Binary:
 
 
 class Output(io.TextIOBase):
-    """A stream whose writes go to `sink(stream, text)` and, when `tee` is
-    set, to the real stream.  Anything else is delegated to the real stream."""
+    """A stream whose writes are journaled and, when `tee` is set, passed on
+    to the real stream.  Anything else is delegated to the real stream."""
 
-    def __init__(self, sink, real, stream, tee):
-        self._sink, self._real, self._stream, self._tee = sink, real, stream, tee
-
-    def write(self, s):
-        if self._tee:
-            self._real.write(s)
-        self._sink(self._stream, s)
-        return len(s)
+    def __init__(self, journal, real, stream, tee):
+        self._real, self._stream, self._tee = real, stream, tee
+        # An instance attribute: print() finds the C write first.
+        self.write = _core.Tee(journal, real, STREAMS.index(stream), tee).write
 
     def flush(self):
         self._real.flush()
@@ -73,16 +74,17 @@ class Output(io.TextIOBase):
 
 
 class Capture:
-    """Route sys.stdout (teed) and optionally sys.stderr (not teed) through
-    `sink`, and optionally note the uncaught exception in `error` (the hook
-    that was installed keeps running)."""
+    """Journal sys.stdout (teed when `stdout_tee`) and optionally sys.stderr
+    (not teed) into `journal`, and optionally note the uncaught exception in
+    `error` (the hook that was installed keeps running)."""
 
-    def __init__(self, sink, stdout_tee: bool, stderr: bool, watch_exceptions: bool):
+    def __init__(self, journal, stdout_tee: bool, stderr: bool, watch_exceptions: bool):
         self.error: BaseException | None = None
+        self.journal = journal
         self._installed = {}  # stream name -> (the Output installed, the stream it replaced)
         for name, tee in (("stdout", stdout_tee), ("stderr", False))[:2 if stderr else 1]:
             real = getattr(sys, name)
-            out = Output(sink, real, name, tee)
+            out = Output(journal, real, name, tee)
             self._installed[name] = (out, real)
             setattr(sys, name, out)
         self._hook = None

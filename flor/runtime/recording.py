@@ -124,9 +124,9 @@ class Recording:
         bw = self.bandwidth()
         ok, reason, ratio, limit, M = self.machine.decide(b.handle, nbytes, bw)
         fname = None
-        indices = session.context.indices()
+        _, _, top, top_iter, indices = session.info
         if ok:
-            fname = checkpoint_name(b.key, b.ctx, b.occurrence, indices)
+            fname = checkpoint_name(b.key, b.ctx, b.occurrence, json.loads(indices))
             payload = blockstate.payload(b.key, b.ctx, b.occurrence, sig, objs)
             try:
                 self.last_bytes[b.key] = self._materializer().submit(fname, payload)
@@ -134,9 +134,8 @@ class Recording:
                 note(f"checkpoint of block {b.key!r} failed: {e}")
                 fname = None
         st = self.machine.stats()[b.handle]
-        top, top_iter = session.context.top()
         session.logbook.decisions.append((
-            self.run_id, b.key, b.ctx, b.occurrence, json.dumps(indices), top, top_iter,
+            self.run_id, b.key, b.ctx, b.occurrence, indices, top, top_iter,
             st["n"], st["k"], seconds, st["compute_s"] / st["n"], nbytes, bw, M,
             ratio if math.isfinite(ratio) else None, limit, int(ok), reason,
             fname + ".flor" if fname else None))

@@ -90,7 +90,7 @@ class Replaying:
                 pseudo = n < start
                 self.machine.phase = _core.PSEUDORESUME_PHASE if pseudo else _core.WORK
                 session.discard = pseudo  # before fetching the item: its output belongs to it
-                frame[3] = n
+                session.context.set_index(frame, n)
                 try:
                     x = next(it)
                 except StopIteration:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import sys
 import time
@@ -150,10 +151,11 @@ class Session:
         self.pid = os.getpid()
         self.script = os.path.abspath(script) if script else None
         self.base = os.path.dirname(self.script) if self.script else os.getcwd()
-        self.context = Context()
+        self.context = Context(self._context_changed)
         self.logbook = Logbook(self)
-        self.phase = policy.first_phase  # replay: "pre", "main", "post" around the main loop
-        self.discard = False  # replay: output of a pseudoresumed iteration is dropped
+        self._phase = policy.first_phase
+        self.info = None  # (phase, context, top loop, its index, loop indices): see _context_changed
+        self._context_changed()
         self.names: dict[str, str] = {}  # block name -> its call site
         self.seen_files: set[str] = set()
         self.loop_stats = []
@@ -162,8 +164,36 @@ class Session:
         self.flor_s = 0.0  # seconds flor itself spent on the main thread
         self._in_flor = False
         self.finished = False
-        self.capture = Capture(self._output, tee, stderr, watch_exceptions)
+        self.capture = Capture(self.logbook.journal, tee, stderr, watch_exceptions)
         atexit.register(self.finish)
+
+    # -- where the run is -----------------------------------------------------
+
+    def _context_changed(self):
+        """Keep `info`, what every value and output row is stored with, current."""
+        top, it = self.context.top()
+        self.info = (self._phase, self.context.encode(), top, it,
+                     json.dumps(self.context.indices()))
+        self.logbook.journal.info = self.info
+
+    @property
+    def phase(self):
+        """Replay: "pre", "main" and "post" around the main loop; None in record."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value):
+        self._phase = value
+        self._context_changed()
+
+    @property
+    def discard(self) -> bool:
+        """Replay: what a pseudoresumed iteration logs or prints is dropped."""
+        return not self.logbook.journal.capturing
+
+    @discard.setter
+    def discard(self, value):
+        self.logbook.journal.capturing = not value
 
     # -- identity -----------------------------------------------------------
 
@@ -171,12 +201,15 @@ class Session:
         """The location of a frame's current line (flor/context.py).
         `structural` asks for the line of a loop or block call, which
         replay also maps by the order of such calls in the file."""
-        fn = os.path.abspath(frame.f_code.co_filename)
+        return self.site_of(frame.f_code.co_filename, frame.f_lineno, structural)
+
+    def site_of(self, filename, line, structural=False) -> str:
+        fn = os.path.abspath(filename)
+        rel = os.path.relpath(fn, self.base)
         if fn not in self.seen_files:
             self.seen_files.add(fn)
-            self.policy.saw_file(fn, os.path.relpath(fn, self.base))
-        rel = os.path.relpath(fn, self.base)
-        return self.policy.location(rel, frame.f_lineno, structural)
+            self.policy.saw_file(fn, rel)
+        return self.policy.location(rel, line, structural)
 
     def at_top_level(self) -> bool:
         return self.context.at_top_level()
@@ -188,7 +221,7 @@ class Session:
 
     def loop(self, iterable, name, frame):
         key = name or self.site(frame, structural=True)
-        run = self.context.next("L", key, self.context.encode())
+        run = self.context.next("L", key, self.info[1])
         return self.policy.loop(self, iterable, key, run)
 
     def iterate(self, iterable, key, run):
@@ -198,7 +231,7 @@ class Session:
         t0, n = time.perf_counter(), 0
         try:
             for x in iterable:
-                frame[3] = n
+                self.context.set_index(frame, n)
                 n += 1
                 yield x
                 if depth == 0:
@@ -210,7 +243,6 @@ class Session:
     @_accounted
     def end_iteration(self, progress=False):
         """A main-loop iteration ended: store what it logged."""
-        self.logbook.end_line()  # a line left unended belongs to this iteration
         self.context.forget_finished()
         self._flush()
         self.policy.iteration_done(self, progress)
@@ -228,7 +260,7 @@ class Session:
                     "give each block its own name")
         key = name or where
         handle = self.machine.block(key)
-        ctx = self.context.encode()
+        ctx = self.info[1]
         occurrence = self.context.next("B", key, ctx)
         payload, load_s, probed = self.policy.checkpoint_for(key, ctx, occurrence, probed,
                                                              expect_sig)
@@ -282,12 +314,6 @@ class Session:
         if self.discard:
             return
         self.logbook.value(name, value, self.site(frame))
-
-    @_accounted
-    def _output(self, stream, text):
-        if self.discard or not text:
-            return
-        self.logbook.text(stream, text)
 
     def _flush(self):
         self.policy.keep_sources(self)
