@@ -27,7 +27,8 @@ import json
 import re
 
 __all__ = ["LOOP", "BLOCK", "Context", "encode", "decode", "top_key", "is_outermost",
-           "enclosing_blocks", "describe", "location", "parse_location", "checkpoint_name"]
+           "enclosing_blocks", "describe", "location", "parse_location", "checkpoint_name",
+           "block_context", "within"]
 
 LOOP, BLOCK = "L", "B"
 
@@ -54,6 +55,16 @@ def enclosing_blocks(ctx: str) -> list[tuple[str, str, int]]:
     """(block, its own context, occurrence) of every block around `ctx`."""
     frames = decode(ctx)
     return [(f[1], encode(frames[:i]), f[2]) for i, f in enumerate(frames) if f[0] == BLOCK]
+
+
+def block_context(ctx: str, key: str, occurrence: int) -> str:
+    """The context inside a block execution that runs in `ctx`."""
+    return encode(decode(ctx) + [[BLOCK, key, occurrence]])
+
+
+def within(ctx: str, outer: str) -> bool:
+    """Whether `ctx` is `outer` or nested inside it."""
+    return ctx == outer or ctx.startswith(outer[:-1] + ",")
 
 
 def describe(ctx: str, seq: int = 0) -> str:

@@ -362,6 +362,13 @@ class Store(Layout):
         rows = self.run_rows("logs", run_id) + printed_lines(self.run_rows("output", run_id))
         return sorted(rows, key=lambda r: (r["part"], r["ord"]))
 
+    def output_by_block(self, run_id, top, it) -> list[dict]:
+        """A record's output in one main-loop iteration, with the context of
+        each chunk, in order."""
+        return [dict(r) for r in self.db.execute(
+            "SELECT stream, ctx, text FROM output WHERE run_id = ? AND top IS ? AND iter IS ? "
+            "ORDER BY ord", (run_id, top, it))]
+
 
 def printed_lines(output: list[dict]) -> list[dict]:
     """Log rows of the lines printed on stdout by statements of the user's

@@ -98,6 +98,17 @@ class Capture:
             self._hook = (hook, previous)
             sys.excepthook = hook
 
+    def emit(self, stream: str, text: str):
+        """Output that the script did not write now: shown as the stream
+        shows what it writes, journaled without a statement."""
+        installed = self._installed.get(stream)
+        if installed is None:
+            return
+        out, real = installed
+        if out._tee:
+            real.write(text)
+        self.journal.add(STREAMS.index(stream), text, False)
+
     def restore(self):
         """Put back each stream and the excepthook this capture replaced, if
         they are still the ones it installed."""

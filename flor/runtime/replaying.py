@@ -21,7 +21,7 @@ import time
 
 from .. import _core
 from ..checkpoint import load
-from ..context import location
+from ..context import block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
 from . import blockstate
 
@@ -50,6 +50,8 @@ class Replaying:
         self.main_seen = False
         self.reexecuted = 0
         self._sig_noted: set[str] = set()
+        self.recorded = type(store)(plan.store)  # the record's rows (a part may store elsewhere)
+        self._output_at, self._output = None, []  # the record's output of one iteration
         store.clear_part(self.run_id, part)
         store.set_part(self.run_id, part, "running")
 
@@ -174,7 +176,19 @@ class Replaying:
                 f"this block; {hint}")
         out = blockstate.apply(saved, objs, rebind)
         self.machine.restored(b.handle, b.load_s + time.perf_counter() - t0)
+        if not session.discard:
+            for row in self._recorded_output(session, b):
+                session.capture.emit(row["stream"], row["text"])
         return out
+
+    def _recorded_output(self, session, b):
+        """What the record printed inside this block execution, in order."""
+        where = session.info[2:4]
+        if self._output_at != where:
+            self._output_at = where
+            self._output = self.recorded.output_by_block(self.plan.record, *where)
+        inside = block_context(b.ctx, b.key, b.occurrence)
+        return [r for r in self._output if r["ctx"] is not None and within(r["ctx"], inside)]
 
     # -- the end ------------------------------------------------------------
 
