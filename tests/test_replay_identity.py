@@ -91,14 +91,14 @@ def test_changed_end_call_never_restores_old_checkpoints(tmp_path):
     """)
     flor(d, "record", "--no-adaptive", "s.py")
     path = os.path.join(d, "s.py")
-    with open(path, "w") as f:
-        f.write(read(path).replace("y, x = flor.SkipBlock.end(y, x)",
-                                   "x, y = flor.SkipBlock.end(x, y)"))
-    replay_matches_plain(d, "s.py")
-    with open(path, "w") as f:
-        f.write(read(path).replace("x, y = flor.SkipBlock.end(x, y)",
-                                   "x, y, z = flor.SkipBlock.end(x, y, 0)"))
-    replay_matches_plain(d, "s.py")
+    for old, new in (("y, x = flor.SkipBlock.end(y, x)", "x, y = flor.SkipBlock.end(x, y)"),
+                     ("x, y = flor.SkipBlock.end(x, y)", "x, y, z = flor.SkipBlock.end(x, y, 0)")):
+        text = read(path)  # before open(path, "w") empties the file
+        assert old in text
+        with open(path, "w") as f:
+            f.write(text.replace(old, new))
+        rep = replay_matches_plain(d, "s.py")
+        assert "end() changed for: A" in rep.stderr
 
 
 def test_a_changed_helper_function_probes_the_block_that_calls_it(tmp_path):
@@ -263,8 +263,8 @@ def test_missing_and_different_values_fail_the_check(tmp_path):
     flor(d, "record", "s.py")
     warn = flor(d, "replay", "s.py", env={"SKIP": "1", "SCALE": "2"})
     assert warn.returncode == 0
-    assert "deferred checks FAILED: of 6 values the record logged or printed, 2 differ " \
-        "and 3 were not logged again" in warn.stderr
+    assert "deferred checks FAILED: of 6 values the record logged, printed or fingerprinted, " \
+        "2 differ and 3 were not logged again" in warn.stderr
     assert "s.py:3 'kept' at iteration 0 of the loop at s.py:2: recorded 0, not logged " \
         "by the replay" in warn.stderr
     assert "s.py:4 'v' at iteration 1 of the loop at s.py:2: recorded 1.0, replayed 2.0" \
