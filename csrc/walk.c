@@ -1593,31 +1593,33 @@ add_path_note(walker *w)
     PyErr_Restore(type, value, tb);
 }
 
-PyObject *
-flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx)
+/* The walk alone: a snapshot whose blobs still point at their sources
+ * (copy_phase or fingerprint_blobs then reads them and releases them).
+ * On success *w keeps only what copy_phase needs. */
+static FlorSnapshot *
+walk_object(flor_state *st, PyObject *obj, walker *w)
 {
-    walker w;
     FlorSnapshot *s = NULL;
     PyObject *skeleton = NULL;
     int gc_was;
 
-    memset(&w, 0, sizeof(w));
-    w.st = st;
+    memset(w, 0, sizeof(*w));
+    w->st = st;
     if (flor_torch_init(st) < 0 || flor_numpy_init(st) < 0) {
         return NULL;
     }
-    w.keep = PyList_New(0);
-    w.path = PyList_New(0);
-    if (w.keep == NULL || w.path == NULL) {
+    w->keep = PyList_New(0);
+    w->path = PyList_New(0);
+    if (w->keep == NULL || w->path == NULL) {
         goto error;
     }
     gc_was = PyGC_Disable();
-    skeleton = walk(&w, obj, 1);
+    skeleton = walk(w, obj, 1);
     if (gc_was) {
         PyGC_Enable();
     }
     if (skeleton == NULL) {
-        add_path_note(&w);
+        add_path_note(w);
         goto error;
     }
     s = PyObject_New(FlorSnapshot, st->SnapshotType);
@@ -1626,37 +1628,107 @@ flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *c
     }
     s->skeleton = skeleton;
     skeleton = NULL;
-    s->entries = w.entries;
-    s->n_entries = w.n_entries;
-    s->blobs = w.blobs;
-    s->n_blobs = w.n_blobs;
+    s->entries = w->entries;
+    s->n_entries = w->n_entries;
+    s->blobs = w->blobs;
+    s->n_blobs = w->n_blobs;
     s->arena = NULL;
     s->nbytes = s->data_bytes = 0;
     s->owner = getpid();
     s->copy_seconds = 0.0;
-    s->tree = !w.not_tree;
-    s->foreign = w.foreign;
-    w.entries = NULL;
-    w.blobs = NULL;
-    /* The memo must not outlive the walk: drop it before copying bytes. */
-    pmap_free(&w.memo);
-    pmap_free(&w.storages);
-    Py_CLEAR(w.keep);
-    if (copy_phase(&w, s, reserve, ctx) < 0) {
-        Py_CLEAR(s);
-    }
-    Py_XDECREF(w.path);
-    return (PyObject *)s;
+    s->tree = !w->not_tree;
+    s->foreign = w->foreign;
+    w->entries = NULL;
+    w->blobs = NULL;
+    /* The memo must not outlive the walk: drop it before reading bytes. */
+    pmap_free(&w->memo);
+    pmap_free(&w->storages);
+    Py_CLEAR(w->keep);
+    Py_CLEAR(w->path);
+    return s;
 error:
     Py_XDECREF(skeleton);
-    blobs_release(w.blobs, w.n_blobs);
-    free(w.blobs);
-    flor_entries_free(w.entries, w.n_entries);
-    pmap_free(&w.memo);
-    pmap_free(&w.storages);
-    Py_XDECREF(w.keep);
-    Py_XDECREF(w.path);
+    blobs_release(w->blobs, w->n_blobs);
+    free(w->blobs);
+    flor_entries_free(w->entries, w->n_entries);
+    pmap_free(&w->memo);
+    pmap_free(&w->storages);
+    Py_XDECREF(w->keep);
+    Py_XDECREF(w->path);
     return NULL;
+}
+
+PyObject *
+flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx)
+{
+    walker w;
+    FlorSnapshot *s = walk_object(st, obj, &w);
+    if (s != NULL && copy_phase(&w, s, reserve, ctx) < 0) {
+        Py_CLEAR(s);
+    }
+    return (PyObject *)s;
+}
+
+/* CRC-32C of every blob's bytes, each preceded by its length, read where
+ * they are (a CUDA blob through a host copy).  Releases the blobs. */
+static int
+fingerprint_blobs(FlorSnapshot *s, uint32_t *out)
+{
+    uint32_t crc = 0, i;
+    int rc = -1;
+    for (i = 0; i < s->n_blobs; i++) {
+        flor_blob *b = &s->blobs[i];
+        unsigned char len[8];
+        char *tmp = NULL;
+        const char *src = b->src;
+        PyObject *host = NULL, *ptr = NULL;
+        int k;
+        for (k = 0; k < 8; k++) {
+            len[k] = (unsigned char)(b->nbytes >> (8 * k));
+        }
+        crc = flor_crc32c(crc, len, 8);
+        if (b->nbytes == 0) {
+            continue;
+        }
+        if (b->where == FLOR_BLOB_HOST && b->recheck && recheck_storage(b) < 0) {
+            goto cleanup;
+        }
+        src = b->src;
+        if (b->where == FLOR_BLOB_BUFFER && !PyBuffer_IsContiguous(b->view, 'C')) {
+            tmp = malloc((size_t)b->nbytes);
+            if (tmp == NULL) {
+                PyErr_NoMemory();
+                goto cleanup;
+            }
+            if (PyBuffer_ToContiguous(tmp, b->view, (Py_ssize_t)b->nbytes, 'C') < 0) {
+                free(tmp);
+                goto cleanup;
+            }
+            src = tmp;
+        }
+        else if (b->where == FLOR_BLOB_CUDA) {
+            host = PyObject_CallMethod(b->owner, "cpu", NULL);
+            ptr = host == NULL ? NULL : PyObject_CallMethod(host, "data_ptr", NULL);
+            src = ptr == NULL ? NULL : PyLong_AsVoidPtr(ptr);
+            if (src == NULL) {
+                Py_XDECREF(host);
+                Py_XDECREF(ptr);
+                goto cleanup;
+            }
+        }
+        /* Only raw memory: its owner (view, storage, host copy) is held. */
+        Py_BEGIN_ALLOW_THREADS
+        crc = flor_crc32c(crc, src, (size_t)b->nbytes);
+        Py_END_ALLOW_THREADS
+        free(tmp);
+        Py_XDECREF(host);
+        Py_XDECREF(ptr);
+    }
+    *out = crc;
+    rc = 0;
+cleanup:
+    blobs_release(s->blobs, s->n_blobs);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ */
@@ -1836,7 +1908,28 @@ mod_measure(PyObject *module, PyObject *obj)
     return r;
 }
 
+PyDoc_STRVAR(fingerprint_doc,
+             "fingerprint(obj, /)\n--\n\n"
+             "CRC-32C of the bytes of every tensor and array a snapshot of obj would\n"
+             "hold, read in place (found by the same walk, without copying).");
+
+static PyObject *
+mod_fingerprint(PyObject *module, PyObject *obj)
+{
+    walker w;
+    uint32_t crc;
+    int rc;
+    FlorSnapshot *s = walk_object((flor_state *)PyModule_GetState(module), obj, &w);
+    if (s == NULL) {
+        return NULL;
+    }
+    rc = fingerprint_blobs(s, &crc);
+    Py_DECREF(s);
+    return rc < 0 ? NULL : PyLong_FromUnsignedLong(crc);
+}
+
 PyMethodDef flor_walk_functions[] = {
+    {"fingerprint", FLOR_CFUNC(mod_fingerprint), METH_O, fingerprint_doc},
     {"snapshot", FLOR_CFUNC(mod_snapshot), METH_O, snapshot_doc},
     {"measure", FLOR_CFUNC(mod_measure), METH_O, measure_doc},
     {NULL, NULL, 0, NULL},

@@ -102,7 +102,7 @@ def dataframe(*names: str, run: str | None = None):
     counters: dict = {}
     depth = 0
     for r in store.logs(run):
-        if (r["name"] not in names) if names else r["name"].startswith("stdout@"):
+        if (r["name"] not in names) if names else r["name"].startswith(("stdout@", "state@")):
             continue
         vec = tuple(json.loads(r["iter"]))
         depth = max(depth, len(vec))

@@ -101,9 +101,10 @@ def checkpoint_name(key: str, ctx: str, occurrence: int, indices) -> str:
 
 
 class LoopFrame(list):
-    """["L", loop, run, i]: the index is updated in place as the loop runs."""
+    """["L", loop, run, i]: the index is updated in place as the loop runs.
+    `scope` is the frame running the loop, while it runs."""
 
-    __slots__ = ()
+    __slots__ = ("scope",)
 
 
 class BlockFrame(list):
@@ -185,8 +186,9 @@ class Context:
 
     # -- the stack --------------------------------------------------------
 
-    def push_loop(self, key, run) -> LoopFrame:
+    def push_loop(self, key, run, scope=None) -> LoopFrame:
         frame = LoopFrame([LOOP, key, run, -1])
+        frame.scope = scope
         self.frames.append(frame)
         self.on_change()
         return frame
@@ -198,6 +200,7 @@ class Context:
 
     def remove(self, frame):
         """Close a loop (its generator may finish after inner frames closed)."""
+        frame.scope = None
         self.frames.remove(frame)
         self.on_change()
 

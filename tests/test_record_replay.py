@@ -79,7 +79,8 @@ def test_unchanged_replay_skips_every_block_and_reproduces_the_run(workdir, reco
     rec_out = recorded[1].stdout
     proc = flor(workdir, "replay", "train.py", *ARGS)
     assert proc.stdout == rec_out
-    assert "deferred checks passed: 8 logged values and 6 printed lines" in proc.stderr
+    assert ("deferred checks passed: 8 logged values, 6 printed lines and 4 state "
+            "fingerprints") in proc.stderr  # the model and optimizer at each epoch's end
     st = store(workdir)
     (rep,) = runs(st, "replay")
     assert block_stats(st, rep["run_id"], "train") == {"n": 0, "skips": 4, "steps": 0,

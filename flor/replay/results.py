@@ -14,7 +14,8 @@ import time
 
 from ..errors import FlorError, note
 from ..store import Store
-from .checks import compare_logs, explain
+from .causes import explain
+from .checks import compare_logs
 from .plan import Plan, register
 
 __all__ = ["merged_output", "conclude", "merge"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import sys
 
+from .. import _core
 from ..checkpoint import restore
 
 __all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state"]
@@ -31,6 +32,18 @@ def rng_state() -> dict:
         if torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def random_fingerprint() -> dict:
+    """CRC-32C of each global random state: random, numpy, torch."""
+    state = rng_state()
+    out = {"random": _core.crc32c(repr(state["random"]).encode())}
+    if "numpy" in state:
+        out["numpy"] = _core.crc32c(repr(state["numpy"][2:]).encode() +
+                                    state["numpy"][1].tobytes())
+    if "torch" in state:
+        out["torch"] = _core.crc32c(state["torch"].numpy().tobytes())
+    return out
 
 
 def set_rng_state(state: dict):
@@ -67,6 +80,27 @@ def signature(objs) -> list:
     """What end() received: the type of each object (or, hands-free, what
     each captured name and path is)."""
     return [f"{type(o).__module__}.{type(o).__qualname__}" for o in objs]
+
+
+def state_owners(objs, frame) -> list:
+    """What holds training state: `objs`, then the modules and optimizers in
+    the scope of `frame` (its locals, the attributes of its `self`, its
+    module's globals), in name order."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return list(objs)
+    kinds = (torch.nn.Module, torch.optim.Optimizer)
+    ns, g = frame.f_locals, frame.f_globals
+    spaces = [ns]
+    me = ns.get("self")
+    if me is not None and hasattr(me, "__dict__") and not isinstance(me, kinds):
+        spaces.append(vars(me))
+    if g is not ns:
+        spaces.append(g)
+    owners = list(objs)
+    for space in spaces:
+        owners += [space[name] for name in sorted(space) if isinstance(space[name], kinds)]
+    return owners
 
 
 def payload(key: str, ctx: str, occurrence: int, sig: list, objs) -> dict:

@@ -76,7 +76,7 @@ def loop(iterable, key):
     s = Session.get()
     if not s.at_top_level():
         return iterable
-    return s.loop(iterable, key, None)
+    return s.loop(iterable, key, sys._getframe(1))
 
 
 def step_into(key, owner, names, paths, globals_, rebound) -> bool:

@@ -16,6 +16,8 @@ import os
 import sys
 
 from .. import _core
+from ..context import block_context
+from .blockstate import random_fingerprint, state_owners
 from .capture import STREAMS
 
 __all__ = ["Logbook", "jsonable"]
@@ -71,6 +73,33 @@ class Logbook:
         seq = s.context.next("S", (name, loc), ctx)
         self.logs.append((s.run_id, s.part, self.next_ord(), phase, top, ctx, name, indices,
                           seq, json.dumps(jsonable(value)), loc))
+
+    def iteration_state(self, frame):
+        """The fingerprint of the training state in scope of a top-level loop
+        (its modules and optimizers) at the end of an iteration."""
+        if self.s.discard or frame.scope is None:
+            return
+        owners = state_owners([], frame.scope)
+        if owners:
+            self.value("state@iteration", _core.fingerprint(owners), frame[1])
+
+    def random_state(self, frame):
+        """At the start of a top-level loop: fingerprints of the global random
+        states, which differ between runs of a script that draws unseeded
+        random numbers."""
+        if not self.s.discard:
+            self.value("state@random", random_fingerprint(), frame[1])
+
+    def state(self, b, sig, objs):
+        """The fingerprint of a block execution's state at its end(): of what
+        it captured (`sig` names it), with a CRC of `sig`, since only the
+        same objects compare."""
+        s = self.s
+        phase, _, top, _, indices = s.info
+        ctx = block_context(b.ctx, b.key, b.occurrence)
+        value = [_core.crc32c(json.dumps(sig).encode()), _core.fingerprint(list(objs))]
+        self.logs.append((s.run_id, s.part, self.next_ord(), phase, top, ctx, "state@block",
+                          indices, 0, json.dumps(value), b.key))
 
     def _is_user_code(self, code) -> bool:
         """Whether a code object belongs to a file of the user's program."""

@@ -101,8 +101,8 @@ class Recording:
 
     # -- loops and blocks ---------------------------------------------------
 
-    def loop(self, session, iterable, key, run):
-        return session.iterate(iterable, key, run)
+    def loop(self, session, iterable, key, run, scope):
+        return session.iterate(iterable, key, run, scope)
 
     def iteration_done(self, session, progress):
         pass
@@ -112,6 +112,9 @@ class Recording:
 
     def entered(self, session, key, ctx, occurrence, state):
         pass
+
+    def ran_again(self, session, b, objs, sig):
+        raise AssertionError("record never steps into a block")
 
     def restore(self, session, block, objs, sig, rebind, hint):
         raise AssertionError("record never skips a block")
@@ -133,6 +136,8 @@ class Recording:
             except CheckpointWriteError as e:
                 note(f"checkpoint of block {b.key!r} failed: {e}")
                 fname = None
+            else:
+                session.logbook.state(b, sig, objs)
         st = self.machine.stats()[b.handle]
         session.logbook.decisions.append((
             self.run_id, b.key, b.ctx, b.occurrence, indices, top, top_iter,

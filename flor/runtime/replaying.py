@@ -74,15 +74,15 @@ class Replaying:
 
     # -- the main loop ------------------------------------------------------
 
-    def loop(self, session, iterable, key, run):
+    def loop(self, session, iterable, key, run, scope):
         if session.context.at_top_level() and (key, run) == self.main:
-            return self._main(session, iterable, key, run)
-        return session.iterate(iterable, key, run)
+            return self._main(session, iterable, key, run, scope)
+        return session.iterate(iterable, key, run, scope)
 
-    def _main(self, session, iterable, key, run):
+    def _main(self, session, iterable, key, run, scope):
         total = self.plan.iterations
         start, end = self.segment
-        frame = session.context.push_loop(key, run)
+        frame = session.context.push_loop(key, run, scope)
         session.phase = "main"
         self.main_seen = True
         it = iter(iterable)
@@ -93,13 +93,15 @@ class Replaying:
                 self.machine.phase = _core.PSEUDORESUME_PHASE if pseudo else _core.WORK
                 session.discard = pseudo  # before fetching the item: its output belongs to it
                 session.context.set_index(frame, n)
+                if n == 0:
+                    session.logbook.random_state(frame)
                 try:
                     x = next(it)
                 except StopIteration:
                     break
                 n += 1
                 yield x
-                session.end_iteration(progress=not pseudo)
+                session.end_iteration(frame, progress=not pseudo)
         finally:
             session.discard = False
             self.machine.phase = _core.WORK
@@ -161,6 +163,14 @@ class Replaying:
     def entered(self, session, key, ctx, occurrence, state):
         session.logbook.blockruns.append((self.run_id, self.part, session.phase, key, ctx,
                                           occurrence, STATE_NAMES[state]))
+
+    def ran_again(self, session, b, objs, sig):
+        """A block that ran again: fingerprint its state where the record
+        checkpointed the same execution, to compare (not when its end() call
+        changed: it may hand over other objects, or the same in another order)."""
+        if not session.discard and b.key not in self.no_restore and \
+                (b.key, b.ctx, b.occurrence) in self.ckpts:
+            session.logbook.state(b, sig, objs)
 
     def executed(self, session, block, objs, seconds, sig):
         raise AssertionError("replay never executes a block as record does")

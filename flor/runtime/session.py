@@ -157,6 +157,7 @@ class Session:
         self.info = None  # (phase, context, top loop, its index, loop indices): see _context_changed
         self._context_changed()
         self.names: dict[str, str] = {}  # block name -> its call site
+        self._blocks_run = 0  # in the current top-level iteration
         self.seen_files: set[str] = set()
         self.loop_stats = []
         self.block_labels: dict[str, list] = {}  # hands-free: what each block captured
@@ -222,30 +223,37 @@ class Session:
     def loop(self, iterable, name, frame):
         key = name or self.site(frame, structural=True)
         run = self.context.next("L", key, self.info[1])
-        return self.policy.loop(self, iterable, key, run)
+        return self.policy.loop(self, iterable, key, run, frame)
 
-    def iterate(self, iterable, key, run):
+    def iterate(self, iterable, key, run, scope):
         """A tracked loop: its index is part of the context of what it runs."""
         depth = self.context.depth()
-        frame = self.context.push_loop(key, run)
+        frame = self.context.push_loop(key, run, scope)
         t0, n = time.perf_counter(), 0
         try:
             for x in iterable:
                 self.context.set_index(frame, n)
+                if depth == 0 and n == 0:
+                    self.logbook.random_state(frame)
                 n += 1
                 yield x
                 if depth == 0:
-                    self.end_iteration()
+                    self.end_iteration(frame)
         finally:
             self.context.remove(frame)
             self.loop_stats.append((key, run, depth, n, time.perf_counter() - t0))
 
     @_accounted
-    def end_iteration(self, progress=False):
-        """A main-loop iteration ended: store what it logged."""
+    def end_iteration(self, frame, progress=False):
+        """A top-level loop's iteration ended: fingerprint the training state
+        in its scope, if blocks ran in it, and store what it logged."""
+        if self._blocks_run:
+            self.logbook.iteration_state(frame)
+        self._blocks_run = 0
         self.context.forget_finished()
         self._flush()
         self.policy.iteration_done(self, progress)
+
 
     # -- blocks -------------------------------------------------------------
 
@@ -267,6 +275,7 @@ class Session:
         state = self.machine.enter(handle, bool(probed), payload is not None)
         self.policy.entered(self, key, ctx, occurrence, state)
         self.context.push_block(key, occurrence, ctx, handle, state, payload, load_s)
+        self._blocks_run += 1
         return state in BODY_RUNS
 
     def open_plain(self):
@@ -304,6 +313,7 @@ class Session:
             self.policy.executed(self, b, objs, seconds, sig)
             return ret(objs)
         if state == _core.STEP_INTO:
+            self.policy.ran_again(self, b, objs, sig)
             return ret(objs)
         return ret(self.policy.restore(self, b, objs, sig, rebind, hint))
 

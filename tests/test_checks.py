@@ -1,0 +1,87 @@
+"""Deferred checks that cannot pass vacuously: state fingerprints catch a
+wrong replay even when the script prints nothing, a check that compared
+nothing says so, and lines that differ only where they read the clock are
+set apart."""
+import os
+
+from conftest import edit, flor, plain, write_script
+
+ACCUM = """
+    import torch
+    import helpers
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    X = torch.randn(32, 4)
+    Y = X.sum(1, keepdim=True)
+    for it in range(4):
+        for micro in range(2):
+            part = slice(16 * micro, 16 * (micro + 1))
+            loss = ((model(X[part]) - Y[part]) ** 2).mean()
+            loss.backward()
+        helpers.apply(opt)
+"""
+
+
+def test_fingerprints_catch_gradients_the_analysis_could_not_see(tmp_path):
+    """The optimizer steps in another module, so the analysis takes the
+    micro-step block's gradients for dead and does not checkpoint them:
+    replay restores the block, the step finds no gradients, and the model
+    stops training.  Nothing is printed, yet the checks fail and name the
+    block."""
+    d = str(tmp_path)
+    write_script(d, "helpers.py", """
+        def apply(opt):
+            opt.step()
+            opt.zero_grad()
+    """)
+    write_script(d, "accum.py", ACCUM)
+    rec = flor(d, "record", "--no-adaptive", "accum.py")
+    assert rec.stdout == ""
+    edit(os.path.join(d, "accum.py"), "helpers.apply(opt)", 'print("iteration", it)')
+    rep = flor(d, "replay", "accum.py")
+    assert rep.stdout == plain(d, "accum.py").stdout  # the printed lines are right...
+    assert "deferred checks FAILED" in rep.stderr, rep.stderr  # ...the state is not
+    assert ("  the state at the end of iteration 0 of the loop at accum.py:9 differs from "
+            "the record's") in rep.stderr
+    assert ("likely cause: the state at the end of iteration 0 of the loop at accum.py:9 "
+            "differs from the record's, though every block that ran again in it ended as "
+            "in record: the block restored in it (accum.py:10) may not hold everything it "
+            "changes, such as gradients") in rep.stderr
+    assert "random state" not in rep.stderr  # torch is seeded; numpy and random are unused
+
+
+def test_a_check_that_compared_nothing_is_not_a_pass(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "quiet.py", """
+        total = 0
+        for epoch in range(3):
+            total += epoch
+    """)
+    flor(d, "record", "quiet.py")
+    edit(os.path.join(d, "quiet.py"), "total += epoch", "print(total)")
+    rep = flor(d, "replay", "quiet.py")
+    assert "deferred checks compared nothing" in rep.stderr and "passed" not in rep.stderr
+    assert flor(d, "replay", "--check", "strict", "quiet.py", check=False).returncode == 1
+
+
+def test_lines_that_differ_only_where_they_read_the_clock_are_set_apart(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "timed.py", """
+        import time
+        start = time.perf_counter()
+        w = 0.0
+        for epoch in range(3):
+            for step in range(200):
+                w += 0.001 * (1 - w)
+            elapsed = time.perf_counter() - start
+            print(f"epoch {epoch} elapsed {elapsed * 1000:.3f}ms")
+            print(f"epoch {epoch} w {w:.6f}")
+    """)
+    flor(d, "record", "--no-adaptive", "timed.py")
+    edit(os.path.join(d, "timed.py"), "elapsed = time", 'print("w", w)')
+    rep = flor(d, "replay", "--check", "strict", "timed.py")
+    assert ("deferred checks passed: 0 logged values and 3 printed lines of unchanged "
+            "statements equal the record's; 3 printed lines differ only in fields that read "
+            "the clock (not compared)") in rep.stderr, rep.stderr
