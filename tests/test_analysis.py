@@ -355,3 +355,79 @@ def test_value_comparison_is_exact_unless_a_tolerance_is_given():
     assert not equal("loss 0.3 acc 5", "loss 0.3 acc 6", 1e-9)
     assert not equal("loss 0.3", "lost 0.3", 1e-9)
     assert equal([1.0, {"a": 2.0}], [1.0 + 1e-12, {"a": 2.0}], 1e-9)
+
+
+def _grads(src):
+    """{block line: gradients live} of the blocks in a hands-free script."""
+    inst = instrument(textwrap.dedent(src), "s.py", lambda line: f"s.py:{line}")
+    return {b.line: b.grads for b in inst.blocks}
+
+
+def test_gradients_of_an_accumulation_block_are_live():
+    assert _grads("""
+        for it in range(10):
+            for micro in range(4):
+                model(x).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    """) == {3: True}
+
+
+def test_gradients_cleared_before_they_are_read_are_dead():
+    assert _grads("""
+        def train(model, loader, optimizer):
+            model.train()
+            for x, y in loader:
+                optimizer.zero_grad()
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+
+        def evaluate(model, loader):
+            for x, y in loader:
+                model(x)
+
+        for epoch in range(10):
+            train(model, loader, optimizer)
+            evaluate(model, loader)
+            scheduler.step()
+            lr_sched.step()
+    """) == {14: False, 15: False}
+
+
+def test_a_step_is_an_optimizer_s_unless_its_receiver_is_a_scheduler():
+    # `sched` is built as a scheduler; `opt` is not: its step reads them.
+    src = """
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=10)
+        for it in range(10):
+            for micro in range(2):
+                model(x).backward()
+            {}.step()
+            opt.zero_grad()
+    """
+    assert _grads(src.format("sched")) == {4: False}
+    assert _grads(src.format("opt")) == {4: True}
+
+
+def test_manual_api_blocks_whose_gradients_are_read_after_end():
+    from flor.program.gradients import manual_gradients
+
+    src = textwrap.dedent("""
+        import flor
+        for it in flor.generator(range(3)):
+            if flor.SkipBlock.step_into("micro"):
+                for m in range(2):
+                    model(x).backward()
+            model = flor.SkipBlock.end(model)
+            optimizer.step()
+            optimizer.zero_grad()
+        for epoch in flor.generator(range(3)):
+            if flor.SkipBlock.step_into():
+                for b in data:
+                    optimizer.zero_grad()
+                    loss(b).backward()
+                    optimizer.step()
+            flor.SkipBlock.end(model, optimizer)
+            scheduler.step()
+    """)
+    assert manual_gradients(src, "t.py") == {"micro"}

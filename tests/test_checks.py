@@ -52,6 +52,18 @@ def test_fingerprints_catch_gradients_the_analysis_could_not_see(tmp_path):
     assert "random state" not in rep.stderr  # torch is seeded; numpy and random are unused
 
 
+def test_gradients_read_after_the_block_are_restored(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "helpers.py", "")
+    write_script(d, "accum.py", ACCUM.replace("helpers.apply(opt)",
+                                              "opt.step()\n        opt.zero_grad()"))
+    flor(d, "record", "--no-adaptive", "accum.py")
+    edit(os.path.join(d, "accum.py"), "opt.zero_grad()", 'print(model.weight.sum().item())')
+    rep = flor(d, "replay", "accum.py")
+    assert rep.stdout == plain(d, "accum.py").stdout
+    assert "deferred checks passed: 0 logged values and 4 state fingerprints" in rep.stderr
+
+
 def test_a_check_that_compared_nothing_is_not_a_pass(tmp_path):
     d = str(tmp_path)
     write_script(d, "quiet.py", """

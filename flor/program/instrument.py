@@ -40,6 +40,7 @@ import re
 from dataclasses import dataclass, field
 
 from .analysis import GiveUp, Script, block_effects
+from .gradients import gradients_live, scheduler_names
 from .syntax import assigned_names, bodies, called_names, functions, root, walk_scope
 
 __all__ = ["instrument", "Instrumented", "uses_flor", "RUNTIME"]
@@ -64,6 +65,7 @@ class Block:
     unknown: list  # lines of calls with no estimate
     calls: list  # simple names the block calls
     reads: list  # names the block references
+    grads: bool  # its parameters' gradients are read after it (program/gradients.py)
 
 
 @dataclass
@@ -156,6 +158,8 @@ class _Instrumenter:
         self.lines = source.splitlines()
         self.key_of = key_of
         self.script = Script(self.tree)
+        self.schedulers = scheduler_names(self.tree)
+        self.loop_body = None  # the body of the candidate loop being instrumented
         self.out = None
 
     def opted_out(self, node) -> bool:
@@ -208,6 +212,7 @@ class _Instrumenter:
             return [loop]
         key = self.key_of(loop.lineno)
         self.out.loops.append(Loop(key, loop.lineno, loop.end_lineno, qualname))
+        self.loop_body = loop.body
         loop.body = self._main_body(loop.body, key, scope, local_defs)
         line = loop.lineno
         if isinstance(loop, ast.For):
@@ -269,10 +274,13 @@ class _Instrumenter:
             else:
                 paths.append(p)  # a closure's variable: restored in place only
         rebound = [p for p in eff.paths if p in eff.assigned]
+        grads = gradients_live(s, self.loop_body, lambda call: self.script.resolve(
+            call, local_defs), self.schedulers)
         self.out.blocks.append(Block(
             key=key, line=line, end_line=s.end_lineno, owner=owner, kind=kind, names=names,
             paths=paths, globals=globals_, rebound=rebound, dropped=eff.dropped,
-            unknown=eff.unknown, calls=sorted(called_names([s])), reads=sorted(eff.reads)))
+            unknown=eff.unknown, calls=sorted(called_names([s])), reads=sorted(eff.reads),
+            grads=grads))
         sets = [_strs(names), _strs(paths), _strs(globals_), _strs(rebound)]
         guarded = ast.If(
             test=_call("step_into", ast.Constant(value=key), ast.Constant(value=owner), *sets),
@@ -282,7 +290,8 @@ class _Instrumenter:
                 orelse=[], finalbody=[])],
             orelse=[])
         end = _call("end", ast.Constant(value=key), *[_strs(x) for x in
-                                                    (names, paths, globals_, rebound)])
+                                                    (names, paths, globals_, rebound)],
+                    ast.Constant(value=grads))
         if names:
             after = ast.Assign(targets=[ast.Tuple(
                 elts=[ast.Name(id=n, ctx=ast.Store()) for n in names], ctx=ast.Store())],

@@ -4,7 +4,9 @@
      "sig": ["torch.nn.modules...Net", ...],         # what end() received
      "objs": [model, optimizer, ...],                # the objects (flor.snapshot)
      "modes": [{submodule: training flag}, ...],     # per nn.Module, else None
-     "rng": {"random": ..., "numpy": ..., "torch": ..., "cuda": ...}}
+     "rng": {"random": ..., "numpy": ..., "torch": ..., "cuda": ...},
+     "grads": [tensor or None, ...]}                 # only when they are read after
+                                                     # the block: of parameters(objs)
 
 `payload` builds it at a block's end() in record; in replay `belongs`
 checks that a loaded file is the checkpoint of the block execution asking
@@ -82,10 +84,33 @@ def signature(objs) -> list:
     return [f"{type(o).__module__}.{type(o).__qualname__}" for o in objs]
 
 
+def parameters(objs) -> list:
+    """The parameters that the modules and optimizers among `objs` hold,
+    each once, in a fixed order.  (A bare tensor is left out: restored by
+    rebinding, it comes back a leaf whatever it was.)"""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    out, seen = [], set()
+    for o in objs:
+        if isinstance(o, torch.nn.Module):
+            params = list(o.parameters())
+        elif isinstance(o, torch.optim.Optimizer):
+            params = [p for group in o.param_groups for p in group["params"]]
+        else:
+            continue
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def state_owners(objs, frame) -> list:
     """What holds training state: `objs`, then the modules and optimizers in
     the scope of `frame` (its locals, the attributes of its `self`, its
-    module's globals), in name order."""
+    module's globals), in name order.  Their parameters are those whose
+    gradients a block leaves."""
     torch = sys.modules.get("torch")
     if torch is None:
         return list(objs)
@@ -103,9 +128,17 @@ def state_owners(objs, frame) -> list:
     return owners
 
 
-def payload(key: str, ctx: str, occurrence: int, sig: list, objs) -> dict:
-    return {"block": key, "ctx": ctx, "occurrence": occurrence, "sig": sig,
-            "objs": list(objs), "modes": module_modes(objs), "rng": rng_state()}
+def gradients(owners) -> list:
+    """The gradient of each of `parameters(owners)`, or None where it has none."""
+    return [p.grad for p in parameters(owners)]
+
+
+def payload(key: str, ctx: str, occurrence: int, sig: list, objs, grads=None) -> dict:
+    out = {"block": key, "ctx": ctx, "occurrence": occurrence, "sig": sig,
+           "objs": list(objs), "modes": module_modes(objs), "rng": rng_state()}
+    if grads is not None:
+        out["grads"] = grads
+    return out
 
 
 def belongs(loaded, key: str, ctx: str, occurrence: int) -> bool:
@@ -122,14 +155,23 @@ def _rebind(live, saved):
     return saved
 
 
-def apply(saved: dict, objs, rebind=None) -> list:
+def apply(saved: dict, objs, rebind=None, frame=None) -> list:
     """Restore `objs` from a checkpoint: in place where they can change
     (``rebind[i]`` returns the saved value instead), then their modules'
-    training flags and the random state.  Returns the restored objects."""
+    training flags, the gradients it holds (of the parameters that
+    `state_owners(objs, frame)` hold) and the random state.  Returns
+    the restored objects."""
     rebind = rebind or [False] * len(objs)
     out = [_rebind(live, s) if again else restore(live, s)
            for live, s, again in zip(objs, saved["objs"], rebind)]
     set_module_modes(out, saved.get("modes"))
+    if "grads" in saved:
+        params = parameters(state_owners(out, frame))
+        if len(params) != len(saved["grads"]):
+            raise ValueError(f"the checkpoint holds the gradients of {len(saved['grads'])} "
+                             f"parameters, the block's objects have {len(params)}")
+        for p, g in zip(params, saved["grads"]):
+            p.grad = None if g is None else g.to(p.device)
     set_rng_state(saved["rng"])
     torch = sys.modules.get("torch")
     for o in out:

@@ -216,9 +216,10 @@ def _capture(s, names, paths, globals_, rebound, frame):
     return items, captured, extra, labels
 
 
-def end(key, names, paths, globals_, rebound):
+def end(key, names, paths, globals_, rebound, grads=False):
     """Close the block: checkpoint (record) or restore (replay, skipped) its
-    side effects, and return the values of `names` to rebind."""
+    side effects, and return the values of `names` to rebind.  `grads`: the
+    block's parameters' gradients are read after it, and are state too."""
     s = Session.get()
     frame = sys._getframe(1)
     if s.close_plain():
@@ -230,7 +231,7 @@ def end(key, names, paths, globals_, rebound):
     s.block_labels.setdefault(key, labels)
     out = s.end(objs + [o for _, o in extra], frame, sig=labels,
                 rebind=[items[i][2] for i in captured] + [False] * len(extra), as_list=True,
-                hint="record the script again, or add `# flor: skip` to the loop")
+                hint="record the script again, or add `# flor: skip` to the loop", grads=grads)
     values = [v for _, v, _ in items]
     for i, new in zip(captured, out):
         values[i] = new

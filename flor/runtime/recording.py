@@ -21,6 +21,7 @@ from .. import _core
 from ..context import checkpoint_name, is_outermost, location
 from ..errors import CheckpointWriteError, SegmentDone, note
 from ..materializer import Materializer, mode_from_env
+from ..program.gradients import manual_gradients
 from . import blockstate
 
 __all__ = ["Recording", "record_script", "summary", "never_checkpointed", "DEFAULT_EPSILON",
@@ -77,6 +78,9 @@ class Recording:
         self.hands_free = hands_free is not None
         if hands_free is not None:
             store.save_instrumented(self.run_id, hands_free.text, hands_free.summary())
+        # Manual API: blocks whose gradients are read after their end().
+        self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
+            if source is not None and hands_free is None else set()
         self.last_bytes: dict[str, int] = {}  # block -> bytes of its last checkpoint
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         self._mat = None
@@ -116,21 +120,25 @@ class Recording:
     def ran_again(self, session, b, objs, sig):
         raise AssertionError("record never steps into a block")
 
-    def restore(self, session, block, objs, sig, rebind, hint):
+    def restore(self, session, block, objs, sig, rebind, hint, frame):
         raise AssertionError("record never skips a block")
 
-    def executed(self, session, b, objs, seconds, sig):
+    def executed(self, session, b, objs, seconds, sig, grads, frame):
         """Decide whether to checkpoint this execution, and do it."""
+        if grads or b.key in self.grad_blocks:
+            grads = blockstate.gradients(blockstate.state_owners(objs, frame))
+        else:
+            grads = None
         nbytes = self.last_bytes.get(b.key)
         if nbytes is None:
-            nbytes = _core.measure(list(objs))
+            nbytes = _core.measure([list(objs), grads])
         bw = self.bandwidth()
         ok, reason, ratio, limit, M = self.machine.decide(b.handle, nbytes, bw)
         fname = None
         _, _, top, top_iter, indices = session.info
         if ok:
             fname = checkpoint_name(b.key, b.ctx, b.occurrence, json.loads(indices))
-            payload = blockstate.payload(b.key, b.ctx, b.occurrence, sig, objs)
+            payload = blockstate.payload(b.key, b.ctx, b.occurrence, sig, objs, grads)
             try:
                 self.last_bytes[b.key] = self._materializer().submit(fname, payload)
             except CheckpointWriteError as e:

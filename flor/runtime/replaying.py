@@ -172,10 +172,10 @@ class Replaying:
                 (b.key, b.ctx, b.occurrence) in self.ckpts:
             session.logbook.state(b, sig, objs)
 
-    def executed(self, session, block, objs, seconds, sig):
+    def executed(self, session, block, objs, seconds, sig, grads, frame):
         raise AssertionError("replay never executes a block as record does")
 
-    def restore(self, session, b, objs, sig, rebind, hint):
+    def restore(self, session, b, objs, sig, rebind, hint, frame):
         """A skipped block's end(): restore `objs` from its checkpoint."""
         t0 = time.perf_counter()
         saved = b.payload
@@ -184,7 +184,7 @@ class Replaying:
                 f"SkipBlock {b.key!r}: its checkpoint holds {saved['sig']} but end() received "
                 f"{sig}. The program changed after record, so flor cannot skip "
                 f"this block; {hint}")
-        out = blockstate.apply(saved, objs, rebind)
+        out = blockstate.apply(saved, objs, rebind, frame)
         self.machine.restored(b.handle, b.load_s + time.perf_counter() - t0)
         if not session.discard:
             for row in self._recorded_output(session, b):

@@ -76,7 +76,7 @@ class Inert:
     def step_into(self, name, probed, frame, expect_sig=None):
         return True
 
-    def end(self, objs, frame, sig=None, rebind=None, as_list=False, hint=None):
+    def end(self, objs, frame, sig=None, rebind=None, as_list=False, hint=None, grads=False):
         return list(objs) if as_list else _ret(objs)
 
     def abandon(self):
@@ -297,11 +297,12 @@ class Session:
 
     @_accounted
     def end(self, objs, frame, sig=None, rebind=None, as_list=False,
-            hint="pass probed=True to its step_into() to re-execute it"):
+            hint="pass probed=True to its step_into() to re-execute it", grads=False):
         """Close the innermost block (see SkipBlock.end).  `sig` names the
         objects (default: their types); `rebind[i]` restores objs[i] by
         returning the saved value instead of updating it in place (objects
-        with load_state_dict are always loaded in place)."""
+        with load_state_dict are always loaded in place); `grads`: the
+        gradients of their parameters are state too."""
         ret = list if as_list else _ret
         if self.context.innermost_block() in (PLAIN, None):
             raise RuntimeError(
@@ -310,12 +311,12 @@ class Session:
         state, seconds = self.machine.leave(b.handle)
         sig = signature(objs) if sig is None else list(sig)
         if state == _core.EXECUTE:
-            self.policy.executed(self, b, objs, seconds, sig)
+            self.policy.executed(self, b, objs, seconds, sig, grads, frame)
             return ret(objs)
         if state == _core.STEP_INTO:
             self.policy.ran_again(self, b, objs, sig)
             return ret(objs)
-        return ret(self.policy.restore(self, b, objs, sig, rebind, hint))
+        return ret(self.policy.restore(self, b, objs, sig, rebind, hint, frame))
 
     # -- logs and output ----------------------------------------------------
 
