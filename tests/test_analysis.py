@@ -201,15 +201,38 @@ def test_called_functions_are_analysed_more_than_one_level_deep():
     assert e.paths == ["r", "the_opt"] and e.calls == {"inner", "outer"}
 
 
+RECURSIVE = """
+    def repackage_hidden(h):
+        if isinstance(h, torch.Tensor):
+            return h.detach()
+        return tuple(repackage_hidden(v) for v in h)
+    def walk(tree, out):
+        for child in tree.children:
+            walk(child, out)
+        if tree.leaf:
+            out.counts.append(1)
+    def ping(a, b, n):
+        if n:
+            pong(a, b, n - 1)
+    def pong(a, b, n):
+        b.hits.append(n)
+        ping(a, b, n)
+    for ep in range(2):
+        %s
+    """
+
+
+@pytest.mark.parametrize("call, paths", [
+    ("hidden = repackage_hidden(hidden)", ["hidden"]),  # pure: word_language_model's
+    ("walk(root_node, stats)", ["stats.counts"]),  # found only by recursing
+    ("ping(x, y, 3)", ["y.hits"]),  # mutual recursion
+])
+def test_recursive_functions_are_analysed_to_a_fixpoint(call, paths):
+    e = effects(textwrap.dedent(RECURSIVE) % call, "print(hidden, stats, y)")
+    assert e.paths == paths
+
+
 @pytest.mark.parametrize("src, reason", [
-    ("""
-        def f(x):
-            for i in x:
-                pass
-            return f(x)
-        for ep in range(2):
-            f(net)
-        """, "recursive"),
     ("""
         def f(opt):
             for i in range(2):

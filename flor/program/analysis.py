@@ -19,16 +19,16 @@ and classes (imports, ``def``, ``class``) are not state and are left out.
 
 Functions of the script itself.  A call to a function defined in the same
 file (at module level, or in the function that holds the block) is analysed
-through the function's body, recursively to MAX_DEPTH levels, wherever the
-call appears in a statement: what it does to its parameters counts as done
+through the function's body, and through the functions it calls in turn
+(recursive ones to a fixpoint), wherever the call appears in a statement: what it does to its parameters counts as done
 to the caller's arguments, and the module globals it assigns (``global g``)
 or changes through a method call count as themselves.  Everything it does
 to its own locals is dropped.  The analysis *gives up* on a block, which is
 then left as ordinary code and re-executed on replay, never skipped, when:
 the block returns, yields or awaits; it, or a function it calls, uses
 ``exec``, ``eval``, ``globals()``, ``locals()``, ``vars()`` or ``nonlocal``;
-the calls nest deeper than MAX_DEPTH or recurse; or an argument that a
-function changes is passed through ``*args``/``**kwargs``.
+or an argument that a function changes is passed through
+``*args``/``**kwargs``.
 
 Loop-scoped variables (assigned in the block, and read nowhere else in their
 scope, nor by a function of the script when the scope is the module) are
@@ -48,9 +48,7 @@ from .syntax import (assigned_names, free_names, own_nodes, path_of, root, simpl
                      walk_scope)
 from .syntax import targets as single_targets
 
-__all__ = ["Effects", "GiveUp", "Script", "block_effects", "read_first", "MAX_DEPTH"]
-
-MAX_DEPTH = 3
+__all__ = ["Effects", "GiveUp", "Script", "block_effects", "read_first"]
 OPAQUE = {"exec", "eval", "globals", "locals", "vars"}
 
 
@@ -106,7 +104,9 @@ class Script:
         for n in ast.walk(tree):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 self.global_reads |= free_names(n)
-        self._summaries: dict = {}
+        self._summaries: dict = {}  # id(function) -> its summary, final
+        self._partial: dict = {}  # id(function) -> its summary so far, while summarised
+        self._hits: list = []  # ids of unfinished summaries that a recursive call used
 
     # -- functions --------------------------------------------------------
 
@@ -126,16 +126,37 @@ class Script:
         """(params, keyword-only params, {param: suffixes of the paths it
         changes}, paths of globals it declares and changes, paths of free
         names it changes (module globals, or a closure's variables), script
-        functions it calls)."""
+        functions it calls).
+
+        Recursion is a fixpoint: a call back into a function being
+        summarised sees its summary so far (nothing, at first), and the
+        function is summarised again until its summary stops growing.
+        Summaries that depended on an unfinished one are not kept."""
         if fn is None:
             raise GiveUp("a function of the script is defined more than once")
-        if fn in stack:
-            raise GiveUp(f"{fn.name}() is recursive")
-        if depth > MAX_DEPTH:
-            raise GiveUp(f"calls nest deeper than {MAX_DEPTH} levels ({fn.name})")
         key = id(fn)
         if key in self._summaries:
             return self._summaries[key]
+        if fn in stack:
+            self._hits.append(key)
+            return self._partial[key]
+        self._partial[key] = _nothing(fn)
+        mark = len(self._hits)
+        try:
+            while True:
+                out = self._summarise(fn, depth, stack)
+                if key not in self._hits[mark:] or _same(out, self._partial[key]):
+                    break
+                self._partial[key] = out
+                del self._hits[mark:]
+        finally:
+            del self._partial[key]
+        self._hits[mark:] = [k for k in self._hits[mark:] if k != key]
+        if len(self._hits) == mark:  # it used no unfinished summary: final
+            self._summaries[key] = out
+        return out
+
+    def _summarise(self, fn, depth, stack):
         params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
         kwonly = [a.arg for a in fn.args.kwonlyargs]
         variadic = {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None}
@@ -158,9 +179,7 @@ class Script:
                 globals_.append(p)
             elif r not in assigned and r not in self.not_state:
                 free.append(p)
-        out = (params, kwonly, by_param, globals_, free, eff.calls | {fn.name})
-        self._summaries[key] = out
-        return out
+        return (params, kwonly, by_param, globals_, free, eff.calls | {fn.name})
 
     def has_loop(self, fn, seen=()) -> bool:
         """Whether calling `fn` runs a loop (its body, or a script function it calls)."""
@@ -174,6 +193,20 @@ class Script:
                 if callee is not None and self.has_loop(callee, seen + (fn,)):
                     return True
         return False
+
+
+def _nothing(fn):
+    """The summary of a function that changes nothing."""
+    return ([a.arg for a in fn.args.posonlyargs + fn.args.args],
+            [a.arg for a in fn.args.kwonlyargs], {}, [], [], {fn.name})
+
+
+def _same(a, b) -> bool:
+    """Two summaries of one function say the same."""
+    def norm(s):
+        return ({k: sorted(set(v)) for k, v in s[2].items()}, sorted(set(s[3])),
+                sorted(set(s[4])), s[5])
+    return norm(a) == norm(b)
 
 
 def _apply_call(script, call, eff, local_defs, depth, stack):
