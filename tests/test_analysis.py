@@ -152,8 +152,7 @@ def test_a_closure_changes_the_enclosing_functions_names():
     """))
     fn = tree.body[0]
     loop = fn.body[2]
-    local_defs = {n.name: n for n in fn.body if isinstance(n, ast.FunctionDef)}
-    e = block_effects(Script(tree), [loop.body[0]], fn, local_defs)
+    e = block_effects(Script(tree), [loop.body[0]], fn)  # run_epoch: a def of fn
     assert e.paths == ["opt"] and e.globals == []
 
 
@@ -454,3 +453,35 @@ def test_manual_api_blocks_whose_gradients_are_read_after_end():
             scheduler.step()
     """)
     assert manual_gradients(src, "t.py") == {"micro"}
+
+
+def test_methods_of_the_script_s_classes_are_analysed_with_self_as_the_receiver():
+    """self.train_epoch() in fit(), and trainer.step() on a Trainer: the
+    method's changes to self are changes to the receiver's attributes (not
+    the whole object, which holds data loaders)."""
+    src = textwrap.dedent("""
+        class Base:
+            def count(self):
+                self.steps += 1
+        class Trainer(Base):
+            def train_epoch(self, epoch):
+                self.model.train()
+                for x, y in self.loader:
+                    self.opt.zero_grad()
+                    self.count()
+                return 0.0
+            def fit(self):
+                for epoch in range(3):
+                    loss = self.train_epoch(epoch)
+                    print(loss)
+        trainer = Trainer()
+        for ep in range(2):
+            trainer.train_epoch(ep)
+        print(trainer)
+    """)
+    inst = instrument(src, "s.py", lambda line: f"s.py:{line}")
+    blocks = {b.line: b for b in inst.blocks}
+    assert set(blocks) == {14, 18}, inst.left_alone
+    assert blocks[14].names == ["loss"] and blocks[14].kind == "call"
+    assert blocks[14].paths == ["self.model", "self.opt", "self.steps"]
+    assert blocks[18].paths == ["trainer.model", "trainer.opt", "trainer.steps"]

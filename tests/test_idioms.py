@@ -30,6 +30,11 @@ CASES = {
         ["--epochs", "3", "--limit", "300", "--log-interval", "2", "--width", "8"],
         ("loss.backward()", 'print(f"  grad {model.conv1.weight.grad.norm().item():.6f}")'),
         ("scheduler.step()", 'print(f"  wnorm {model.fc2.weight.norm().item():.6f}")')),
+    "trainer_class.py": (
+        ["--epochs", "3", "--width", "8", "--limit", "400"],
+        ("loss.backward()", 'print(f"  loss {loss.item():.6f}")'),
+        ('self.history["val_acc"].append(val_acc)',
+         'print(f"  wnorm {self.model.head.weight.norm().item():.6f}")')),
     "word_lm.py": (
         ["--epochs", "3", "--words", "8000", "--log-interval", "10", "--nhid", "32",
          "--emsize", "32"],

@@ -104,23 +104,75 @@ class Script:
         for n in ast.walk(tree):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 self.global_reads |= free_names(n)
+        self.classes = {n.name: n for n in walk_scope(tree.body) if isinstance(n, ast.ClassDef)}
+        self.method_class = {id(m): c for c in self.classes.values() for m in c.body
+                             if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        self._types: dict = {}  # id(scope) -> {name: class name}
         self._summaries: dict = {}  # id(function) -> its summary, final
         self._partial: dict = {}  # id(function) -> its summary so far, while summarised
         self._hits: list = []  # ids of unfinished summaries that a recursive call used
 
     # -- functions --------------------------------------------------------
 
-    def resolve(self, call: ast.Call, local_defs: dict) -> ast.FunctionDef | None:
-        if not isinstance(call.func, ast.Name):
-            return None
-        name = call.func.id
-        if name in local_defs:
-            return local_defs[name]
-        return self.functions.get(name)
+    @staticmethod
+    def defs(scope) -> dict:
+        """Functions defined in a function's body (a module's are the script's)."""
+        if isinstance(scope, ast.Module):
+            return {}
+        return {n.name: n for n in scope.body if isinstance(n, ast.FunctionDef)}
 
-    def is_script_function(self, call, local_defs) -> bool:
-        return isinstance(call.func, ast.Name) and (
-            call.func.id in local_defs or call.func.id in self.functions)
+    def types(self, scope) -> dict[str, str]:
+        """{name: class of the script} of the names `scope` binds to an
+        instance of one: a method's first parameter, and ``x = Cls(...)``."""
+        key = id(scope)
+        if key not in self._types:
+            out = {}
+            cls = self.method_class.get(key)
+            args = getattr(scope, "args", None)
+            if cls is not None and args is not None and (args.posonlyargs + args.args):
+                out[(args.posonlyargs + args.args)[0].arg] = cls.name
+            for n in walk_scope(scope.body):
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and \
+                        isinstance(n.value.func, ast.Name) and n.value.func.id in self.classes:
+                    for t in n.targets:
+                        if isinstance(t, ast.Name):
+                            out[t.id] = n.value.func.id
+            self._types[key] = out
+        return self._types[key]
+
+    def method(self, cls_name: str, name: str, seen=()):
+        """The method `name` of the script's class (or of its bases in the script)."""
+        cls = self.classes.get(cls_name)
+        if cls is None or cls_name in seen:
+            return None
+        for m in cls.body:
+            if isinstance(m, ast.FunctionDef) and m.name == name:
+                return m
+        for base in cls.bases:
+            if isinstance(base, ast.Name):
+                found = self.method(base.id, name, seen + (cls_name,))
+                if found is not None:
+                    return found
+        return None
+
+    def resolve(self, call: ast.Call, scope) -> ast.FunctionDef | None:
+        """The function of the script that `call`, in `scope`, runs: a
+        function by name, or a method of an object whose class is the
+        script's (``self.train_epoch()``, ``trainer.fit()``)."""
+        if isinstance(call.func, ast.Name):
+            name = call.func.id
+            defs = self.defs(scope)
+            return defs[name] if name in defs else self.functions.get(name)
+        if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name):
+            cls = self.types(scope).get(call.func.value.id)
+            if cls is not None:
+                return self.method(cls, call.func.attr)
+        return None
+
+    def is_script_function(self, call, scope) -> bool:
+        if isinstance(call.func, ast.Name):
+            return call.func.id in self.defs(scope) or call.func.id in self.functions
+        return self.resolve(call, scope) is not None
 
     def summary(self, fn: ast.FunctionDef, depth: int, stack: tuple):
         """(params, keyword-only params, {param: suffixes of the paths it
@@ -162,9 +214,8 @@ class Script:
         variadic = {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None}
         declared_global = {g for n in walk_scope(fn.body) if isinstance(n, ast.Global)
                            for g in n.names}
-        local_defs = {n.name: n for n in fn.body if isinstance(n, ast.FunctionDef)}
         eff = Effects()
-        _collect(self, fn.body, eff, local_defs, depth, stack + (fn,))
+        _collect(self, fn.body, eff, fn, depth, stack + (fn,))
         assigned = assigned_names(fn.body) | set(params) | set(kwonly) | variadic
         by_param: dict[str, list[str]] = {}
         globals_ = list(eff.globals)
@@ -182,14 +233,15 @@ class Script:
         return (params, kwonly, by_param, globals_, free, eff.calls | {fn.name})
 
     def has_loop(self, fn, seen=()) -> bool:
-        """Whether calling `fn` runs a loop (its body, or a script function it calls)."""
+        """Whether calling `fn` runs a loop (its body, or a function or method
+        of the script it calls)."""
         if fn is None or fn in seen:
             return False
         for n in walk_scope(fn.body):
             if isinstance(n, (ast.For, ast.While, ast.AsyncFor)):
                 return True
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
-                callee = self.functions.get(n.func.id)
+            if isinstance(n, ast.Call):
+                callee = self.resolve(n, fn)
                 if callee is not None and self.has_loop(callee, seen + (fn,)):
                     return True
         return False
@@ -209,14 +261,15 @@ def _same(a, b) -> bool:
     return norm(a) == norm(b)
 
 
-def _apply_call(script, call, eff, local_defs, depth, stack):
-    """The effects of a call to a function of the script, on the caller's names."""
-    fn = script.resolve(call, local_defs)
-    if fn is None and not script.is_script_function(call, local_defs):
+def _apply_call(script, call, eff, scope, depth, stack):
+    """The effects of a call to a function of the script, on the caller's
+    names (a method's first parameter is the receiver)."""
+    fn = script.resolve(call, scope)
+    if fn is None and not script.is_script_function(call, scope):
         return False
     params, kwonly, by_param, globals_, free, calls = script.summary(fn, depth + 1, stack)
     eff.calls |= calls
-    local = isinstance(call.func, ast.Name) and call.func.id in local_defs
+    local = isinstance(call.func, ast.Name) and call.func.id in script.defs(scope)
     for g in globals_ + ([] if local else free):
         if g not in eff.globals:
             eff.globals.append(g)
@@ -226,6 +279,9 @@ def _apply_call(script, call, eff, local_defs, depth, stack):
         return True
     bound: dict[str, ast.AST] = {}
     splat = False
+    if isinstance(call.func, ast.Attribute) and params:
+        bound[params[0]] = call.func.value  # self: the receiver
+        params = params[1:]
     for i, a in enumerate(call.args):
         if isinstance(a, ast.Starred):
             splat = True
@@ -253,7 +309,7 @@ def _apply_call(script, call, eff, local_defs, depth, stack):
     return True
 
 
-def _collect(script, stmts, eff, local_defs, depth, stack):
+def _collect(script, stmts, eff, scope, depth, stack):
     """Apply the rules to every statement under `stmts`."""
     for s in stmts:
         for n in walk_scope([s]):
@@ -268,11 +324,11 @@ def _collect(script, stmts, eff, local_defs, depth, stack):
                 eff.reads.add(n.id)
     for s in simple_statements(stmts):
         handled = set()
-        _rule(script, s, eff, local_defs, depth, stack, handled)
+        _rule(script, s, eff, scope, depth, stack, handled)
         # Calls to the script's own functions anywhere in the statement.
         for n in walk_scope(own_nodes(s)):
             if isinstance(n, ast.Call) and id(n) not in handled:
-                _apply_call(script, n, eff, local_defs, depth, stack)
+                _apply_call(script, n, eff, scope, depth, stack)
 
 
 def _mutates(stmts, names) -> bool:
@@ -321,7 +377,7 @@ def _add_targets(eff, targets, rule, script):
                     eff.assigned.add(p)  # rebound, not changed in place
 
 
-def _rule(script, s, eff, local_defs, depth, stack, handled):
+def _rule(script, s, eff, scope, depth, stack, handled):
     value, targets = None, None
     if isinstance(s, ast.Assign):
         value, targets = s.value, s.targets
@@ -331,16 +387,17 @@ def _rule(script, s, eff, local_defs, depth, stack, handled):
         p = path_of(s.target)
         known = p in eff.rules
         value = s.value
-        if not known and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        if not known and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
+                and script.resolve(value, scope) is None:
             obj = path_of(value.func.value)  # rule 1: x += obj.method()
             if obj is not None and root(obj) not in script.not_state:
                 eff.add(obj, 1)
         if p is not None and root(p) not in script.not_state:
             eff.add(p, 0 if known else 1 if isinstance(value, ast.Call) and isinstance(
                 value.func, ast.Attribute) else 2 if isinstance(value, ast.Call) else 3)
-        if isinstance(value, ast.Call) and script.is_script_function(value, local_defs):
+        if isinstance(value, ast.Call) and script.is_script_function(value, scope):
             handled.add(id(value))
-            _apply_call(script, value, eff, local_defs, depth, stack)
+            _apply_call(script, value, eff, scope, depth, stack)
         return
     elif isinstance(s, ast.AnnAssign) and s.value is not None:
         value, targets = s.value, [s.target]
@@ -365,7 +422,8 @@ def _rule(script, s, eff, local_defs, depth, stack, handled):
         if any(p is not None and p in eff.rules for p in paths):
             _add_targets(eff, targets, 0, script)  # rule 0
             return
-        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and \
+                script.resolve(value, scope) is None:
             obj = path_of(value.func.value)  # rule 1
             if obj is not None and root(obj) not in script.not_state:
                 eff.add(obj, 1)
@@ -373,15 +431,15 @@ def _rule(script, s, eff, local_defs, depth, stack, handled):
             return
         if isinstance(value, ast.Call):  # rule 2
             _add_targets(eff, targets, 2, script)
-            if script.is_script_function(value, local_defs):
+            if script.is_script_function(value, scope):
                 handled.add(id(value))
-                _apply_call(script, value, eff, local_defs, depth, stack)
+                _apply_call(script, value, eff, scope, depth, stack)
             return
         _add_targets(eff, targets, 3, script)  # rule 3
         return
     if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
         call = s.value
-        if isinstance(call.func, ast.Attribute):  # rule 4
+        if isinstance(call.func, ast.Attribute) and script.resolve(call, scope) is None:  # rule 4
             obj = path_of(call.func.value)
             if obj is not None and root(obj) not in script.not_state:
                 eff.add(obj, 4)
@@ -389,16 +447,15 @@ def _rule(script, s, eff, local_defs, depth, stack, handled):
                 eff.unknown.append(s.lineno)
             return
         handled.add(id(call))  # rule 5
-        if not _apply_call(script, call, eff, local_defs, depth, stack):
+        if not _apply_call(script, call, eff, scope, depth, stack):
             eff.unknown.append(s.lineno)
 
 
-def block_effects(script: Script, block: list, scope, local_defs=None) -> Effects:
+def block_effects(script: Script, block: list, scope) -> Effects:
     """The changeset of the statements `block`, nested in `scope` (the
     module, or the function holding them).  Raises GiveUp."""
-    local_defs = local_defs or {}
     eff = Effects()
-    _collect(script, block, eff, local_defs, 0, ())
+    _collect(script, block, eff, scope, 0, ())
     inside = assigned_names(block) - read_first(block)
     block_ids = {id(n) for b in block for n in ast.walk(b)}
     outside = set()  # names read in the scope outside the block

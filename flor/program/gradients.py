@@ -205,6 +205,6 @@ def manual_gradients(source: str, rel: str) -> set[str]:
                 end = next((s for s in stmts[i + 1:]
                             if any(_is_flor_call(n, "end") for n in ast.walk(s))), None)
                 if end is not None and gradients_live(
-                        stmt, loop.body, lambda call: script.resolve(call, {}), schedulers, end):
+                        stmt, loop.body, lambda call: script.resolve(call, tree), schedulers, end):
                     out.add(_literal(stmt.test, 0, "name") or location(rel, stmt.test.lineno))
     return out

@@ -172,7 +172,7 @@ class _Instrumenter:
         self.out = Instrumented(code=None, text="")
         self.out.functions = {q: (f.lineno, f.end_lineno, called_names(f.body))
                               for q, f in functions(self.tree).items()}
-        self.tree.body = self._scope(self.tree.body, self.tree, "<module>", {})
+        self.tree.body = self._scope(self.tree.body, self.tree, "<module>")
         ast.fix_missing_locations(self.tree)
         self.out.code = compile(self.tree, filename, "exec", dont_inherit=True)
         self.out.text = ast.unparse(self.tree)
@@ -180,29 +180,28 @@ class _Instrumenter:
 
     # -- scopes and candidate main loops ------------------------------------
 
-    def _scope(self, stmts, scope, qualname, local_defs):
+    def _scope(self, stmts, scope, qualname):
         """Instrument the statements of a scope (module or function body)."""
         out = []
         for s in stmts:
             if isinstance(s, ast.FunctionDef):
                 if not any(isinstance(n, (ast.Yield, ast.YieldFrom))
                            for n in walk_scope(s.body)):
-                    defs = {n.name: n for n in s.body if isinstance(n, ast.FunctionDef)}
-                    s.body = self._scope(s.body, s, _q(qualname, s.name), defs)
+                    s.body = self._scope(s.body, s, _q(qualname, s.name))
                 out.append(s)
             elif isinstance(s, ast.ClassDef):
                 for i, m in enumerate(s.body):
                     if isinstance(m, ast.FunctionDef):
-                        s.body[i:i + 1] = self._scope([m], scope, _q(qualname, s.name), {})
+                        s.body[i:i + 1] = self._scope([m], scope, _q(qualname, s.name))
                 out.append(s)
             elif isinstance(s, LOOPS):
-                out.extend(self._candidate(s, scope, qualname, local_defs))
+                out.extend(self._candidate(s, scope, qualname))
             else:
-                _rewrite_bodies(s, lambda b: self._scope(b, scope, qualname, local_defs))
+                _rewrite_bodies(s, lambda b: self._scope(b, scope, qualname))
                 out.append(s)
         return out
 
-    def _candidate(self, loop, scope, qualname, local_defs):
+    def _candidate(self, loop, scope, qualname):
         if self.opted_out(loop):
             self.out.left_alone.append((loop.lineno, "# flor: skip"))
             return [loop]
@@ -213,7 +212,7 @@ class _Instrumenter:
         key = self.key_of(loop.lineno)
         self.out.loops.append(Loop(key, loop.lineno, loop.end_lineno, qualname))
         self.loop_body = loop.body
-        loop.body = self._main_body(loop.body, key, scope, local_defs)
+        loop.body = self._main_body(loop.body, key, scope)
         line = loop.lineno
         if isinstance(loop, ast.For):
             loop.iter = _at(_call("loop", loop.iter, ast.Constant(value=key)), line)
@@ -227,37 +226,38 @@ class _Instrumenter:
 
     # -- blocks ---------------------------------------------------------------
 
-    def _main_body(self, stmts, owner, scope, local_defs):
+    def _main_body(self, stmts, owner, scope):
         out = []
         for s in stmts:
             if isinstance(s, LOOPS) or isinstance(s, ast.AsyncFor):
-                out.extend(self._block(s, "loop", owner, scope, local_defs))
-            elif self._loop_call(s, local_defs):
-                out.extend(self._block(s, "call", owner, scope, local_defs))
+                out.extend(self._block(s, "loop", owner, scope))
+            elif self._loop_call(s, scope):
+                out.extend(self._block(s, "call", owner, scope))
             elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 out.append(s)
             else:
-                _rewrite_bodies(s, lambda b: self._main_body(b, owner, scope, local_defs))
+                _rewrite_bodies(s, lambda b: self._main_body(b, owner, scope))
                 out.append(s)
         return out
 
-    def _loop_call(self, s, local_defs) -> bool:
+    def _loop_call(self, s, scope) -> bool:
         """`f(...)` or `targets = f(...)` where f is a function of the script
-        that runs a loop."""
+        that runs a loop, or a method of the script's class of which the
+        receiver is an instance (``self.train_epoch(epoch)``, ``trainer.fit()``)."""
         value = s.value if isinstance(s, (ast.Expr, ast.Assign, ast.AugAssign,
                                           ast.AnnAssign)) else None
-        if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Name):
+        if not isinstance(value, ast.Call):
             return False
-        fn = local_defs.get(value.func.id) or self.script.functions.get(value.func.id)
+        fn = self.script.resolve(value, scope)
         return fn is not None and self.script.has_loop(fn)
 
-    def _block(self, s, kind, owner, scope, local_defs):
+    def _block(self, s, kind, owner, scope):
         line = s.lineno
         if self.opted_out(s):
             self.out.left_alone.append((line, "# flor: skip"))
             return [s]
         try:
-            eff = block_effects(self.script, [s], scope, local_defs)
+            eff = block_effects(self.script, [s], scope)
         except GiveUp as e:
             self.out.left_alone.append((line, f"analysis gave up: {e}"))
             return [s]
@@ -275,7 +275,7 @@ class _Instrumenter:
                 paths.append(p)  # a closure's variable: restored in place only
         rebound = [p for p in eff.paths if p in eff.assigned]
         grads = gradients_live(s, self.loop_body, lambda call: self.script.resolve(
-            call, local_defs), self.schedulers)
+            call, scope), self.schedulers)
         self.out.blocks.append(Block(
             key=key, line=line, end_line=s.end_lineno, owner=owner, kind=kind, names=names,
             paths=paths, globals=globals_, rebound=rebound, dropped=eff.dropped,
