@@ -318,6 +318,10 @@ def test_uses_flor():
     ("logger.warning(x)", True), ("writer.add_scalar('loss', loss, step)", True),
     ("wandb.log({'loss': loss})", True), ("print(y := 3)", False), ("x = print(x)", False),
     ("optimizer.step()", False), ("model.train()", False), ("f(x)", False),
+    # They change state: warned of, refused under --strict.
+    ("print(w.mul_(0.5).norm())", False), ("logging.info('%s', opt.step())", False),
+    ("optimizer.add_param_group({'params': [p]})", False), ("print(model.eval())", False),
+    ("print(w.norm(), w.grad.abs().max())", True), ("print(x.float().mean())", True),
 ])
 def test_log_like_statements(stmt, hindsight):
     assert is_log_like(ast.parse(stmt).body[0]) is hindsight
@@ -367,6 +371,15 @@ def test_probe_detection_steps_into_the_block_whose_function_lost_a_statement():
     probe = detect(old, new, inst, changed_functions({"s.py": old}, {"s.py": new}))
     assert probe.probed == {"s.py:11"}  # the call of train(), not of evaluate()
     assert probe.other == [(6, "removed: model.count += 1")]
+
+
+def test_an_added_statement_that_changes_state_is_not_a_hindsight_statement():
+    old = "for e in range(3):\n    for x in data:\n        model.fit(x)\n"
+    new = old + "        print(model.w.mul_(0.5).norm())\n"
+    probe = detect(old, new, instrument(new, "s.py", lambda line: f"s.py:{line}"), set())
+    assert probe.hindsight == []
+    assert probe.other == [(4, "changes state (calls model.w.mul_()): "
+                               "print(model.w.mul_(0.5).norm())")]
 
 
 def test_value_comparison_is_exact_unless_a_tolerance_is_given():

@@ -5,7 +5,9 @@ statement contributes its header, then its body one level deeper) and
 matched in order.  An added statement is a *hindsight statement* when it is
 log-like: an expression statement that assigns nothing and calls ``print``,
 ``flor.log``, ``logging.*`` or a logger, a TensorBoard ``SummaryWriter.add_*``,
-``wandb.log`` or another ``*.log*`` function.  Added imports are allowed too.
+``wandb.log`` or another ``*.log*`` function, and that calls no in-place
+tensor method (``mul_``) and no method of training state (``step``,
+``zero_grad``, ``add_param_group`` ...).  Added imports are allowed too.
 Everything else (assignments, control flow, changed arguments, deletions)
 is an *other change*: replay warns, listing them, or refuses with --strict.
 
@@ -25,6 +27,24 @@ from .syntax import bodies, header, is_compound
 __all__ = ["Probe", "detect", "is_log_like"]
 
 _LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
+# Methods that change training state: a statement calling one is not log-like.
+_STATE_METHODS = {"step", "zero_grad", "backward", "add_param_group", "load_state_dict",
+                  "train", "eval", "apply", "register_buffer", "register_parameter",
+                  "register_module", "add_module", "manual_seed", "seed", "set_rng_state",
+                  "set_state", "setstate", "set_num_threads", "update"}
+
+
+def state_changes(stmt) -> list[str]:
+    """The calls in `stmt` that change state: in-place tensor methods
+    (``mul_``, ``copy_``) and methods of training state (``step``,
+    ``zero_grad``, ``add_param_group`` ...)."""
+    out = []
+    for n in ast.walk(stmt):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            name = n.func.attr
+            if (name.endswith("_") and not name.startswith("_")) or name in _STATE_METHODS:
+                out.append(f"{ast.unparse(n.func)}()")
+    return out
 
 
 @dataclass
@@ -53,7 +73,7 @@ def is_log_like(stmt) -> bool:
     """An expression statement that calls a logging function and assigns nothing."""
     if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
         return False
-    if any(isinstance(n, ast.NamedExpr) for n in ast.walk(stmt)):
+    if any(isinstance(n, ast.NamedExpr) for n in ast.walk(stmt)) or state_changes(stmt):
         return False
     name = _dotted(stmt.value.func)
     if name is None:
@@ -114,6 +134,9 @@ def detect(old_source: str, new_source: str, inst, changed: set[str]) -> Probe:
             line = getattr(node, "lineno", None)
             if tag == "insert" and is_log_like(node):
                 probe.hindsight.append((line, _describe(node, new_lines)))
+            elif tag == "insert" and state_changes(node):
+                probe.other.append((line, f"changes state (calls {', '.join(state_changes(node))}"
+                                          f"): {_describe(node, new_lines)}"))
             elif tag == "insert" and isinstance(node, (ast.Import, ast.ImportFrom)):
                 pass  # an import for a hindsight statement
             else:
