@@ -1,8 +1,8 @@
 """The flor command line.
 
     python -m flor record [--epsilon E] [--no-adaptive] SCRIPT [ARGS...]
-    python -m flor replay [--jobs N] [--run ID] [--part I/N] [--check warn|strict]
-                          [--tolerance REL] [--strict] SCRIPT [ARGS...]
+    python -m flor replay [--jobs N] [--threads T] [--run ID] [--part I/N]
+                          [--check warn|strict] [--tolerance REL] [--strict] SCRIPT [ARGS...]
     python -m flor merge [--check warn|strict] [REPLAY_ID]
     python -m flor runs
 
@@ -109,11 +109,36 @@ def _tolerance(opts):
     return tolerance
 
 
+def _threads(opts):
+    """Torch threads per replay worker as told: --threads, else OMP_NUM_THREADS."""
+    text = opts.get("--threads", os.environ.get("OMP_NUM_THREADS"))
+    if text is None:
+        return None
+    try:
+        threads = int(text)
+    except ValueError:
+        raise FlorError(f"--threads (or OMP_NUM_THREADS) takes a whole number, not {text!r}") \
+            from None
+    if threads < 1:
+        raise FlorError("--threads must be at least 1")
+    return threads
+
+
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _plan(store, script, args, jobs, opts, part=None):
     from .replay.plan import plan_replay
 
-    plan, rec, cmp, source = plan_replay(store, script, args, jobs, opts.get("--run"),
-                                         part=part, tolerance=_tolerance(opts))
+    plan, rec, cmp, source, notes = plan_replay(
+        store, script, args, jobs, opts.get("--run"), part=part, tolerance=_tolerance(opts),
+        threads=_threads(opts), cores=None if part is not None else _cores())
+    for line in notes:
+        note(line)
     hf = plan.hands_free
     if opts.get("--strict") and hf and hf["other"]:
         raise FlorError("--strict: the script changed in ways other than hindsight "
@@ -125,8 +150,8 @@ def cmd_replay(rest) -> int:
     from .replay.plan import describe
     from .replay.workers import run_local, run_part
 
-    opts, script, args = _split(rest, {"--jobs", "--run", "--part", "--check", "--tolerance"},
-                                flags={"--strict"}, trailing=True)
+    opts, script, args = _split(rest, {"--jobs", "--run", "--part", "--check", "--tolerance",
+                                       "--threads"}, flags={"--strict"}, trailing=True)
     strict = _strict(opts)
     store = Store()
     if "--part" in opts:

@@ -67,9 +67,12 @@ def torch():
 
 # --- record and replay across processes ----------------------------------
 
-def flor(cwd, *argv, env=None, check=True):
+def flor(cwd, *argv, env=None, check=True, drop=()):
+    """Run `python -m flor ARGV` in `cwd` with its own store; `drop` names
+    variables of this environment to leave out."""
     full_env = dict(os.environ, FLOR_DIR=os.path.join(cwd, ".flor"))
-    full_env.pop("FLOR_MODE", None)
+    for name in ("FLOR_MODE", *drop):
+        full_env.pop(name, None)
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", "flor", *argv], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=300)

@@ -399,3 +399,33 @@ def test_blocks_that_hold_only_numbers_record_to_the_end(tmp_path):
     flor(d, "record", "floats.py")  # adaptive: asks for the bandwidth at every end()
     st = store(d)
     assert [r["status"] for r in runs(st, "record")] == ["finished", "finished"]
+
+
+def test_replay_workers_run_with_the_record_s_thread_count(tmp_path):
+    """Workers get the record's torch thread count, and no more of them than
+    the cores allow at that count; --threads says otherwise."""
+    d = str(tmp_path)
+    write_script(d, "threads.py", """
+        import torch
+        w = torch.zeros(4)
+        for epoch in range(4):
+            for step in range(3):
+                w += torch.ones(4) * step
+            print(epoch, w.sum().item(), torch.get_num_threads())
+    """)
+    cores = len(os.sched_getaffinity(0))
+    flor(d, "record", "--no-adaptive", "threads.py", env={"OMP_NUM_THREADS": str(cores)})
+    edit(os.path.join(d, "threads.py"), "w += torch.ones", "print(step)")  # work for 2
+    rep = flor(d, "replay", "--jobs", "2", "threads.py", drop=("OMP_NUM_THREADS",))
+    st = store(d)
+    parts = st.rows("parts", runs(st, "replay")[-1]["run_id"])
+    assert {json.loads(p["info"])["threads"] for p in parts} == {cores}
+    if cores >= 2:
+        assert len(parts) == 1, rep.stderr
+        assert (f"--jobs 2 asks for 2 workers of {cores} torch threads each (the record's), "
+                f"and {cores} cores are available: replaying with 1 worker") in rep.stderr
+    told = flor(d, "replay", "--jobs", "2", "--threads", "1", "threads.py",
+                drop=("OMP_NUM_THREADS",))
+    parts = st.rows("parts", runs(st, "replay")[-1]["run_id"])
+    assert {json.loads(p["info"])["threads"] for p in parts} == {1}
+    assert len(parts) == min(2, cores) and "asks for" not in told.stderr

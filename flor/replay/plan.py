@@ -27,7 +27,7 @@ from ..program.source import Comparison, changed_functions, manual_blocks, map_f
 from ..store import Store, new_run_id
 
 __all__ = ["Plan", "plan_replay", "partition", "iteration_costs", "instrument_current",
-           "register", "describe"]
+           "register", "describe", "worker_threads"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,13 @@ class Plan:
     c: float
     hands_free: dict | None  # {"hindsight", "other", "blocks"} for a hands-free record
     tolerance: float | None = None  # --tolerance REL for the deferred checks
+    threads: int | None = None  # torch intra-op threads of each worker
 
     def save(self, path: str):
         data = dataclasses.asdict(self)
-        if data["tolerance"] is None:
-            del data["tolerance"]
+        for optional in ("tolerance", "threads"):
+            if data[optional] is None:
+                del data[optional]
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "w") as f:
@@ -208,14 +210,41 @@ def _compare(store, script, rec):
     return cmp, hands_free, new
 
 
+def worker_threads(rec, jobs: int, threads=None, cores=None):
+    """(torch threads per worker, workers, notes): the record's thread count
+    unless `threads` says otherwise, and no more workers than `cores` (when
+    given) can run at that count without oversubscribing them."""
+    recorded = json.loads(rec["info"] or "{}").get("threads")
+    chosen = threads or recorded
+    notes = []
+    if cores is not None:
+        if chosen is None:
+            chosen = max(1, cores // jobs)
+        allowed = max(1, cores // chosen)
+        whose = "as given" if threads else "the record's"
+        if jobs > allowed:
+            notes.append(f"--jobs {jobs} asks for {jobs} workers of {chosen} torch threads "
+                         f"each ({whose}), and {cores} cores are available: replaying with "
+                         f"{allowed} worker{'s' if allowed > 1 else ''}"
+                         + ("; --threads N runs more workers of fewer threads, but CPU "
+                            "values may then differ in their last bits" if not threads else ""))
+            jobs = allowed
+        if chosen > cores:
+            notes.append(f"each worker runs {chosen} torch threads ({whose}) on {cores} "
+                         "available cores")
+    return chosen, jobs, notes
+
+
 def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=None,
-                tolerance=None):
+                tolerance=None, threads=None, cores=None):
     """Plan the replay of the latest finished record of `script` (or `run_id`)
-    with `args` on `jobs` workers.  Returns (plan, record row, comparison,
-    current source of the script)."""
+    with `args` on up to `jobs` workers of `threads` torch threads each (the
+    record's by default; no more workers than `cores` allow).  Returns
+    (plan, record row, comparison, current source of the script, notes)."""
     if not os.path.isfile(script):
         raise FlorError(f"no such script: {script}")
     rec = _pick_record(store, script, run_id)
+    threads, jobs, notes = worker_threads(rec, jobs, threads, cores)
     cmp, hands_free, new = _compare(store, script, rec)
     decisions = store.rows("decisions", rec["run_id"])
     loops = store.rows("loops", rec["run_id"])
@@ -247,8 +276,8 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
                      for d in decisions if d["checkpoint"] and d["file"]],
         ckpt_dir=store.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
-        hands_free=hands_free, tolerance=tolerance)
-    return plan, rec, cmp, new[os.path.basename(script)]
+        hands_free=hands_free, tolerance=tolerance, threads=threads)
+    return plan, rec, cmp, new[os.path.basename(script)], notes
 
 
 def register(store: Store, plan: Plan, rec, source: str, mode: str):

@@ -33,6 +33,8 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None) -
     store = Store(plan.store)
     if own_db:
         store = Store(plan.store, db_file=store.part_db(plan.replay_id, part))
+        if plan.threads and "OMP_NUM_THREADS" not in os.environ:
+            os.environ["OMP_NUM_THREADS"] = str(plan.threads)  # before the script imports torch
     session = Session.replay(plan, part, store=store, tee=tee, progress_fd=progress_fd)
     script = plan.script
     sys.argv = list(plan.argv)
@@ -97,7 +99,7 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
         note(line)
     register(store, plan, rec, source, "local")
     r, w = os.pipe()
-    threads = str(max(1, (os.cpu_count() or 1) // nparts))
+    threads = str(plan.threads or max(1, (os.cpu_count() or 1) // nparts))
     gpus = _gpus()
     procs, logs = [], []
     for p in range(nparts):
