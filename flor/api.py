@@ -64,7 +64,9 @@ class SkipBlock:
 
 def log(name: str, value):
     """Record `value` under `name` at the current iteration of every enclosing
-    flor.generator, and return it.  Tensors and arrays are stored as numbers."""
+    flor.generator, and return it.  Tensors and arrays are stored as numbers
+    (nested lists of them); those of more than 1024 elements as binary files,
+    written in the background."""
     Session.get().log(name, value, sys._getframe(1))
     return value
 
@@ -108,7 +110,7 @@ def dataframe(*names: str, run: str | None = None):
         depth = max(depth, len(vec))
         seq = counters.get((r["name"], vec), 0)
         counters[(r["name"], vec)] = seq + 1
-        rows.setdefault((vec, seq), {})[r["name"]] = json.loads(r["value"])
+        rows.setdefault((vec, seq), {})[r["name"]] = store.value(run, json.loads(r["value"]))
     levels = ["iteration"] + [f"iteration_{i}" for i in range(1, depth)]
     records = []
     for (vec, seq), values in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1])):

@@ -10,6 +10,7 @@
     .flor/runs/<run>/plan.json      a replay's plan
     .flor/runs/<run>/part-N.db      a --part worker's database, until merge imports it
     .flor/runs/<run>/partN.stderr   a local replay worker's standard error
+    .flor/runs/<run>/values/        large logged tensors and arrays, one flor file each
     .flor/calibration.json          this machine's measured write bandwidth
 
 This module owns that layout and every SQL statement flor runs.  Every
@@ -144,6 +145,15 @@ class Layout:
                 with open(path) as f:
                     out[os.path.relpath(path, base)] = f.read()
         return out
+
+    def value(self, run_id, value):
+        """A logged value (decoded JSON) as flor.log received it: a large
+        tensor or array is read back from its file."""
+        if isinstance(value, dict) and set(value) == {"$array", "dtype", "shape"}:
+            from .checkpoint import load
+
+            return load(os.path.join(self.run_dir(run_id), value["$array"]), map_location="cpu")
+        return value
 
     def latest_plan(self) -> str | None:
         """The replay whose plan was written last (merge's default)."""

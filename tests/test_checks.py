@@ -4,7 +4,7 @@ nothing says so, and lines that differ only where they read the clock are
 set apart."""
 import os
 
-from conftest import edit, flor, plain, write_script
+from conftest import edit, flor, plain, runs, store, write_script
 
 ACCUM = """
     import torch
@@ -97,3 +97,41 @@ def test_lines_that_differ_only_where_they_read_the_clock_are_set_apart(tmp_path
     assert ("deferred checks passed: 0 logged values and 3 printed lines of unchanged "
             "statements equal the record's; 3 printed lines differ only in fields that read "
             "the clock (not compared)") in rep.stderr, rep.stderr
+
+
+def test_large_logged_arrays_are_stored_as_files_and_compared(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "acts.py", """
+        import os
+        import numpy as np
+        import torch
+        import flor
+        torch.manual_seed(0)
+        w = torch.randn(300, 300)
+        for epoch in flor.generator(range(3)):
+            if flor.SkipBlock.step_into("train"):
+                w = w * 0.9 + 0.01
+            w = flor.SkipBlock.end(w)
+            flor.log("w", w * float(os.environ.get("SCALE", "1")))
+            flor.log("h", np.full((40, 40), epoch, dtype=np.int16))
+    """)
+    flor(d, "record", "acts.py")
+    st = store(d)
+    rec = runs(st, "record")[0]["run_id"]
+    files = sorted(os.listdir(os.path.join(st.run_dir(rec), "values")))
+    assert len(files) == 6 and all(f.endswith(".flor") for f in files)
+    edit(os.path.join(d, "acts.py"), 'flor.log("h"', 'print(epoch)')
+    rep = flor(d, "replay", "acts.py")
+    assert "deferred checks passed: 6 logged values" in rep.stderr, rep.stderr
+    bad = flor(d, "replay", "acts.py", env={"SCALE": "2"})
+    assert ("'w' at iteration 1 of the loop at acts.py:7: recorded an array of float32 "
+            "[300, 300], replayed an array of float32 [300, 300]") in bad.stderr, bad.stderr
+    import flor as flor_api
+
+    old, os.environ["FLOR_DIR"] = os.environ.get("FLOR_DIR"), os.path.join(d, ".flor")
+    try:
+        df = flor_api.dataframe("w", "h", run=rec)
+    finally:
+        os.environ["FLOR_DIR"] = old
+    assert tuple(df["w"][0].shape) == (300, 300) and df["h"][2].dtype.name == "int16"
+    assert int(df["h"][2].sum()) == 2 * 1600

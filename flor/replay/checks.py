@@ -121,6 +121,8 @@ def _show(value_json):
         value = json.loads(value_json)
     except (TypeError, ValueError):
         return str(value_json)
+    if isinstance(value, dict) and ARRAY in value:
+        return f"an array of {value['dtype']} {value['shape']}"
     return repr(value) if isinstance(value, str) else json.dumps(value)
 
 
@@ -152,6 +154,27 @@ def equal(a, b, tolerance=0.0) -> bool:
     return a == b
 
 
+ARRAY = "$array"  # a large logged tensor or array, stored in a file
+
+
+def _arrays_equal(store, a, b, tolerance) -> bool:
+    """Two logged values of which one at least is a stored array: equal
+    shape and values (within a relative `tolerance`).  A missing file is
+    a difference."""
+    try:
+        x, y = (store.value(run, v) for run, v in (a, b))
+    except (OSError, ValueError):
+        return False
+    import numpy as np
+
+    x, y = (np.asarray(v.numpy() if hasattr(v, "numpy") else v) for v in (x, y))
+    if x.shape != y.shape:
+        return False
+    if tolerance > 0:
+        return bool(np.allclose(x, y, rtol=tolerance, atol=0.0, equal_nan=True))
+    return bool(np.array_equal(x, y, equal_nan=True))
+
+
 def _present(loc, files):
     rel, line, new = parse_location(loc)
     fmap = files.get(rel)
@@ -177,6 +200,14 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
     for r in store.logs(replay_id):
         replayed[(r["loc"], r["name"], r["ctx"], r["seq"])] = r["value"]
     report.recorded = sum(1 for k in recorded if k[1] != RANDOM)
+    def differ(rec, rep):
+        if rec == rep:
+            return False
+        a, b = json.loads(rec), json.loads(rep)
+        if ARRAY in str(a)[:16] or ARRAY in str(b)[:16]:
+            return not _arrays_equal(store, (record_id, a), (replay_id, b), tolerance)
+        return not equal(a, b, tolerance)
+
     for key, value in replayed.items():
         if key in recorded and key[1] == RANDOM:
             report.random.append((key[0], json.loads(recorded[key]), json.loads(value)))
@@ -190,8 +221,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
             if key[1] == "state@block" and json.loads(value)[0] != json.loads(recorded[key])[0]:
                 continue  # the edited script captures other objects at this block
             report.states += state
-            if recorded[key] != value and (state or not equal(
-                    json.loads(recorded[key]), json.loads(value), tolerance)):
+            if (recorded[key] != value) if state else differ(recorded[key], value):
                 report.mismatches.append((*key, recorded[key], value))
     ran = {(b["block"], b["ctx"], b["occurrence"])
            for b in store.run_rows("blockruns", replay_id) if b["state"] in RAN}

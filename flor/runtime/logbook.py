@@ -25,6 +25,18 @@ __all__ = ["Logbook", "jsonable"]
 _FLOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+ARRAY_INLINE = 1024  # elements: larger tensors and arrays are stored as files
+
+
+def _large(value) -> bool:
+    """A tensor or array too large to store as JSON."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.numel() > ARRAY_INLINE
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.ndarray) and value.size > ARRAY_INLINE
+
+
 def jsonable(value):
     """Tensors and arrays become numbers (or nested lists of numbers)."""
     torch = sys.modules.get("torch")
@@ -59,6 +71,7 @@ class Logbook:
         self.logs, self.out, self.decisions, self.blockruns = [], [], [], []
         self.journal = _core.Journal(self._is_user_code)
         self._user_files: dict[str, bool] = {}
+        self._values = None  # the Materializer of large values, once one is logged
         self._locs: dict = {}  # (id(code), instruction offset) -> (code, location)
 
     def next_ord(self) -> int:
@@ -67,12 +80,44 @@ class Logbook:
         return self.journal.ord
 
     def value(self, name, value, loc):
-        """A flor.log value at the session's current context."""
+        """A flor.log value at the session's current context.  A large tensor
+        or array is copied now and written to a file of the run in the
+        background; the row refers to it."""
         s = self.s
         phase, ctx, top, _, indices = s.info
         seq = s.context.next("S", (name, loc), ctx)
-        self.logs.append((s.run_id, s.part, self.next_ord(), phase, top, ctx, name, indices,
-                          seq, json.dumps(jsonable(value)), loc))
+        ord_ = self.next_ord()
+        if _large(value):
+            stored = self._store_array(value, f"p{s.part}-{ord_}")
+        else:
+            stored = jsonable(value)
+        self.logs.append((s.run_id, s.part, ord_, phase, top, ctx, name, indices, seq,
+                          json.dumps(stored), loc))
+
+    def _store_array(self, value, name) -> dict:
+        if self._values is None:
+            from ..materializer import Materializer
+
+            self._values = Materializer(os.path.join(self.s.store.run_dir(self.s.run_id),
+                                                     "values"))
+        if hasattr(value, "detach"):
+            value = value.detach()
+        self._values.submit(name, value)  # a copy now, the file later
+        return {"$array": f"values/{name}.flor", "dtype": str(value.dtype).replace("torch.", ""),
+                "shape": list(value.shape)}
+
+    def close(self) -> list:
+        """Make every stored value durable; returns the failed writes."""
+        if self._values is None:
+            return []
+        from ..errors import CheckpointWriteError, note
+
+        try:
+            self._values.close()
+        except CheckpointWriteError as e:
+            note(f"logged values could not be stored: {e}")
+            return e.failures
+        return []
 
     def iteration_state(self, frame):
         """The fingerprint of the training state in scope of a top-level loop

@@ -339,7 +339,7 @@ class Session:
         self.finished = True
         error = error if error is not None else self.capture.error
         self.capture.restore()
-        failures = self.policy.close()
+        failures = self.policy.close() + self.logbook.close()
         self._flush()
         self.store.add_blocks([
             (self.run_id, self.part, s["key"], s["n"], s["k"], s["compute_s"],
