@@ -296,7 +296,8 @@ def test_an_edited_main_loop_line_is_still_the_main_loop(tmp_path):
         with open("side.txt", "a") as f:
             f.write("epilogue ran\\n")
     """)
-    flor(d, "record", "--no-adaptive", "s.py")
+    # One torch thread, so that two workers fit on two cores.
+    flor(d, "record", "--no-adaptive", "s.py", env={"OMP_NUM_THREADS": "1"})
     os.unlink(os.path.join(d, "side.txt"))
     path = os.path.join(d, "s.py")
     text = read(path).replace("for e in flor.generator(epochs(4)):",
