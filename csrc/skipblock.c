@@ -14,14 +14,17 @@
  *         def leave(i):                             # SkipBlock.end
  *             pop (must be i); if the body ran: n += 1, compute += elapsed
  *
- *         def decide(i, nbytes, bandwidth):         # record: checkpoint now?
- *             M = nbytes / bandwidth;  C = compute / n
- *             limit = n / (k + 1) * min(1 / (1 + c), epsilon)     # the paper's Eq. 4
- *             if M / C < limit or not adaptive: k += 1; return True, reason
+ *         def decide(i, nbytes, M, write_s):         # record: checkpoint now?
+ *             C = compute / n                      # M: what training pays per
+ *             limit = n / (k + 1) * min(1 / (1 + c), epsilon)   # checkpoint (Eq. 4)
+ *             if M / C < limit or not adaptive:
+ *                 k += 1; materialize += write_s; return True, reason
  *             return False, reason
  *
  * The joint invariant keeps k * M < n * epsilon * C (record overhead at most
  * epsilon) and M + R < n / k * C with R = c * M (replay stays worth it).
+ * Python measures M (flor/runtime/recording.py: the training thread's
+ * blocking plus the slowdown of steps that overlap the background write).
  */
 #include "flor.h"
 
@@ -231,32 +234,35 @@ rule(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(sm_decide_doc,
-             "decide($self, handle, nbytes, bandwidth, /)\n--\n\n"
-             "Record mode, after leave(): whether to checkpoint this execution, by\n"
-             "M/C < n/(k+1) * min(1/(1+c), epsilon) with M = nbytes / bandwidth and\n"
-             "C the mean compute time. Returns (checkpoint, reason, ratio, limit, M).");
+             "decide($self, handle, nbytes, M, write_s, /)\n--\n\n"
+             "Record mode, after leave(): whether to checkpoint this execution of nbytes,\n"
+             "by M/C < n/(k+1) * min(1/(1+c), epsilon) with M the seconds a checkpoint\n"
+             "costs training and C the mean compute time; write_s, the seconds its\n"
+             "background write takes, is accounted as its materialize time. Returns\n"
+             "(checkpoint, reason, ratio, limit, M).");
 
 static PyObject *
 sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t i;
     unsigned long long nbytes;
-    double bw, M, C, ratio, limit;
+    double write_s, M, C, ratio, limit;
     int yes;
     sb_block *b;
     char reason[320];
 
-    if (!flor_check_nargs("decide", nargs, 3, 3)) {
+    if (!flor_check_nargs("decide", nargs, 4, 4)) {
         return NULL;
     }
     i = PyLong_AsSsize_t(args[0]);
     nbytes = PyLong_AsUnsignedLongLong(args[1]);
-    bw = PyFloat_AsDouble(args[2]);
+    M = PyFloat_AsDouble(args[2]);
+    write_s = PyFloat_AsDouble(args[3]);
     if (PyErr_Occurred() || check_handle(m, i) < 0) {
         return NULL;
     }
-    if (!(bw > 0.0)) {
-        PyErr_SetString(PyExc_ValueError, "bandwidth must be positive");
+    if (!(M >= 0.0) || !(write_s >= 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "M and write_s must be seconds, at least 0");
         return NULL;
     }
     b = &m->blocks[i];
@@ -264,7 +270,6 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_RuntimeError, "decide() before the block ever executed");
         return NULL;
     }
-    M = (double)nbytes / bw;
     C = b->compute / (double)b->n;
     yes = joint_invariant(M, C, b->n, b->k, m->c, m->epsilon, &ratio, &limit);
     if (!m->adaptive) {
@@ -275,15 +280,15 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     }
     else {
         snprintf(reason, sizeof(reason),
-                 "%s: M/C = %.4g (M = %llu B / %.4g B/s = %.4g s, C = %.4g s) %s "
+                 "%s: M/C = %.4g (M = %.4g s for %llu B, C = %.4g s) %s "
                  "n/(k+1) * min(1/(1+c), eps) = %llu/%llu * min(%.4g, %.4g) = %.4g",
-                 yes ? "checkpoint" : "no checkpoint", ratio, nbytes, bw, M, C,
+                 yes ? "checkpoint" : "no checkpoint", ratio, M, nbytes, C,
                  yes ? "<" : ">=", (unsigned long long)b->n, (unsigned long long)(b->k + 1),
                  1.0 / (1.0 + m->c), m->epsilon, limit);
     }
     if (yes) {
         b->k++;
-        b->materialize += M;
+        b->materialize += write_s;
         b->nbytes = nbytes;
     }
     return Py_BuildValue("(Nsddd)", PyBool_FromLong(yes), reason, ratio, limit, M);

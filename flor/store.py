@@ -164,9 +164,10 @@ class Layout:
                        if os.path.isfile(self.plan_path(d)))
         return plans[-1][1] if plans else None
 
-    def bandwidth(self, measure) -> float:
-        """Write bandwidth of this machine (bytes/s), measured once per store
-        and host by `measure()` and kept in calibration.json."""
+    def calibration(self, **measures) -> dict:
+        """This machine's measured speeds (bytes/s), each measured once per
+        store and host by its function in `measures` (``write_bytes_per_s=
+        f``) and kept in calibration.json."""
         path = os.path.join(self.root, "calibration.json")
         host = socket.gethostname()
         try:
@@ -174,16 +175,18 @@ class Layout:
                 cal = json.load(f)
         except (FileNotFoundError, ValueError):
             cal = {}
-        if host in cal and cal[host].get("write_bytes_per_s", 0) > 0:
-            return float(cal[host]["write_bytes_per_s"])
-        bps = float(measure())
-        cal[host] = {"write_bytes_per_s": bps, "measured": time.time()}
-        os.makedirs(self.root, exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(cal, f)
-        os.replace(tmp, path)
-        return bps
+        mine = cal.setdefault(host, {})
+        missing = [k for k in measures if not mine.get(k, 0) > 0]
+        for key in missing:
+            mine[key] = float(measures[key]())
+        if missing:
+            mine["measured"] = time.time()
+            os.makedirs(self.root, exist_ok=True)
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(cal, f)
+            os.replace(tmp, path)
+        return {k: float(mine[k]) for k in measures}
 
 
 

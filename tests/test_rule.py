@@ -98,11 +98,12 @@ def test_decide_uses_the_rule_with_measured_time():
     h = m.block("b")
     m.enter(h, False, False)
     _, elapsed = m.leave(h)
-    ok, reason, ratio, limit, M = m.decide(h, 1_000_000, 1e9)
-    assert M == pytest.approx(1e-3)
+    ok, reason, ratio, limit, M = m.decide(h, 1_000_000, 1e-3, 0.25)
+    assert M == 1e-3
     assert (ok, ratio, limit) == _core.rule(M, elapsed, 1, 0, C, EPS)
-    assert "M/C" in reason and "n/(k+1)" in reason
-    assert m.stats()[0]["k"] == int(ok)
+    assert "M/C" in reason and "M = 0.001 s for 1000000 B" in reason and "n/(k+1)" in reason
+    st = m.stats()[0]
+    assert st["k"] == int(ok) and st["materialize_s"] == (0.25 if ok else 0.0)
 
 
 def test_invalid_parameters_are_refused():
@@ -115,9 +116,11 @@ def test_invalid_parameters_are_refused():
     m = machine()
     h = m.block("b")
     with pytest.raises(RuntimeError, match="before the block ever executed"):
-        m.decide(h, 1, 1.0)
-    with pytest.raises(ValueError, match="bandwidth"):
-        m.decide(h, 1, 0.0)
+        m.decide(h, 1, 1.0, 1.0)
+    m.enter(h, False, False)
+    m.leave(h)
+    with pytest.raises(ValueError, match="at least 0"):
+        m.decide(h, 1, -1.0, 0.0)
     with pytest.raises(IndexError):
         m.enter(99, False, False)
 
@@ -136,3 +139,35 @@ def test_skipmachine_reports_bad_arguments_given_by_keyword():
         _core.SkipMachine(_core.RECORD, epsilon=2.0, c=1.0)
     with pytest.raises(ValueError, match=r"got epsilon=0.5, c=-1\)"):
         _core.SkipMachine(_core.RECORD, 0.5, c=-1.0)
+
+
+def test_the_charge_is_what_training_pays_per_checkpoint():
+    """runtime/charge.py: before any checkpoint, a warm copy plus a share of
+    the write; then the overhead measured so far and the marginal cost of
+    one more (the cheapest blocking, and the mean slowdown of overlapped
+    executions; the model until a warm checkpoint is measured), per
+    checkpoint."""
+    from flor.runtime import charge
+
+    c = charge.Charges()
+    c._share = 0.25
+    assert c.cost("train", 1000, copy_bw=1000.0, write_s=2.0) == pytest.approx(1.0 + 0.5)
+    for _ in range(2):  # two executions with no write going on: 1 s each
+        c.started("train", False)
+        c.ended("train", 1.0, False)
+    c.charged("train", 1.9)  # the first copy faults its staging buffer in
+    c.started("eval", True)
+    c.ended("eval", 0.5, True)  # no clean measure of eval yet: no slowdown known
+    c.started("train", True)
+    c.ended("train", 1.3, False)  # overlapped: 0.3 s slower than clean
+    # Spent: 1.9 + 0.3; the next one: the warm model (1.5, below the cold
+    # 1.9) and the slowdown seen so far.
+    assert c.cost("train", 1000, 1000.0, 2.0) == pytest.approx((1.9 + 0.3 + 1.5 + 0.3) / 2)
+    c.charged("train", 0.1)  # a warm one measured: it replaces the model
+    assert c.cost("train", 1000, 1000.0, 2.0) == pytest.approx(
+        (1.9 + 0.1 + 0.3 + 0.1 + 0.15) / 3)
+    # A cold checkpoint cheaper than the model caps it.
+    d = charge.Charges()
+    d._share = 0.25
+    d.charged("eval", 0.2)
+    assert d.cost("eval", 1000, 1000.0, 2.0) == pytest.approx((0.2 + 0.2) / 2)

@@ -145,7 +145,8 @@ def iteration_costs(rec, decisions, loops, probed, no_restore):
             continue
         block_time[i] += d["compute_s"]
         restorable = d["checkpoint"] and d["block"] not in no_restore
-        restore = (rec["c"] or 0.0) * (d["materialize_s"] or 0.0)
+        write_s = d["nbytes"] / d["bandwidth"] if d["bandwidth"] else 0.0
+        restore = (rec["c"] or 0.0) * write_s  # c: restore over write time
         run_time[i] += d["compute_s"] if d["block"] in probed or not restorable else restore
         pseudo_time[i] += restore if restorable else d["compute_s"]
     outer = max(0.0, (loop[0]["seconds"] - sum(block_time)) / total) if loop and total else 0.0

@@ -23,6 +23,7 @@ from ..errors import CheckpointWriteError, SegmentDone, note
 from ..materializer import Materializer, mode_from_env
 from ..program.gradients import manual_gradients
 from . import blockstate
+from .charge import Charges
 
 __all__ = ["Recording", "record_script", "summary", "never_checkpointed", "DEFAULT_EPSILON",
            "DEFAULT_C"]
@@ -82,6 +83,7 @@ class Recording:
         self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
             if source is not None and hands_free is None else set()
         self.last_bytes: dict[str, int] = {}  # block -> bytes of its last checkpoint
+        self.charges = Charges()
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         self._mat = None
         self._bw = None
@@ -112,6 +114,7 @@ class Recording:
         pass
 
     def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
+        self.charges.started(key, self._writing())
         return None, 0.0, probed  # record runs every block
 
     def entered(self, session, key, ctx, occurrence, state):
@@ -129,18 +132,23 @@ class Recording:
             grads = blockstate.gradients(blockstate.state_owners(objs, frame))
         else:
             grads = None
+        self.charges.ended(b.key, seconds, self._writing())
         nbytes = self.last_bytes.get(b.key)
         if nbytes is None:
             nbytes = _core.measure([list(objs), grads])
-        bw = self.bandwidth()
-        ok, reason, ratio, limit, M = self.machine.decide(b.handle, nbytes, bw)
+        bw, copy_bw = self.bandwidth()
+        write_s = nbytes / bw
+        M = self.charges.cost(b.key, nbytes, copy_bw, write_s)
+        ok, reason, ratio, limit, M = self.machine.decide(b.handle, nbytes, M, write_s)
         fname = None
         _, _, top, top_iter, indices = session.info
         if ok:
             fname = checkpoint_name(b.key, b.ctx, b.occurrence, json.loads(indices))
             payload = blockstate.payload(b.key, b.ctx, b.occurrence, sig, objs, grads)
+            t0 = time.perf_counter()
             try:
                 self.last_bytes[b.key] = self._materializer().submit(fname, payload)
+                self.charges.charged(b.key, time.perf_counter() - t0)
             except CheckpointWriteError as e:
                 note(f"checkpoint of block {b.key!r} failed: {e}")
                 fname = None
@@ -160,19 +168,27 @@ class Recording:
             self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode_from_env())
         return self._mat
 
-    def bandwidth(self) -> float:
-        """Bytes per second this machine materializes: measured by the run's
-        own writes once there are some, else by a one-time calibration."""
+    def _writing(self) -> bool:
+        """Whether a background write is in progress."""
+        return self._mat is not None and self._mat.stats()["pending"] > 0
+
+    def bandwidth(self) -> tuple[float, float]:
+        """(write, copy) bytes per second: the write bandwidth measured by the
+        run's own writes once there are some, else both by a one-time
+        calibration of this machine."""
+        if self._bw is None:
+            cal = self.store.calibration(write_bytes_per_s=self._calibrate_write,
+                                         copy_bytes_per_s=self._calibrate_copy)
+            self._bw = cal["write_bytes_per_s"], cal["copy_bytes_per_s"]
+        write_bw, copy_bw = self._bw
         if self._mat is not None:
             st = self._mat.stats()
             # Checkpoints of numbers alone carry no data bytes: no measure.
             if st["written"] >= 2 and st["write_seconds"] > 0 and st["bytes_written"] > 0:
-                return st["bytes_written"] / st["write_seconds"]
-        if self._bw is None:
-            self._bw = self.store.bandwidth(self._calibrate)
-        return self._bw
+                write_bw = st["bytes_written"] / st["write_seconds"]
+        return write_bw, copy_bw
 
-    def _calibrate(self) -> float:
+    def _calibrate_write(self) -> float:
         from ..checkpoint import save
 
         path = os.path.join(self.store.root, f"calibrate.{os.getpid()}.flor")
@@ -181,6 +197,13 @@ class Recording:
         dt = time.perf_counter() - t0
         os.unlink(path)
         return CALIBRATION_BYTES / dt
+
+    @staticmethod
+    def _calibrate_copy() -> float:
+        """A snapshot's copy into a warm staging buffer (the second of two)."""
+        data = bytearray(CALIBRATION_BYTES)
+        _core.snapshot(data)
+        return CALIBRATION_BYTES / max(_core.snapshot(data).copy_seconds, 1e-9)
 
     # -- the end ------------------------------------------------------------
 

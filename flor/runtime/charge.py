@@ -1,0 +1,110 @@
+"""What a checkpoint costs training: the M of the adaptive rule.
+
+A checkpoint costs the training thread what it blocks in ``submit`` (the
+snapshot copy, and waiting when the staging buffer is full), plus the
+slowdown of the block executions that run while the background write is in
+progress (the writer competes for cores, memory bandwidth and the disk).
+The background write itself is not charged: training does not wait for it.
+
+Both parts are measured.  The blocking is the materializer's own count.  An
+execution of a block that started or ended with a write in progress is
+*overlapped*; its slowdown is its compute time less the block's mean time
+over executions that were not.  The rule then asks whether the training
+overhead after one more checkpoint stays within the bound:
+
+    spent + marginal < n * epsilon * C      i.e.   M = (spent + marginal) / (k + 1)
+
+where `spent` is what the block's k checkpoints have cost so far and
+`marginal` what the next one is expected to cost: the smallest blocking
+measured (the staging buffer is warm after the first) plus the mean
+slowdown per checkpoint.  Before a warm checkpoint of a block is measured,
+the blocking is predicted by a model: a warm copy of its bytes (the
+calibrated copy bandwidth) plus a fraction of the write time, 1/4 when the
+writer has a core that training does not use and all of it otherwise.  The
+first checkpoint's own blocking includes one-time costs (the staging
+buffer's first touch), so it caps the model's figure rather than replacing
+it; what it cost stays in `spent`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["Charges"]
+
+SPARE_CORE_SHARE = 0.25  # of the write time, charged before any measure
+
+
+class _Block:
+    __slots__ = ("blocking", "slowdown", "clean_s", "clean_n")
+
+    def __init__(self):
+        self.blocking: list[float] = []  # per checkpoint
+        self.slowdown = 0.0  # total, over overlapped executions
+        self.clean_s, self.clean_n = 0.0, 0  # compute of executions with no write going on
+
+    @property
+    def spent(self) -> float:
+        return sum(self.blocking) + self.slowdown
+
+
+def _share() -> float:
+    """The share of the write time charged before anything is measured."""
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return SPARE_CORE_SHARE if cores > threads else 1.0
+
+
+class Charges:
+    """The cost of each block's checkpoints to the training thread."""
+
+    def __init__(self):
+        self._blocks: dict[str, _Block] = {}
+        self._writing_at_start: dict[str, bool] = {}
+        self._writer = None  # the block whose checkpoint is being written
+        self._share = None
+
+    def started(self, key, writing: bool):
+        """A block execution starts; `writing`: a background write is in progress."""
+        self._writing_at_start[key] = writing
+
+    def ended(self, key, seconds: float, writing: bool):
+        """A block execution ended after `seconds`: account its slowdown to
+        the block whose checkpoint was being written, if one was."""
+        b = self._blocks.setdefault(key, _Block())
+        overlapped = self._writing_at_start.pop(key, False) or writing
+        if not overlapped:
+            b.clean_s += seconds
+            b.clean_n += 1
+        elif b.clean_n and self._writer is not None:
+            extra = seconds - b.clean_s / b.clean_n
+            if extra > 0:
+                self._blocks.setdefault(self._writer, _Block()).slowdown += extra
+
+    def cost(self, key, nbytes: int, copy_bw: float, write_s: float) -> float:
+        """M for the rule: the block's training overhead after one more
+        checkpoint of `nbytes`, per checkpoint."""
+        b = self._blocks.setdefault(key, _Block())
+        k = len(b.blocking)
+        if self._share is None:
+            self._share = _share()
+        prior = nbytes / copy_bw + self._share * write_s
+        if k == 0:
+            marginal = prior
+        elif k == 1:
+            # The first checkpoint also paid one-time costs (its staging
+            # buffer's pages): until a warm one is measured, the model of a
+            # warm one, capped by what the cold one cost.
+            marginal = min(prior, b.blocking[0]) + b.slowdown
+        else:
+            marginal = min(b.blocking) + b.slowdown / k
+        return (b.spent + marginal) / (k + 1)
+
+    def charged(self, key, blocking: float):
+        """A checkpoint of the block was submitted; it blocked `blocking` s."""
+        self._blocks.setdefault(key, _Block()).blocking.append(blocking)
+        self._writer = key
