@@ -30,6 +30,10 @@ CASES = {
         ["--epochs", "3", "--limit", "300", "--log-interval", "2", "--width", "8"],
         ("loss.backward()", 'print(f"  grad {model.conv1.weight.grad.norm().item():.6f}")'),
         ("scheduler.step()", 'print(f"  wnorm {model.fc2.weight.norm().item():.6f}")')),
+    "print_heavy.py": (
+        ["--epochs", "3", "--steps", "200"],
+        ("total += err * err", 'print(f"  err {err:.6f}")'),
+        ("lr *= 0.9", 'print(f"  w {w:.6f} b {b:.6f}")')),
     "trainer_class.py": (
         ["--epochs", "3", "--width", "8", "--limit", "400"],
         ("loss.backward()", 'print(f"  loss {loss.item():.6f}")'),
