@@ -888,15 +888,21 @@ PyDoc_STRVAR(mat_stats_doc,
              "stats($self, /)\n--\n\n"
              "Counters: submitted, written, failed, bytes_written, write_seconds,\n"
              "block_seconds, max_block_seconds, forks, fork_fallbacks, held_bytes,\n"
-             "peak_held_bytes, pending. write_seconds is time spent pickling and writing.");
+             "peak_held_bytes, pending, writing. write_seconds is time spent pickling and\n"
+             "writing; pending counts the checkpoints not yet durable, writing those of\n"
+             "them being written now (pending less a fork batch not yet started).");
 
 static PyObject *
 mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t held, peak, pending;
+    uint64_t held, peak, pending, writing;
     double ws;
     flor_job *j;
     int i;
+    /* fork mode: take the results the children have sent, without waiting */
+    if (m->mode == MODE_FORK && children_poll(m, 0) < 0) {
+        return NULL;
+    }
     pthread_mutex_lock(&m->mu);
     held = m->held_bytes;
     peak = m->peak_held_bytes;
@@ -906,13 +912,14 @@ mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
         pending++;
     }
     pthread_mutex_unlock(&m->mu);
-    pending += (uint64_t)m->batch_n;
     for (i = 0; i < m->nchildren; i++) {
         for (j = m->children[i].jobs; j != NULL; j = j->next) {
             pending += !j->done;
         }
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K}", "submitted",
+    writing = pending;
+    pending += (uint64_t)m->batch_n;
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K,s:K}", "submitted",
                          (unsigned long long)m->submitted, "written",
                          (unsigned long long)m->written, "failed", (unsigned long long)m->failed,
                          "bytes_written", (unsigned long long)m->bytes_written, "write_seconds", ws,
@@ -920,7 +927,8 @@ mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
                          m->max_block_seconds, "forks", (unsigned long long)m->forks,
                          "fork_fallbacks", (unsigned long long)m->fork_fallbacks, "held_bytes",
                          (unsigned long long)held, "peak_held_bytes",
-                         (unsigned long long)peak, "pending", (unsigned long long)pending);
+                         (unsigned long long)peak, "pending", (unsigned long long)pending,
+                         "writing", (unsigned long long)writing);
 }
 
 static PyObject *

@@ -14,20 +14,24 @@
  *         def leave(i):                             # SkipBlock.end
  *             pop (must be i); if the body ran: n += 1, compute += elapsed
  *
- *         def decide(i, nbytes, M, write_s):         # record: checkpoint now?
- *             C = compute / n                      # M: what training pays per
- *             limit = n / (k + 1) * min(1 / (1 + c), epsilon)   # checkpoint (Eq. 4)
- *             if M / C < limit or not adaptive:
- *                 k += 1; materialize += write_s; return True, reason
+ *         def decide(i, nbytes, M, W):              # record: checkpoint now?
+ *             C = compute / n          # M: what training pays per checkpoint,
+ *             R = c * W                # W: its write time, R: a restore's
+ *             if (k + 1) * M < n * epsilon * C and (k + 1) * (M + R) < n * C \
+ *                     or not adaptive:
+ *                 k += 1; materialize += W; return True, reason
  *             return False, reason
  *
- * The joint invariant keeps k * M < n * epsilon * C (record overhead at most
- * epsilon) and M + R < n / k * C with R = c * M (replay stays worth it).
- * Python measures M (flor/runtime/recording.py: the training thread's
+ * The two halves of the paper's joint invariant (Eq. 4): k * M < n * epsilon
+ * * C keeps record overhead at most epsilon, and k * (M + R) < n * C keeps
+ * replay from checkpoints cheaper than re-running.  With M = W they are the
+ * paper's M/C < n/(k+1) * min(1/(1+c), epsilon) (rule() below); Python
+ * measures M apart from W (flor/runtime/charge.py: the training thread's
  * blocking plus the slowdown of steps that overlap the background write).
  */
 #include "flor.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -236,33 +240,44 @@ rule(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 PyDoc_STRVAR(sm_decide_doc,
              "decide($self, handle, nbytes, M, write_s, /)\n--\n\n"
              "Record mode, after leave(): whether to checkpoint this execution of nbytes,\n"
-             "by M/C < n/(k+1) * min(1/(1+c), epsilon) with M the seconds a checkpoint\n"
-             "costs training and C the mean compute time; write_s, the seconds its\n"
-             "background write takes, is accounted as its materialize time. Returns\n"
-             "(checkpoint, reason, ratio, limit, M).");
+             "iff M/C < n/(k+1) * epsilon (record overhead) and (M + c*write_s)/C < n/(k+1)\n"
+             "(replay from checkpoints cheaper than re-running), with M the seconds a\n"
+             "checkpoint costs training, write_s the seconds its background write takes\n"
+             "(accounted as its materialize time) and C the mean compute time. Returns\n"
+             "(checkpoint, reason, ratio, limit, M): ratio and limit of the half that\n"
+             "binds (the overhead half when both hold).");
 
 static PyObject *
 sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t i;
     unsigned long long nbytes;
-    double write_s, M, C, ratio, limit;
-    int yes;
+    double write_s, M, C, ratio, limit, oratio, rratio, rlimit;
+    int yes, cheap, worth;
     sb_block *b;
-    char reason[320];
+    char reason[400];
 
     if (!flor_check_nargs("decide", nargs, 4, 4)) {
         return NULL;
     }
     i = PyLong_AsSsize_t(args[0]);
-    nbytes = PyLong_AsUnsignedLongLong(args[1]);
-    M = PyFloat_AsDouble(args[2]);
-    write_s = PyFloat_AsDouble(args[3]);
-    if (PyErr_Occurred() || check_handle(m, i) < 0) {
+    if (i == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (!(M >= 0.0) || !(write_s >= 0.0)) {
-        PyErr_SetString(PyExc_ValueError, "M and write_s must be seconds, at least 0");
+    nbytes = PyLong_AsUnsignedLongLong(args[1]);
+    if (nbytes == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    M = PyFloat_AsDouble(args[2]);
+    if (M == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    write_s = PyFloat_AsDouble(args[3]);
+    if ((write_s == -1.0 && PyErr_Occurred()) || check_handle(m, i) < 0) {
+        return NULL;
+    }
+    if (!(M >= 0.0 && isfinite(M)) || !(write_s >= 0.0 && isfinite(write_s))) {
+        PyErr_SetString(PyExc_ValueError, "M and write_s must be finite seconds, at least 0");
         return NULL;
     }
     b = &m->blocks[i];
@@ -271,20 +286,36 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     C = b->compute / (double)b->n;
-    yes = joint_invariant(M, C, b->n, b->k, m->c, m->epsilon, &ratio, &limit);
+    /* the overhead half: the paper's rule with c = 0 puts epsilon in the floor */
+    cheap = joint_invariant(M, C, b->n, b->k, 0.0, m->epsilon, &ratio, &limit);
+    /* the replay half: (M + R)/C < n/(k+1) */
+    oratio = ratio;
+    worth = joint_invariant(M + m->c * write_s, C, b->n, b->k, 0.0, 1.0, &rratio, &rlimit);
+    yes = cheap && worth;
+    if (cheap && !worth) {
+        ratio = rratio;
+        limit = rlimit;
+    }
     if (!m->adaptive) {
         yes = 1;
         snprintf(reason, sizeof(reason),
                  "checkpoint: adaptivity off (the rule would %s: M/C = %.4g vs limit %.4g)",
-                 ratio < limit ? "checkpoint" : "not checkpoint", ratio, limit);
+                 cheap && worth ? "checkpoint" : "not checkpoint", ratio, limit);
+    }
+    else if (!cheap) {
+        snprintf(reason, sizeof(reason),
+                 "no checkpoint: M/C = %.4g (M = %.4g s for %llu B, C = %.4g s) >= "
+                 "n/(k+1) * eps = %llu/%llu * %.4g = %.4g",
+                 ratio, M, nbytes, C, (unsigned long long)b->n,
+                 (unsigned long long)(b->k + 1), m->epsilon, limit);
     }
     else {
         snprintf(reason, sizeof(reason),
-                 "%s: M/C = %.4g (M = %.4g s for %llu B, C = %.4g s) %s "
-                 "n/(k+1) * min(1/(1+c), eps) = %llu/%llu * min(%.4g, %.4g) = %.4g",
-                 yes ? "checkpoint" : "no checkpoint", ratio, M, nbytes, C,
-                 yes ? "<" : ">=", (unsigned long long)b->n, (unsigned long long)(b->k + 1),
-                 1.0 / (1.0 + m->c), m->epsilon, limit);
+                 "%s: M/C = %.4g (M = %.4g s for %llu B, C = %.4g s) < n/(k+1) * eps; "
+                 "(M + c*W)/C = %.4g (c = %.4g, W = %.4g s) %s n/(k+1) = %llu/%llu = %.4g",
+                 worth ? "checkpoint" : "no checkpoint", oratio, M,
+                 nbytes, C, rratio, m->c, write_s, worth ? "<" : ">=",
+                 (unsigned long long)b->n, (unsigned long long)(b->k + 1), rlimit);
     }
     if (yes) {
         b->k++;

@@ -181,7 +181,8 @@ class Materializer:
 
     def stats(self) -> dict:
         """Counters: submitted, written, failed, bytes_written, write_seconds,
-        block_seconds, max_block_seconds, forks, held_bytes, pending."""
+        block_seconds, max_block_seconds, forks, held_bytes, pending (not yet
+        durable), writing (being written now)."""
         return self._engine.stats()
 
     def __enter__(self):

@@ -11,7 +11,7 @@
     .flor/runs/<run>/part-N.db      a --part worker's database, until merge imports it
     .flor/runs/<run>/partN.stderr   a local replay worker's standard error
     .flor/runs/<run>/values/        large logged tensors and arrays, one flor file each
-    .flor/calibration.json          this machine's measured write bandwidth
+    .flor/calibration.json          this machine's measured write and copy bandwidths
 
 This module owns that layout and every SQL statement flor runs.  Every
 process (the recording script, each replay worker) opens its own
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import secrets
 import socket
@@ -175,12 +176,21 @@ class Layout:
                 cal = json.load(f)
         except (FileNotFoundError, ValueError):
             cal = {}
-        mine = cal.setdefault(host, {})
-        missing = [k for k in measures if not mine.get(k, 0) > 0]
+        if not isinstance(cal, dict):  # not ours: measured again, and replaced
+            cal = {}
+        mine = cal.get(host)
+        if not isinstance(mine, dict):
+            mine = cal[host] = {}
+
+        def known(key):
+            v = mine.get(key)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+
+        missing = [k for k in measures if not known(k)]
         for key in missing:
             mine[key] = float(measures[key]())
+            mine[f"{key}.measured"] = time.time()
         if missing:
-            mine["measured"] = time.time()
             os.makedirs(self.root, exist_ok=True)
             tmp = f"{path}.tmp.{os.getpid()}"
             with open(tmp, "w") as f:

@@ -1,6 +1,7 @@
 """flor.Materializer: background writes in every mode, across real processes."""
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -284,3 +285,22 @@ def test_concurrent_submitters(tmp_path, mode):
     for k in range(3):
         for i in range(15):
             assert flor.load(tmp_path / f"t{k}-{i}.flor")["w"][0] == k * 100 + i
+
+
+@pytest.mark.parametrize("mode", ["thread", "fork"])
+def test_a_finished_write_is_no_longer_counted_as_writing(tmp_path, mode):
+    """stats()['writing'] drops to 0 once the writer is done, without another
+    submit or a flush (the adaptive rule asks it at every block's start and
+    end); a fork batch not yet started is pending but not writing."""
+    m = flor.Materializer(str(tmp_path), mode=mode, batch_count=1)
+    m.submit("a", {"w": torch.zeros(1000)})
+    deadline = time.monotonic() + 60
+    while m.stats()["writing"]:
+        assert time.monotonic() < deadline, m.stats()
+    assert os.path.exists(tmp_path / "a.flor")
+    assert m.stats()["pending"] == 0
+    m.close()
+    if mode == "fork":
+        with flor.Materializer(str(tmp_path), mode="fork", batch_count=2) as b:
+            b.submit("b", {"w": torch.zeros(10)})  # waits for a second one to fork
+            assert b.stats()["pending"] == 1 and b.stats()["writing"] == 0

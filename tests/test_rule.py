@@ -100,10 +100,45 @@ def test_decide_uses_the_rule_with_measured_time():
     _, elapsed = m.leave(h)
     ok, reason, ratio, limit, M = m.decide(h, 1_000_000, 1e-3, 0.25)
     assert M == 1e-3
-    assert (ok, ratio, limit) == _core.rule(M, elapsed, 1, 0, C, EPS)
-    assert "M/C" in reason and "M = 0.001 s for 1000000 B" in reason and "n/(k+1)" in reason
+    # The overhead half, the paper's rule with the write left out of the floor.
+    overhead = _core.rule(M, elapsed, 1, 0, 0.0, EPS)
+    if not overhead[0]:
+        assert (ok, ratio, limit) == overhead
+        assert "M = 0.001 s for 1000000 B" in reason and "n/(k+1) * eps" in reason
     st = m.stats()[0]
     assert st["k"] == int(ok) and st["materialize_s"] == (0.25 if ok else 0.0)
+
+
+def test_decide_keeps_replay_from_checkpoints_cheaper_than_running():
+    """A checkpoint that costs training nothing but takes far longer to
+    restore than the block takes to run is not taken: (M + c*W)/C < n/(k+1)."""
+    m = machine()
+    h = m.block("b")
+    m.enter(h, False, False)
+    m.leave(h)
+    ok, reason, ratio, limit, _ = m.decide(h, 1 << 30, 0.0, 1e6)
+    assert not ok and limit == 1.0 and ratio > 1.0
+    assert reason.startswith("no checkpoint:") and "(M + c*W)/C" in reason
+    ok, reason, ratio, limit, _ = m.decide(h, 0, 0.0, 0.0)
+    assert ok and reason.startswith("checkpoint:") and m.stats()[0]["k"] == 1
+
+
+def test_decide_refuses_seconds_that_are_not_finite():
+    m = machine()
+    h = m.block("b")
+    m.enter(h, False, False)
+    m.leave(h)
+    for M, W in ((float("nan"), 0.0), (0.0, float("inf")), (float("inf"), 1.0)):
+        with pytest.raises(ValueError, match="finite seconds"):
+            m.decide(h, 1, M, W)
+
+    class Seconds:
+        def __float__(self):
+            return 1.0
+
+    with pytest.raises(OverflowError):  # the first bad argument is the one reported
+        m.decide(h, -1, Seconds(), 0.0)
+    assert m.stats()[0]["k"] == 0
 
 
 def test_invalid_parameters_are_refused():
@@ -153,13 +188,13 @@ def test_the_charge_is_what_training_pays_per_checkpoint():
     c._share = 0.25
     assert c.cost("train", 1000, copy_bw=1000.0, write_s=2.0) == pytest.approx(1.0 + 0.5)
     for _ in range(2):  # two executions with no write going on: 1 s each
-        c.started("train", False)
-        c.ended("train", 1.0, False)
+        c.started("train", None)
+        c.ended("train", 1.0, None)
     c.charged("train", 1.9)  # the first copy faults its staging buffer in
-    c.started("eval", True)
-    c.ended("eval", 0.5, True)  # no clean measure of eval yet: no slowdown known
-    c.started("train", True)
-    c.ended("train", 1.3, False)  # overlapped: 0.3 s slower than clean
+    c.started("eval", "train")
+    c.ended("eval", 0.5, "train")  # no clean measure of eval yet: no slowdown known
+    c.started("train", "train")
+    c.ended("train", 1.3, None)  # overlapped: 0.3 s slower than clean
     # Spent: 1.9 + 0.3; the next one: the warm model (1.5, below the cold
     # 1.9) and the slowdown seen so far.
     assert c.cost("train", 1000, 1000.0, 2.0) == pytest.approx((1.9 + 0.3 + 1.5 + 0.3) / 2)
@@ -171,3 +206,33 @@ def test_the_charge_is_what_training_pays_per_checkpoint():
     d._share = 0.25
     d.charged("eval", 0.2)
     assert d.cost("eval", 1000, 1000.0, 2.0) == pytest.approx((0.2 + 0.2) / 2)
+
+
+def test_a_block_is_charged_for_its_own_time_and_its_own_writes():
+    """Nested blocks: the outer block's own time leaves out the inner
+    executions and their checkpoints; a slowdown goes to the block whose
+    write was going on, not to the one submitted last."""
+    from flor.runtime import charge
+
+    c = charge.Charges()
+    c._share = 0.25
+    c.started("outer", None)  # a clean outer execution of 1 s of its own
+    c.ended("outer", 1.0, None)
+    c.started("outer", None)
+    c.started("inner", None)
+    c.ended("inner", 0.2, None)
+    c.charged("inner", 0.05)  # the inner checkpoint is being written...
+    c.ended("outer", 1.25, "inner")  # ...while outer ends: 1.25 - 0.25 = 1.0 of its own
+    assert c._blocks["inner"].slowdown == 0.0  # the outer block was not slowed
+    c.started("outer", "big")  # a big block's write goes on; a small one is submitted
+    c.charged("small", 0.01)
+    c.ended("outer", 1.51, "big")  # 0.5 s slower than clean
+    assert c._blocks["big"].slowdown == pytest.approx(0.5)
+    assert c._blocks.get("small").slowdown == 0.0
+    # The same block nested in itself keeps each execution's own flag.
+    c.started("rec", "big")
+    c.started("rec", None)
+    c.ended("rec", 0.1, None)
+    assert c._open[-1].writer == "big"
+    c.ended("rec", 0.3, None)
+    assert not c._open

@@ -77,3 +77,42 @@ def test_an_older_store_is_brought_up_to_this_schema(tmp_path, version):
     assert row["text"] == "hi" and row["ctx"] is None and row["loc"] is None
     st.add_output([("r1", 0, 2, "stdout", None, None, None, "again", "[]", "a.py:3")])
     assert [r["text"] for r in st.run_rows("output", "r1")] == ["hi", "again"]
+
+
+@pytest.mark.parametrize("content", ['[]', 'null', '{"HOST": 5e8}',
+                                     '{"HOST": {"write_bytes_per_s": "5e8"}}',
+                                     '{"HOST": {"write_bytes_per_s": -1}}', '{"HOST": ', ''])
+def test_a_calibration_file_of_another_shape_is_measured_again(tmp_path, content):
+    import json
+    import socket
+
+    from flor.store import Layout
+
+    root = tmp_path / ".flor"
+    root.mkdir()
+    (root / "calibration.json").write_text(content.replace("HOST", socket.gethostname()))
+    lay = Layout(str(root))
+    assert lay.calibration(write_bytes_per_s=lambda: 7.0, copy_bytes_per_s=lambda: 9.0) == {
+        "write_bytes_per_s": 7.0, "copy_bytes_per_s": 9.0}
+    mine = json.loads((root / "calibration.json").read_text())[socket.gethostname()]
+    assert mine["write_bytes_per_s"] == 7.0 and mine["copy_bytes_per_s"] == 9.0
+
+
+def test_a_calibration_of_an_older_flor_keeps_its_write_bandwidth(tmp_path):
+    import json
+    import socket
+
+    from flor.store import Layout
+
+    root = tmp_path / ".flor"
+    root.mkdir()
+    host = socket.gethostname()
+    (root / "calibration.json").write_text(json.dumps(
+        {host: {"write_bytes_per_s": 5e8, "measured": 1.0}, "other": {"x": 1}}))
+
+    def never():
+        raise AssertionError("measured again")
+
+    cal = Layout(str(root)).calibration(write_bytes_per_s=never, copy_bytes_per_s=lambda: 9.0)
+    assert cal == {"write_bytes_per_s": 5e8, "copy_bytes_per_s": 9.0}
+    assert json.loads((root / "calibration.json").read_text())["other"] == {"x": 1}

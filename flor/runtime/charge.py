@@ -6,10 +6,11 @@ slowdown of the block executions that run while the background write is in
 progress (the writer competes for cores, memory bandwidth and the disk).
 The background write itself is not charged: training does not wait for it.
 
-Both parts are measured.  The blocking is the materializer's own count.  An
+Both parts are measured.  The blocking is the time `submit` takes.  An
 execution of a block that started or ended with a write in progress is
-*overlapped*; its slowdown is its compute time less the block's mean time
-over executions that were not.  The rule then asks whether the training
+*overlapped*; its slowdown is its own compute time (less the blocks nested
+in it) beyond the block's mean over executions that were not, and it is
+charged to the block whose checkpoint was being written.  The rule then asks whether the training
 overhead after one more checkpoint stays within the bound:
 
     spent + marginal < n * epsilon * C      i.e.   M = (spent + marginal) / (k + 1)
@@ -41,11 +42,20 @@ class _Block:
     def __init__(self):
         self.blocking: list[float] = []  # per checkpoint
         self.slowdown = 0.0  # total, over overlapped executions
-        self.clean_s, self.clean_n = 0.0, 0  # compute of executions with no write going on
+        self.clean_s, self.clean_n = 0.0, 0  # own compute of executions with no write going on
 
     @property
     def spent(self) -> float:
         return sum(self.blocking) + self.slowdown
+
+
+class _Frame:
+    """An open block execution."""
+    __slots__ = ("key", "writer", "inner")
+
+    def __init__(self, key, writer):
+        self.key, self.writer = key, writer  # the block being written when it started
+        self.inner = 0.0  # seconds of nested executions and their checkpoints' blocking
 
 
 def _share() -> float:
@@ -60,30 +70,43 @@ def _share() -> float:
 
 
 class Charges:
-    """The cost of each block's checkpoints to the training thread."""
+    """The cost of each block's checkpoints to the training thread.
+
+    A block's own time excludes the blocks nested in it and their
+    checkpoints' blocking; slowdown goes to the block whose checkpoint was
+    being written (`writer`: its key, or None when no write is going on)."""
 
     def __init__(self):
         self._blocks: dict[str, _Block] = {}
-        self._writing_at_start: dict[str, bool] = {}
-        self._writer = None  # the block whose checkpoint is being written
+        self._open: list[_Frame] = []
         self._share = None
 
-    def started(self, key, writing: bool):
-        """A block execution starts; `writing`: a background write is in progress."""
-        self._writing_at_start[key] = writing
+    def started(self, key, writer):
+        """A block execution starts."""
+        self._open.append(_Frame(key, writer))
 
-    def ended(self, key, seconds: float, writing: bool):
-        """A block execution ended after `seconds`: account its slowdown to
-        the block whose checkpoint was being written, if one was."""
+    def ended(self, key, seconds: float, writer):
+        """A block execution ended after `seconds` (nested blocks included)."""
         b = self._blocks.setdefault(key, _Block())
-        overlapped = self._writing_at_start.pop(key, False) or writing
-        if not overlapped:
-            b.clean_s += seconds
+        frame = None
+        while self._open:  # executions left open by an exception end with this one
+            f = self._open.pop()
+            if f.key == key:
+                frame = f
+                break
+        if self._open:
+            self._open[-1].inner += seconds
+        if frame is None:
+            return
+        own = seconds - frame.inner
+        overlapped = writer or frame.writer
+        if overlapped is None:
+            b.clean_s += own
             b.clean_n += 1
-        elif b.clean_n and self._writer is not None:
-            extra = seconds - b.clean_s / b.clean_n
+        elif b.clean_n:
+            extra = own - b.clean_s / b.clean_n
             if extra > 0:
-                self._blocks.setdefault(self._writer, _Block()).slowdown += extra
+                self._blocks.setdefault(overlapped, _Block()).slowdown += extra
 
     def cost(self, key, nbytes: int, copy_bw: float, write_s: float) -> float:
         """M for the rule: the block's training overhead after one more
@@ -107,4 +130,5 @@ class Charges:
     def charged(self, key, blocking: float):
         """A checkpoint of the block was submitted; it blocked `blocking` s."""
         self._blocks.setdefault(key, _Block()).blocking.append(blocking)
-        self._writer = key
+        if self._open:
+            self._open[-1].inner += blocking

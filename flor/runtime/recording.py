@@ -2,7 +2,8 @@
 
 Every block body runs.  At a block's end() the adaptive rule (the C state
 machine, csrc/skipblock.c) weighs M, the seconds a checkpoint of the
-block's side effects would take (bytes measured by the snapshot walk over
+block's side effects costs training (measured by runtime/charge.py), and
+the time to write and restore it (bytes measured by the snapshot walk over
 this machine's write bandwidth), against C, the block's mean compute time;
 a checkpoint that passes is handed, with the random state, to a background
 Materializer.  Each decision and its reason is stored.  At the end the run
@@ -84,6 +85,7 @@ class Recording:
             if source is not None and hands_free is None else set()
         self.last_bytes: dict[str, int] = {}  # block -> bytes of its last checkpoint
         self.charges = Charges()
+        self._submitted: list[str] = []  # the block of each checkpoint submitted, in order
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         self._mat = None
         self._bw = None
@@ -114,7 +116,7 @@ class Recording:
         pass
 
     def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
-        self.charges.started(key, self._writing())
+        self.charges.started(key, self._writer())
         return None, 0.0, probed  # record runs every block
 
     def entered(self, session, key, ctx, occurrence, state):
@@ -132,7 +134,7 @@ class Recording:
             grads = blockstate.gradients(blockstate.state_owners(objs, frame))
         else:
             grads = None
-        self.charges.ended(b.key, seconds, self._writing())
+        self.charges.ended(b.key, seconds, self._writer())
         nbytes = self.last_bytes.get(b.key)
         if nbytes is None:
             nbytes = _core.measure([list(objs), grads])
@@ -145,10 +147,12 @@ class Recording:
         if ok:
             fname = checkpoint_name(b.key, b.ctx, b.occurrence, json.loads(indices))
             payload = blockstate.payload(b.key, b.ctx, b.occurrence, sig, objs, grads)
+            mat = self._materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
             try:
-                self.last_bytes[b.key] = self._materializer().submit(fname, payload)
+                self.last_bytes[b.key] = mat.submit(fname, payload)
                 self.charges.charged(b.key, time.perf_counter() - t0)
+                self._submitted.append(b.key)
             except CheckpointWriteError as e:
                 note(f"checkpoint of block {b.key!r} failed: {e}")
                 fname = None
@@ -168,9 +172,16 @@ class Recording:
             self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode_from_env())
         return self._mat
 
-    def _writing(self) -> bool:
-        """Whether a background write is in progress."""
-        return self._mat is not None and self._mat.stats()["pending"] > 0
+    def _writer(self):
+        """The block whose checkpoint is being written now, or None: the
+        oldest submitted that has not finished (writes finish in order)."""
+        if self._mat is None:
+            return None
+        st = self._mat.stats()
+        if not st["writing"]:
+            return None
+        done = st["written"] + st["failed"]
+        return self._submitted[min(done, len(self._submitted) - 1)] if self._submitted else None
 
     def bandwidth(self) -> tuple[float, float]:
         """(write, copy) bytes per second: the write bandwidth measured by the
