@@ -399,16 +399,19 @@ def printed_lines(output: list[dict]) -> list[dict]:
     that printed it; one that a statement leaves unended is a value of its
     own when another statement (or the same one in another context) writes
     next, or when output not of the user's program does."""
-    out, counts = [], {}
+    out, counts, indices = [], {}, {}
     pending = None  # (row where a line not yet ended began, its text so far)
 
     def emit(row, text):
-        key = (row["loc"], row["ctx"])
+        ctx = row["ctx"]
+        key = (row["loc"], ctx)
         seq = counts.get(key, 0)
         counts[key] = seq + 1
+        if ctx not in indices:  # lines share contexts by the thousand
+            indices[ctx] = _indices(ctx)
         out.append({"run_id": row["run_id"], "part": row["part"], "ord": row["ord"],
-                    "phase": row["phase"], "top": row["top"], "ctx": row["ctx"],
-                    "name": f"stdout@{row['loc']}", "iter": _indices(row["ctx"]), "seq": seq,
+                    "phase": row["phase"], "top": row["top"], "ctx": ctx,
+                    "name": f"stdout@{row['loc']}", "iter": indices[ctx], "seq": seq,
                     "value": json.dumps(text), "loc": row["loc"]})
 
     for row in output:

@@ -226,10 +226,17 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
     ran = {(b["block"], b["ctx"], b["occurrence"])
            for b in store.run_rows("blockruns", replay_id) if b["state"] in RAN}
     files = plan.present()
+    present, reran = {}, {}  # per location, per context: rows share them by the thousand
     for key, value in recorded.items():
         loc, name, ctx, seq = key
-        if key in replayed or name == RANDOM or not _present(loc, files):
+        if key in replayed or name == RANDOM:
             continue
-        if all(b in ran for b in enclosing_blocks(ctx)):
+        if loc not in present:
+            present[loc] = _present(loc, files)
+        if not present[loc]:
+            continue
+        if ctx not in reran:
+            reran[ctx] = all(b in ran for b in enclosing_blocks(ctx))
+        if reran[ctx]:
             report.missing.append((*key, value))
     return report
