@@ -176,17 +176,10 @@ class Layout:
                 cal = json.load(f)
         except (FileNotFoundError, ValueError):
             cal = {}
-        if not isinstance(cal, dict):  # not ours: measured again, and replaced
-            cal = {}
-        mine = cal.get(host)
-        if not isinstance(mine, dict):
-            mine = cal[host] = {}
-
-        def known(key):
-            v = mine.get(key)
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
-
-        missing = [k for k in measures if not known(k)]
+        cal = cal if isinstance(cal, dict) else {}  # not ours: measured again, and replaced
+        mine = cal[host] = cal.get(host) if isinstance(cal.get(host), dict) else {}
+        missing = [k for k in measures if not (type(mine.get(k)) in (int, float)
+                                               and 0 < mine[k] < math.inf)]
         for key in missing:
             mine[key] = float(measures[key]())
             mine[f"{key}.measured"] = time.time()
