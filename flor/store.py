@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
-import secrets
-import socket
 import sqlite3
 import time
 
 from .errors import StoreError
+from .layout import Layout, new_run_id, store_root
 
 __all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION"]
 
@@ -81,116 +79,6 @@ PART_TABLES = ("parts", "logs", "output", "blockruns", "blocks", "loops")
 # them was written by flor before the schema was versioned.
 _RUN_COLUMNS = {"run_id", "kind", "parent", "script", "script_name", "argv", "status",
                 "main_loop", "main_run", "iterations", "info"}
-
-
-def store_root() -> str:
-    return os.path.abspath(os.environ.get("FLOR_DIR") or os.path.join(os.getcwd(), ".flor"))
-
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-
-
-class Layout:
-    """The files of the store under `root`: run directories, kept sources,
-    plans, part databases, the calibration."""
-
-    def __init__(self, root: str | None = None):
-        self.root = os.path.abspath(root) if root else store_root()
-
-    # -- layout -------------------------------------------------------------
-
-    def run_dir(self, run_id: str) -> str:
-        return os.path.join(self.root, "runs", run_id)
-
-    def ckpt_dir(self, run_id: str) -> str:
-        return os.path.join(self.run_dir(run_id), "ckpt")
-
-    def plan_path(self, run_id: str) -> str:
-        return os.path.join(self.run_dir(run_id), "plan.json")
-
-    def part_db(self, run_id: str, part: int) -> str:
-        return os.path.join(self.run_dir(run_id), f"part-{part}.db")
-
-    def worker_log(self, run_id: str, part: int) -> str:
-        return os.path.join(self.run_dir(run_id), f"part{part}.stderr")
-
-    def save_instrumented(self, run_id, text: str, summary: dict):
-        """Keep a hands-free record's instrumented script and its summary."""
-        run_dir = self.run_dir(run_id)
-        with open(os.path.join(run_dir, "instrumented.py"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(run_dir, "handsfree.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-
-    def save_module_source(self, run_id, relpath, text):
-        """Keep the source of another file of the program (one with flor calls)."""
-        path = os.path.join(self.run_dir(run_id), "modules", relpath)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-
-    def module_sources(self, run_id) -> dict:
-        """{None: the script's source, relpath: another file's source}."""
-        out = {}
-        run_dir = self.run_dir(run_id)
-        try:
-            with open(os.path.join(run_dir, "source.py")) as f:
-                out[None] = f.read()
-        except FileNotFoundError:
-            pass
-        base = os.path.join(run_dir, "modules")
-        for dirpath, _, files in os.walk(base):
-            for name in files:
-                path = os.path.join(dirpath, name)
-                with open(path) as f:
-                    out[os.path.relpath(path, base)] = f.read()
-        return out
-
-    def value(self, run_id, value):
-        """A logged value (decoded JSON) as flor.log received it: a large
-        tensor or array is read back from its file."""
-        if isinstance(value, dict) and set(value) == {"$array", "dtype", "shape"}:
-            from .checkpoint import load
-
-            return load(os.path.join(self.run_dir(run_id), value["$array"]), map_location="cpu")
-        return value
-
-    def latest_plan(self) -> str | None:
-        """The replay whose plan was written last (merge's default)."""
-        runs_dir = os.path.join(self.root, "runs")
-        if not os.path.isdir(runs_dir):
-            return None
-        plans = sorted((os.path.getmtime(self.plan_path(d)), d) for d in os.listdir(runs_dir)
-                       if os.path.isfile(self.plan_path(d)))
-        return plans[-1][1] if plans else None
-
-    def calibration(self, **measures) -> dict:
-        """This machine's measured speeds (bytes/s), each measured once per
-        store and host by its function in `measures` (``write_bytes_per_s=
-        f``) and kept in calibration.json."""
-        path = os.path.join(self.root, "calibration.json")
-        host = socket.gethostname()
-        try:
-            with open(path) as f:
-                cal = json.load(f)
-        except (FileNotFoundError, ValueError):
-            cal = {}
-        cal = cal if isinstance(cal, dict) else {}  # not ours: measured again, and replaced
-        mine = cal[host] = cal.get(host) if isinstance(cal.get(host), dict) else {}
-        missing = [k for k in measures if not (type(mine.get(k)) in (int, float)
-                                               and 0 < mine[k] < math.inf)]
-        for key in missing:
-            mine[key] = float(measures[key]())
-            mine[f"{key}.measured"] = time.time()
-        if missing:
-            os.makedirs(self.root, exist_ok=True)
-            tmp = f"{path}.tmp.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(cal, f)
-            os.replace(tmp, path)
-        return {k: float(mine[k]) for k in measures}
-
 
 
 class Store(Layout):
