@@ -1,8 +1,9 @@
 """The flor command line.
 
-    python -m flor record [--epsilon E] [--no-adaptive] SCRIPT [ARGS...]
-    python -m flor replay [--jobs N] [--threads T] [--run ID] [--part I/N]
-                          [--check warn|strict] [--tolerance REL] [--strict] SCRIPT [ARGS...]
+    python -m flor record [--epsilon E] [--no-adaptive] [--resume [--force]] SCRIPT [ARGS...]
+    python -m flor replay [--jobs N] [--backend local|ray] [--threads T] [--run ID]
+                          [--part I/N | --parts N] [--check warn|strict]
+                          [--tolerance REL] [--strict] SCRIPT [ARGS...]
     python -m flor merge [--check warn|strict] [REPLAY_ID]
     python -m flor runs
 
@@ -70,14 +71,18 @@ def _split(rest, options, flags=(), trailing=False):
 def cmd_record(rest) -> int:
     from .runtime.recording import record_script
 
-    opts, script, args = _split(rest, {"--epsilon"}, flags={"--no-adaptive"})
+    opts, script, args = _split(rest, {"--epsilon"}, flags={"--no-adaptive", "--resume",
+                                                            "--force"})
     epsilon = float(opts["--epsilon"]) if "--epsilon" in opts else None
     adaptive = False if opts.get("--no-adaptive") else None
+    if opts.get("--force") and not opts.get("--resume"):
+        raise FlorError("--force goes with --resume")
     try:
         mode_from_env()
     except ValueError as e:
         raise FlorError(str(e)) from None
-    return record_script(script, args, epsilon=epsilon, adaptive=adaptive)
+    return record_script(script, args, epsilon=epsilon, adaptive=adaptive,
+                         resume=bool(opts.get("--resume")), force=bool(opts.get("--force")))
 
 
 def _parse_part(text):
@@ -150,10 +155,20 @@ def cmd_replay(rest) -> int:
     from .replay.plan import describe
     from .replay.workers import run_local, run_part
 
-    opts, script, args = _split(rest, {"--jobs", "--run", "--part", "--check", "--tolerance",
-                                       "--threads"}, flags={"--strict"}, trailing=True)
+    opts, script, args = _split(rest, {"--jobs", "--run", "--part", "--parts", "--check",
+                                       "--tolerance", "--threads", "--backend"},
+                                flags={"--strict"}, trailing=True)
     strict = _strict(opts)
     store = Store()
+    backend = opts.get("--backend", "local")
+    if backend not in ("local", "ray"):
+        raise FlorError(f"--backend takes local or ray, not {backend!r}")
+    if "--parts" in opts:
+        from .replay.distributed import array_index
+
+        if "--part" in opts:
+            raise FlorError("give --part I/N or --parts N, not both")
+        opts["--part"] = f"{array_index()}/{opts['--parts']}"
     if "--part" in opts:
         i, n = _parse_part(opts["--part"])
         plan, rec, cmp, source = _plan(store, script, args, n, opts, part=i)
@@ -173,6 +188,12 @@ def cmd_replay(rest) -> int:
     jobs = int(opts.get("--jobs", 1))
     if jobs < 1:
         raise FlorError("--jobs must be at least 1")
+    if backend == "ray":
+        from .replay.distributed import _ray, run_ray
+
+        _ray()  # before planning: say how to install it
+        plan, rec, cmp, source = _plan(store, script, args, jobs, opts, part=-1)
+        return run_ray(store, plan, rec, describe(plan, rec, cmp, args), source, strict=strict)
     plan, rec, cmp, source = _plan(store, script, args, jobs, opts)
     return run_local(store, plan, rec, describe(plan, rec, cmp, args), source, strict=strict)
 
@@ -208,17 +229,22 @@ def cmd_runs(rest) -> int:
         print(f"{r['run_id']:28} {kind:7} {(r['script_name'] or '-')[:18]:18} "
               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['started']))} "
               f"{secs:>8} {r['iterations'] or 0:>6} {ckpts.get(r['run_id'], 0):>6} "
-              f"{r['status']}" + (f" (of {r['parent']})" if r["parent"] else ""))
+              f"{store.status(r)}" + (f" (of {r['parent']})" if r["parent"] else ""))
     return 0
 
 
 def cmd_worker(rest) -> int:
-    """A local replay worker: PLAN PART [PROGRESS_FD] (started by run_local)."""
+    """A local replay worker: PLAN PART [PROGRESS_FD] [--db FILE] [--no-resume]
+    (started by run_local)."""
     from .replay.plan import Plan
     from .replay.workers import run_part
 
-    progress_fd = int(rest[2]) if len(rest) > 2 else None
-    return run_part(Plan.load(rest[0]), int(rest[1]), progress_fd=progress_fd)
+    words = [w for i, w in enumerate(rest)
+             if not w.startswith("--") and (i == 0 or rest[i - 1] != "--db")]
+    progress_fd = int(words[2]) if len(words) > 2 else None
+    db = rest[rest.index("--db") + 1] if "--db" in rest else False
+    return run_part(Plan.load(rest[0]), int(rest[1]), progress_fd=progress_fd, own_db=db,
+                    resume="--no-resume" not in rest)
 
 
 COMMANDS = {"record": cmd_record, "replay": cmd_replay, "merge": cmd_merge, "runs": cmd_runs,

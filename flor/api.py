@@ -21,7 +21,7 @@ from .runtime.session import Session
 __all__ = ["generator", "SkipBlock", "log", "dataframe"]
 
 
-def generator(iterable, name: str | None = None):
+def generator(iterable, name: str | None = None, state=None):
     """Iterate over `iterable`, tracking the iteration for checkpoints and logs.
 
     Wrap the main (epoch) loop: replay splits it among workers.  Nested
@@ -30,8 +30,20 @@ def generator(iterable, name: str | None = None):
     ``while`` loop write ``for _ in flor.generator(itertools.count()):`` and
     ``break`` where the ``while`` condition fails.  A loop is identified by
     `name`, or by the line of this call when unnamed.
+
+    `state`: the objects the main loop carries from one iteration into the
+    next, e.g. ``state=(model, optimizer, scheduler)``.  At the end of an
+    iteration the record may checkpoint them (with the random state; the
+    adaptive rule decides when), and replay workers and ``record --resume``
+    start from such a checkpoint instead of going through every earlier
+    iteration.  They are restored in place, so list mutable objects (modules,
+    optimizers, schedulers, tensors, lists, dicts), and everything the loop
+    carries: a restore whose state differs from the record's is refused.
     """
-    return Session.get().loop(iterable, name, sys._getframe(1))
+    from .runtime.carry import Carried
+
+    carrier = Carried(state) if state is not None else None
+    return Session.get().loop(iterable, name, sys._getframe(1), carrier)
 
 
 class SkipBlock:

@@ -28,7 +28,7 @@ import re
 
 __all__ = ["LOOP", "BLOCK", "Context", "encode", "decode", "top_key", "is_outermost",
            "enclosing_blocks", "describe", "location", "parse_location", "checkpoint_name",
-           "block_context", "within"]
+           "block_context", "within", "iteration_key", "is_iteration"]
 
 LOOP, BLOCK = "L", "B"
 
@@ -55,6 +55,16 @@ def enclosing_blocks(ctx: str) -> list[tuple[str, str, int]]:
     """(block, its own context, occurrence) of every block around `ctx`."""
     frames = decode(ctx)
     return [(f[1], encode(frames[:i]), f[2]) for i, f in enumerate(frames) if f[0] == BLOCK]
+
+
+def iteration_key(loop: str) -> str:
+    """The key under which a main loop's iteration checkpoints are decided
+    and stored (a block key never ends with it)."""
+    return f"{loop} (iteration)"
+
+
+def is_iteration(block: str) -> bool:
+    return block.endswith(" (iteration)")
 
 
 def block_context(ctx: str, key: str, occurrence: int) -> str:
@@ -104,7 +114,7 @@ class LoopFrame(list):
     """["L", loop, run, i]: the index is updated in place as the loop runs.
     `scope` is the frame running the loop, while it runs."""
 
-    __slots__ = ("scope",)
+    __slots__ = ("scope", "carrier", "handle")
 
 
 class BlockFrame(list):
@@ -188,7 +198,7 @@ class Context:
 
     def push_loop(self, key, run, scope=None) -> LoopFrame:
         frame = LoopFrame([LOOP, key, run, -1])
-        frame.scope = scope
+        frame.scope, frame.carrier, frame.handle = scope, None, None
         self.frames.append(frame)
         self.on_change()
         return frame
@@ -200,7 +210,7 @@ class Context:
 
     def remove(self, frame):
         """Close a loop (its generator may finish after inner frames closed)."""
-        frame.scope = None
+        frame.scope = frame.carrier = None
         self.frames.remove(frame)
         self.on_change()
 

@@ -84,3 +84,13 @@ class SegmentDone(BaseException):
     A BaseException, like SystemExit, so that ``except Exception`` in the
     script does not catch it; the code after the main loop then runs only in
     the worker that replays the last iteration."""
+
+
+class Interrupted(SystemExit):
+    """Raised in a recording script by SIGTERM (an eviction notice): the
+    script unwinds like after ``sys.exit(143)``, flor writes the checkpoints
+    in flight, and the run is left interrupted, to continue with
+    ``python -m flor record --resume``."""
+
+    def __init__(self):
+        super().__init__(143)

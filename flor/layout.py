@@ -39,11 +39,14 @@ class Layout:
     def plan_path(self, run_id: str) -> str:
         return os.path.join(self.run_dir(run_id), "plan.json")
 
-    def part_db(self, run_id: str, part: int) -> str:
-        return os.path.join(self.run_dir(run_id), f"part-{part}.db")
+    def part_db(self, run_id: str, part: int, attempt: int | None = None) -> str:
+        """A part's own database (attempt n of a local replay's segment:
+        its own too, imported into flor.db if it is the one that finished)."""
+        name = f"part-{part}" if attempt is None else f"part-{part}.a{attempt}"
+        return os.path.join(self.run_dir(run_id), f"{name}.db")
 
-    def worker_log(self, run_id: str, part: int) -> str:
-        return os.path.join(self.run_dir(run_id), f"part{part}.stderr")
+    def worker_log(self, run_id: str, part: int, attempt: int = 0) -> str:
+        return os.path.join(self.run_dir(run_id), f"part{part}.a{attempt}.stderr")
 
     def save_instrumented(self, run_id, text: str, summary: dict):
         """Keep a hands-free record's instrumented script and its summary."""

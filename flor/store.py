@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import sqlite3
 import time
 
@@ -171,8 +172,44 @@ class Store(Layout):
         return []
 
     def latest_record(self, script) -> dict | None:
-        """The newest finished record run of this script."""
-        return next((r for r in self.records(script) if r["status"] == "finished"), None)
+        """The newest record run of this script that finished, or was
+        interrupted after committing at least one main-loop iteration."""
+        return next((r for r in self.records(script) if r["status"] == "finished" or (
+            self.status(r) == "interrupted" and r["iterations"])), None)
+
+    @staticmethod
+    def status(run) -> str:
+        """A run's status; a record still "running" whose process is gone
+        (killed) on this host is "interrupted"."""
+        if run["status"] != "running" or run["kind"] != "record":
+            return run["status"]
+        info = json.loads(run["info"] or "{}")
+        if info.get("host") != socket.gethostname() or not info.get("pid"):
+            return "running"
+        try:
+            os.kill(info["pid"], 0)
+        except ProcessLookupError:
+            return "interrupted"
+        except PermissionError:
+            pass
+        return "running"
+
+    def iteration_checkpoints(self, run_id) -> list[dict]:
+        """A record's written iteration checkpoint decisions, in order, with
+        their rowid (as rowid_)."""
+        return [dict(r) for r in self.db.execute(
+            "SELECT rowid AS rowid_, * FROM decisions WHERE run_id = ? AND checkpoint = 1 "
+            "AND block LIKE '% (iteration)' ORDER BY rowid", (run_id,))]
+
+    def truncate_record(self, run_id, ord_, decisions):
+        """Delete what a record stored after a resume point: logs and output
+        after order `ord_`, decisions after rowid `decisions`."""
+        with self.transaction():
+            for table in ("logs", "output"):
+                self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND ord > ?",
+                                (run_id, ord_))
+            self.db.execute("DELETE FROM decisions WHERE run_id = ? AND rowid > ?",
+                            (run_id, decisions))
 
     def checkpoint_counts(self) -> dict[str, int]:
         """{run id: checkpoints its record decided to take}."""

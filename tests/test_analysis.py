@@ -289,7 +289,10 @@ def test_instrumentation_finds_main_loop_candidates_and_blocks():
     # be set in the module's namespace, anything else restored in place)
     assert [(b.key, b.kind, b.owner, b.names, b.paths) for b in inst.blocks] == [
         ("s.py:10", "loop", "s.py:9", [], ["opt"]), ("s.py:12", "call", "s.py:9", ["acc"], [])]
-    assert "__flor__.loop(range(3), 's.py:9')" in inst.text
+    # What the main loop carries into its next iteration (iteration
+    # checkpoints): opt, changed in place (it is not bound in main()).
+    assert [l.carried for l in inst.loops] == [[[], [], [], []], [[], ["opt"], [], []]]
+    assert "__flor__.loop(range(3), 's.py:9', (), ('opt',), (), ())" in inst.text
 
 
 def test_while_loops_become_tracked_for_loops():

@@ -45,3 +45,17 @@ def test_segments_cover_every_iteration_once():
         assert segs[0][0] == 0 and segs[-1][1] == total and len(segs) <= jobs
         for (s, e), (s2, _) in zip(segs, segs[1:]):
             assert s < e == s2 and s2 - 1 in res
+
+
+def test_iteration_checkpoints_let_late_segments_start_without_the_prefix():
+    """Where pseudoresuming an iteration costs as much as replaying it, a
+    second worker cannot finish sooner, and there is one segment; restoring
+    an iteration checkpoint costs almost nothing, and the split is even.
+    An iteration checkpoint is a start even where the blocks were not all
+    checkpointed."""
+    work, pseudo = [1.0] * 10, [1.0] * 10
+    assert partition(10, 2, set(range(10)), work, pseudo) == [[0, 10]]
+    assert partition(10, 2, set(), work, pseudo, restart={5: 0.01}) == [[0, 5], [5, 10]]
+    four = partition(10, 4, set(), work, pseudo, restart={s: 0.01 for s in range(1, 10)})
+    assert len(four) == 4 and max(e - s for s, e in four) == 3
+    assert [s for s, _ in four[1:]] == [e for _, e in four[:-1]] and four[-1][1] == 10

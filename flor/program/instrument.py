@@ -6,11 +6,17 @@ times it and, when it runs at the top level of the program, tracks its
 iterations as ``flor.generator`` does.  The longest-running one is the main
 loop, which replay splits among workers.  A ``while`` loop becomes
 
-    for __flor_i in __flor__.loop(__flor__.count(), KEY):
+    for __flor_i in __flor__.loop(__flor__.count(), KEY, CARRIED...):
         if not (CONDITION):
             ELSE-CLAUSE
             break
         BODY
+
+CARRIED is what the body carries into the next iteration (its side-effect
+set, as for a block below), which iteration checkpoints hold; the body
+starts with ``__flor_r = __flor__.resume(KEY)`` and, if that is not None,
+rebinds the carried names from it (after a restore of an iteration
+checkpoint).
 
 Inside a candidate's body, each nested loop, and each call of a function of
 the script that runs a loop (``train(model, loader, opt)``,
@@ -74,6 +80,7 @@ class Loop:
     line: int
     end_line: int
     function: str  # "<module>" or the qualified name
+    carried: list | None = None  # [names, paths, globals, rebound] into the next iteration
 
 
 @dataclass
@@ -210,19 +217,62 @@ class _Instrumenter:
             self.out.left_alone.append((loop.lineno, "its else clause breaks or continues"))
             return [loop]
         key = self.key_of(loop.lineno)
-        self.out.loops.append(Loop(key, loop.lineno, loop.end_lineno, qualname))
+        carried = self._carried(loop, scope)
+        self.out.loops.append(Loop(key, loop.lineno, loop.end_lineno, qualname,
+                                   carried=list(map(list, carried)) if carried else None))
         self.loop_body = loop.body
         loop.body = self._main_body(loop.body, key, scope)
         line = loop.lineno
+        extra = [_strs(x) for x in carried] if carried else []
+        resume = []
+        if carried and carried[0]:  # names to rebind after a restore
+            resume = [ast.Assign(targets=[ast.Name(id="__flor_r", ctx=ast.Store())],
+                                 value=_call("resume", ast.Constant(value=key)),
+                                 type_comment=None),
+                      ast.If(test=ast.Compare(left=ast.Name(id="__flor_r", ctx=ast.Load()),
+                                              ops=[ast.IsNot()],
+                                              comparators=[ast.Constant(value=None)]),
+                             body=[ast.Assign(targets=[ast.Tuple(
+                                 elts=[ast.Name(id=n, ctx=ast.Store()) for n in carried[0]],
+                                 ctx=ast.Store())], value=ast.Name(id="__flor_r", ctx=ast.Load()),
+                                 type_comment=None)], orelse=[])]
+            resume = [_at(r, line) for r in resume]
         if isinstance(loop, ast.For):
-            loop.iter = _at(_call("loop", loop.iter, ast.Constant(value=key)), line)
+            loop.iter = _at(_call("loop", loop.iter, ast.Constant(value=key), *extra), line)
+            loop.body = resume + loop.body
             return [loop]
         test = ast.If(test=ast.UnaryOp(op=ast.Not(), operand=loop.test),
                       body=list(loop.orelse) + [ast.Break()], orelse=[])
         new = ast.For(target=ast.Name(id="__flor_i", ctx=ast.Store()),
-                      iter=_call("loop", _call("count"), ast.Constant(value=key)),
-                      body=[test] + loop.body, orelse=[], type_comment=None)
+                      iter=_call("loop", _call("count"), ast.Constant(value=key), *extra),
+                      body=resume + [test] + loop.body, orelse=[], type_comment=None)
         return [_at(ast.copy_location(new, loop), line)]
+
+    def _carried(self, loop, scope):
+        """(names, paths, globals, rebound): what the loop's body carries
+        into its next iteration, or None if analysis gives up."""
+        try:
+            eff = block_effects(self.script, loop.body, scope)
+        except GiveUp:
+            return None
+        names, paths, globals_ = self._sets(eff, scope)
+        return names, paths, globals_, [p for p in eff.paths if p in eff.assigned]
+
+    def _sets(self, eff, scope):
+        """(names rebound by the instrumented code, paths set in place or
+        by the runtime, module globals) of a side-effect set."""
+        bindable = _bindable(scope)
+        names, paths, globals_ = [], [], list(eff.globals)
+        for p in eff.paths:
+            if p != root(p):
+                paths.append(p)
+            elif bindable is None or p in bindable:
+                names.append(p)  # rebound by the end() statement
+            elif p in self.script.module_names:
+                globals_.append(p)  # a module global the function only reads
+            else:
+                paths.append(p)  # a closure's variable: restored in place only
+        return names, paths, globals_
 
     # -- blocks ---------------------------------------------------------------
 
@@ -262,17 +312,7 @@ class _Instrumenter:
             self.out.left_alone.append((line, f"analysis gave up: {e}"))
             return [s]
         key = self.key_of(line)
-        bindable = _bindable(scope)
-        names, paths, globals_ = [], [], list(eff.globals)
-        for p in eff.paths:
-            if p != root(p):
-                paths.append(p)
-            elif bindable is None or p in bindable:
-                names.append(p)  # rebound by the end() statement
-            elif p in self.script.module_names:
-                globals_.append(p)  # a module global the function only reads
-            else:
-                paths.append(p)  # a closure's variable: restored in place only
+        names, paths, globals_ = self._sets(eff, scope)
         rebound = [p for p in eff.paths if p in eff.assigned]
         grads = gradients_live(s, self.loop_body, lambda call: self.script.resolve(
             call, scope), self.schedulers)

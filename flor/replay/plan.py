@@ -19,14 +19,15 @@ import json
 import os
 from dataclasses import dataclass
 
-from ..context import is_outermost, location, top_key
+from ..context import is_iteration, is_outermost, location, top_key
 from ..errors import FlorError, note
 from ..program.instrument import instrument
 from ..program.probe import detect
 from ..program.source import Comparison, changed_functions, manual_blocks, map_files
 from ..store import Store, new_run_id
 
-__all__ = ["Plan", "plan_replay", "partition", "iteration_costs", "instrument_current",
+__all__ = ["Plan", "plan_replay", "partition", "iteration_costs", "resume_points",
+           "segments_for", "instrument_current",
            "register", "describe", "worker_threads"]
 
 
@@ -51,10 +52,13 @@ class Plan:
     hands_free: dict | None  # {"hindsight", "other", "blocks"} for a hands-free record
     tolerance: float | None = None  # --tolerance REL for the deferred checks
     threads: int | None = None  # torch intra-op threads of each worker
+    workers: int | None = None  # local worker processes (segments may be more)
+    resume: dict = dataclasses.field(default_factory=dict)  # {str(i): iteration checkpoint
+    # file at the end of main-loop iteration i}: a segment starting at i + 1 starts there
 
     def save(self, path: str):
         data = dataclasses.asdict(self)
-        for optional in ("tolerance", "threads"):
+        for optional in ("tolerance", "threads", "workers"):
             if data[optional] is None:
                 del data[optional]
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -81,27 +85,32 @@ class Plan:
         return {rel: set(f["present"]) for rel, f in self.files.items()}
 
 
-def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None) -> list[list[int]]:
+def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None,
+              restart=None) -> list[list[int]]:
     """Split iterations [0, total) into at most `jobs` contiguous segments, each
     starting just after a resumable iteration (one whose block executions were
-    all checkpointed), so that the busiest worker finishes soonest.
+    all checkpointed) or at a key of `restart`, so that the busiest worker
+    finishes soonest.
 
-    A worker first pseudoresumes the iterations before its segment, at
-    pseudo[i] seconds each, then replays its own at work[i] each.  Without
-    costs every iteration counts 1 and pseudoresume 0: equal-length segments.
+    A worker first gets to the start s of its segment, by pseudoresuming the
+    iterations before it (pseudo[i] seconds each) or, where s is in
+    `restart`, by restoring an iteration checkpoint (restart[s] seconds),
+    then replays its own iterations at work[i] each.  Without costs every
+    iteration counts 1 and getting to a start 0: equal-length segments.
     """
     if total <= 0:
         return [[0, 0]]
     work = list(work) if work is not None else [1.0] * total
     pseudo = list(pseudo) if pseudo is not None else [0.0] * total
-    starts = sorted(i + 1 for i in resumable if 0 <= i < total - 1)
+    restart = {s: c for s, c in (restart or {}).items() if 0 < s < total}
+    starts = sorted({i + 1 for i in resumable if 0 <= i < total - 1} | set(restart))
     pw, pp = [0.0], [0.0]
     for w, p in zip(work, pseudo):
         pw.append(pw[-1] + w)
         pp.append(pp[-1] + p)
 
     def cost(s, e):
-        return pp[s] + pw[e] - pw[s]
+        return min(pp[s], restart.get(s, pp[s])) + pw[e] - pw[s]
 
     def greedy(limit):
         """Segment starts if every worker can finish within `limit`, else None."""
@@ -153,6 +162,36 @@ def iteration_costs(rec, decisions, loops, probed, no_restore):
     return [outer + t for t in run_time], [outer + t for t in pseudo_time]
 
 
+def resume_points(store, rec, iterations, total):
+    """({str(i): file} of the iteration checkpoints of the main loop that
+    were written, {i + 1: estimated seconds to restore it})."""
+    main_top = top_key(rec["main_loop"], rec["main_run"])
+    resume, restart = {}, {}
+    ckpt_dir = store.ckpt_dir(rec["run_id"])
+    for d in iterations:
+        i = _main_iteration(d, main_top)
+        if d["checkpoint"] and d["file"] and i is not None and 0 <= i < total - 1 and \
+                os.path.isfile(os.path.join(ckpt_dir, d["file"])):
+            resume[str(i)] = d["file"]
+            write_s = d["nbytes"] / d["bandwidth"] if d["bandwidth"] else 0.0
+            restart[i + 1] = (rec["c"] or 0.0) * write_s
+    return resume, restart
+
+
+def segments_for(jobs, work, rec) -> int:
+    """How many segments a local replay on `jobs` workers splits the main
+    loop into: one per worker, and more (up to 4 per worker, for the queue
+    to balance and to re-run less after a failure) while each segment's work
+    stays 20 times the cost of starting a worker (the script's start: the
+    record's time before its main loop)."""
+    if jobs <= 1:
+        return 1
+    info = json.loads(rec["info"] or "{}")
+    startup = max(info.get("startup_s") or 0.0, 0.5)
+    per_worker = int(sum(work) / (jobs * 20 * startup))
+    return jobs * max(1, min(4, per_worker))
+
+
 def instrument_current(source, script, lines: dict):
     """Instrument the current script of a hands-free replay, naming each loop
     and block by its line in the recorded script (``file:new:N`` if new);
@@ -176,8 +215,17 @@ def _pick_record(store: Store, script: str, run_id):
     newest = store.records(script)[0]
     if newest["run_id"] != rec["run_id"]:
         note(f"the latest record of {os.path.basename(script)}, run {newest['run_id']}, "
-             f"{newest['status']}; replaying run {rec['run_id']}")
+             f"{store.status(newest)}; replaying run {rec['run_id']}")
     return rec
+
+
+def _interrupted(store, rec):
+    """A note when `rec` was interrupted: how far replay goes."""
+    if store.status(rec) != "interrupted":
+        return []
+    return [f"run {rec['run_id']} was interrupted after {rec['iterations']} iterations of its "
+            "main loop: replay covers those, then runs the code after the loop as the script "
+            "does (`python -m flor record --resume` completes the record)"]
 
 
 def _compare(store, script, rec):
@@ -240,14 +288,18 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
                 tolerance=None, threads=None, cores=None):
     """Plan the replay of the latest finished record of `script` (or `run_id`)
     with `args` on up to `jobs` workers of `threads` torch threads each (the
-    record's by default; no more workers than `cores` allow).  Returns
+    record's by default; no more workers than `cores` allow).  `part`: the
+    part of a --part I/N replay, or -1 for Ray (one segment per worker).  Returns
     (plan, record row, comparison, current source of the script, notes)."""
     if not os.path.isfile(script):
         raise FlorError(f"no such script: {script}")
     rec = _pick_record(store, script, run_id)
     threads, jobs, notes = worker_threads(rec, jobs, threads, cores)
+    notes += _interrupted(store, rec)
     cmp, hands_free, new = _compare(store, script, rec)
     decisions = store.rows("decisions", rec["run_id"])
+    iterations = [d for d in decisions if is_iteration(d["block"])]
+    decisions = [d for d in decisions if not is_iteration(d["block"])]
     loops = store.rows("loops", rec["run_id"])
     main_top = top_key(rec["main_loop"], rec["main_run"])
     total = rec["iterations"] or 0
@@ -258,8 +310,10 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
             restorable.setdefault(_main_iteration(d, main_top), []).append(ok)
     resumable = {i for i in range(total) if all(restorable.get(i, [True]))}
     work, pseudo = iteration_costs(rec, decisions, loops, cmp.probed, cmp.changed_end)
-    segments = partition(total, jobs, resumable, work, pseudo)
-    if part is not None:
+    resume, restart = resume_points(store, rec, iterations, total)
+    segments = partition(total, segments_for(jobs, work, rec) if part is None else jobs,
+                         resumable, work, pseudo, restart)
+    if part is not None and part >= 0:
         # Parts run on other machines must agree on one replay id.
         digest = hashlib.sha1(json.dumps(
             [sorted(new.items()), list(args), jobs, rec["run_id"]]).encode()).hexdigest()[:10]
@@ -277,7 +331,8 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
                      for d in decisions if d["checkpoint"] and d["file"]],
         ckpt_dir=store.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
-        hands_free=hands_free, tolerance=tolerance, threads=threads)
+        hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
+        workers=jobs)
     return plan, rec, cmp, new[os.path.basename(script)], notes
 
 

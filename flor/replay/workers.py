@@ -26,16 +26,21 @@ from .results import conclude
 __all__ = ["run_local", "run_part"]
 
 
-def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None) -> int:
+def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
+             resume=True) -> int:
     """Run segment `part` of the plan in this process (a worker, or --part):
     `tee` also shows the script's stdout, `own_db` stores into the part's
-    own database, `progress_fd` reports each replayed iteration."""
+    own database (or into the database file it names), `progress_fd`
+    reports each replayed iteration, `resume` starts from an iteration
+    checkpoint where the plan has one."""
     store = Store(plan.store)
     if own_db:
-        store = Store(plan.store, db_file=store.part_db(plan.replay_id, part))
+        db = own_db if isinstance(own_db, str) else store.part_db(plan.replay_id, part)
+        store = Store(plan.store, db_file=db)
         if plan.threads and "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = str(plan.threads)  # before the script imports torch
-    session = Session.replay(plan, part, store=store, tee=tee, progress_fd=progress_fd)
+    session = Session.replay(plan, part, store=store, tee=tee, progress_fd=progress_fd,
+                             resume=resume)
     script = plan.script
     sys.argv = list(plan.argv)
     sys.path[0] = os.path.dirname(script)
@@ -91,53 +96,217 @@ def _gpus():
     return [str(i) for i, _ in enumerate(l for l in out.splitlines() if l.startswith("GPU"))]
 
 
+MAX_ATTEMPTS = 3  # of one segment, before the replay fails
+
+
+class _Attempt:
+    """One run of a segment by a worker process."""
+
+    def __init__(self, store, plan, part, number, resume, slot, env):
+        self.part, self.number, self.resume, self.slot = part, number, resume, slot
+        self.db = store.part_db(plan.replay_id, part, number)
+        for stale in (self.db, self.db + "-wal", self.db + "-shm"):
+            if os.path.exists(stale):
+                os.unlink(stale)
+        self.log = open(store.worker_log(plan.replay_id, part, number), "w+")
+        r, w = os.pipe()
+        cmd = [sys.executable, "-m", "flor", "_worker", store.plan_path(plan.replay_id),
+               str(part), str(w), "--db", self.db] + ([] if resume else ["--no-resume"])
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=self.log, pass_fds=(w,))
+        os.close(w)
+        self.pipe = os.fdopen(r, "rb", buffering=0)
+        self.buf = b""
+        self.started = time.monotonic()
+        self.first = None  # when it reported its first iteration
+        self.done = 0  # iterations it replayed
+
+    def read(self) -> int:
+        """Take what the worker reported; returns the iterations it added."""
+        chunk = self.pipe.read(4096)
+        if not chunk:
+            return 0
+        self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        if lines and self.first is None:
+            self.first = time.monotonic()
+        self.done += len(lines)
+        return len(lines)
+
+    def rate(self):
+        """Iterations per second since its first one, or None."""
+        if self.first is None or self.done < 2:
+            return None
+        return (self.done - 1) / max(time.monotonic() - self.first, 1e-9)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.close()
+
+    def close(self):
+        self.pipe.close()
+
+    def text(self) -> str:
+        self.log.seek(0)
+        text = self.log.read()
+        self.log.close()
+        return text
+
+
+class _Queue:
+    """Segments handed to `slots` worker processes as they free up.  A
+    worker that dies (a signal: killed, evicted) has its segment run again;
+    one that fails after restoring an iteration checkpoint, again without
+    it.  When nothing is left to hand out, a free worker runs a copy of the
+    slowest segment if it can finish sooner; the first copy to finish wins."""
+
+    def __init__(self, store, plan, slots):
+        self.store, self.plan, self.slots = store, plan, slots
+        self.todo = [(p, True) for p in range(len(plan.segments))]  # (part, resume)
+        self.running: list[_Attempt] = []
+        self.attempts = [0] * len(plan.segments)
+        self.won: dict[int, _Attempt] = {}
+        self.lost: list[_Attempt] = []
+        self.failed: list[_Attempt] = []
+        self.seconds_per_iter: list[float] = []
+        self.gpus = _gpus()
+        self.threads = str(plan.threads or max(1, (os.cpu_count() or 1) // slots))
+        self.retried = 0
+        self.shown = [0] * len(plan.segments)  # iterations of each segment on the progress bar
+
+    def _launch(self, part, resume):
+        used = {a.slot for a in self.running}
+        slot = min(set(range(self.slots)) - used)
+        env = dict(os.environ, OMP_NUM_THREADS=self.threads, MKL_NUM_THREADS=self.threads,
+                   FLOR_REPLAY_WORKER=str(slot))  # which of the --jobs workers runs it
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot % len(self.gpus)]
+        self.running.append(_Attempt(self.store, self.plan, part, self.attempts[part], resume,
+                                     slot, env))
+        self.attempts[part] += 1
+
+    def _length(self, part):
+        s, e = self.plan.segments[part]
+        return e - s
+
+    def _backup(self):
+        """A copy of the running segment that would finish last, if a fresh
+        worker is expected to finish it sooner."""
+        if not self.seconds_per_iter:
+            return None
+        per_iter = sorted(self.seconds_per_iter)[len(self.seconds_per_iter) // 2]
+        copies = {a.part for a in self.running if a.number > 0}
+        startup = sorted(a.first - a.started for a in self.won.values() if a.first)
+        startup = startup[len(startup) // 2] if startup else 0.0
+        worst, worst_left = None, 0.0
+        for a in self.running:
+            rate = a.rate()
+            if a.part in copies or rate is None:
+                continue
+            left = (self._length(a.part) - a.done) / rate
+            fresh = startup + self._length(a.part) * per_iter
+            if left > 1.5 * fresh and left > worst_left:
+                worst, worst_left = a, left
+        return worst
+
+    def _finished(self, a, code):
+        a.close()
+        self.running.remove(a)
+        if a.part in self.won:  # a copy that lost the race
+            self.lost.append(a)
+            return True
+        if code == 0:
+            self.won[a.part] = a
+            if a.done > 1 and a.first is not None:
+                self.seconds_per_iter.append((time.monotonic() - a.first) / (a.done - 1))
+            for other in [o for o in self.running if o.part == a.part]:
+                other.stop()
+                self.running.remove(other)
+                self.lost.append(other)
+            return True
+        if any(o.part == a.part for o in self.running):
+            self.lost.append(a)  # its copy runs on
+            return True
+        if self.attempts[a.part] >= MAX_ATTEMPTS:
+            self.failed.append(a)
+            return False
+        died = code < 0
+        if not died and not a.resume:
+            self.failed.append(a)
+            return False
+        self.lost.append(a)
+        self.retried += 1
+        how = "was killed" if died else "failed after restoring an iteration checkpoint"
+        why = ""
+        if not died:
+            a.log.seek(0)
+            lines = [l for l in a.log.read().splitlines() if l.strip()]
+            why = f" ({lines[-1].strip()})" if lines else ""
+        note(f"replay worker of segment {a.part} {how} (exit {code}){why}; running it again"
+             + ("" if died else " from the start"))
+        self.todo.insert(0, (a.part, a.resume if died else False))
+        return True
+
+    def run(self, progress) -> bool:
+        """Run every segment; False if one failed for good."""
+        while self.todo or self.running:
+            while self.todo and len(self.running) < self.slots:
+                self._launch(*self.todo.pop(0))
+            if not self.todo and len(self.running) < self.slots:
+                backup = self._backup()
+                if backup is not None:
+                    note(f"segment {backup.part} is running slowly; running a copy of it")
+                    self._launch(backup.part, True)
+            ready, _, _ = select.select([a.pipe for a in self.running], [], [], 0.5)
+            for a in list(self.running):
+                if a.pipe in ready:
+                    a.read()
+                    if a.done > self.shown[a.part]:  # copies count once
+                        progress.step(a.done - self.shown[a.part])
+                        self.shown[a.part] = a.done
+                code = a.proc.poll()
+                if code is not None and a in self.running:
+                    while a.read():
+                        pass
+                    if not self._finished(a, code):
+                        for other in list(self.running):
+                            other.stop()
+                            self.running.remove(other)
+                        return False
+        return True
+
+
 def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int:
-    """Replay every segment in a worker process of its own, then assemble."""
+    """Replay the plan's segments on the plan's number of local worker
+    processes, then assemble."""
     nparts = len(plan.segments)
+    slots = max(1, min(plan.workers or nparts, nparts))
     t0 = time.time()
     for line in notes:
         note(line)
     register(store, plan, rec, source, "local")
-    r, w = os.pipe()
-    threads = str(plan.threads or max(1, (os.cpu_count() or 1) // nparts))
-    gpus = _gpus()
-    procs, logs = [], []
-    for p in range(nparts):
-        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[p % len(gpus)]
-        err = open(store.worker_log(plan.replay_id, p), "w+")
-        logs.append(err)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "flor", "_worker", store.plan_path(plan.replay_id), str(p),
-             str(w)],
-            env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err, pass_fds=(w,)))
-    os.close(w)
-    progress = _Progress(sum(e - s for s, e in plan.segments), nparts)
+    progress = _Progress(sum(e - s for s, e in plan.segments), slots)
     progress.show()
-    buf = b""
-    with os.fdopen(r, "rb", buffering=0) as pipe:
-        while True:
-            ready, _, _ = select.select([pipe], [], [], 1.0)
-            if ready:
-                chunk = pipe.read(4096)
-                if not chunk:
-                    break  # every worker has exited
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                progress.step(len(lines))
-    codes = [proc.wait() for proc in procs]
+    queue = _Queue(store, plan, slots)
+    ok = queue.run(progress)
     progress.show(final=True)
-    failed = [p for p, c in enumerate(codes) if c != 0]
-    for p, err in enumerate(logs):
-        err.seek(0)
-        text = err.read()
-        err.close()
+    for a in [*queue.won.values(), *queue.failed]:
+        text = a.text()
         if text.strip():
-            print(f"--- replay worker {p} ---\n{text.rstrip()}", file=sys.stderr)
-    if failed:
+            print(f"--- replay worker {a.part} ---\n{text.rstrip()}", file=sys.stderr)
+    for a in queue.lost:
+        a.text()
+    if not ok:
         store.update_run(plan.replay_id, finished=time.time(), status="failed")
-        note(f"replay failed in worker{'s' if len(failed) > 1 else ''} "
-             f"{', '.join(map(str, failed))}")
+        note(f"replay failed in segment{'s' if len(queue.failed) > 1 else ''} "
+             f"{', '.join(str(a.part) for a in queue.failed)}")
         return 1
+    for part in range(nparts):
+        store.import_part(queue.won[part].db)
+    for a in [*queue.won.values(), *queue.lost]:
+        for path in (a.db, a.db + "-wal", a.db + "-shm"):
+            if os.path.exists(path):
+                os.unlink(path)
     return conclude(store, plan, rec, time.time() - t0, strict)

@@ -34,7 +34,7 @@ import types
 from ..program.syntax import root as root_of
 from .session import Session
 
-__all__ = ["UNBOUND", "loop", "step_into", "end", "abandon", "count"]
+__all__ = ["UNBOUND", "loop", "resume", "step_into", "end", "abandon", "count"]
 
 
 class _Unbound:
@@ -72,11 +72,44 @@ _NOT_STATE_MODULES = ("tqdm", "torch.utils.tensorboard", "tensorboardX", "wandb"
                       "torch.utils.data", "logging")
 
 
-def loop(iterable, key):
+def loop(iterable, key, names=None, paths=(), globals_=(), rebound=()):
+    """A candidate main loop; `names`, `paths`, `globals_`, `rebound`: what
+    its body carries into the next iteration (None when analysis gave up)."""
     s = Session.get()
     if not s.at_top_level():
         return iterable
-    return s.loop(iterable, key, sys._getframe(1))
+    carrier = _Carried(names, paths, globals_, rebound) if names is not None else None
+    return s.loop(iterable, key, sys._getframe(1), carrier)
+
+
+def resume(key):
+    """The first statement of a main loop's body: after a restore of its
+    iteration checkpoint, the values of the names it rebinds, else None."""
+    return Session.get().take_resumed(key)
+
+
+class _Carried:
+    """What a hands-free main loop carries, read from the loop's frame."""
+
+    def __init__(self, names, paths, globals_, rebound):
+        self.sets = (names, paths, globals_, rebound)
+
+    def _read(self, scope):
+        items, captured, extra, labels = _capture(None, *self.sets, scope)
+        objs = [items[i][1] for i in captured] + [o for _, o in extra]
+        rebind = [items[i][2] for i in captured] + [False] * len(extra)
+        return items, captured, objs, labels, rebind
+
+    def capture(self, scope):
+        _, _, objs, labels, rebind = self._read(scope)
+        return objs, labels, rebind
+
+    def apply(self, saved, scope):
+        from .blockstate import apply
+
+        items, captured, objs, _, rebind = self._read(scope)
+        out = apply(saved, objs, rebind, scope)
+        return _put_back(items, captured, out, len(self.sets[0]), scope)
 
 
 def step_into(key, owner, names, paths, globals_, rebound) -> bool:
@@ -226,16 +259,22 @@ def end(key, names, paths, globals_, rebound, grads=False):
         ns, g = frame.f_locals, frame.f_globals
         return tuple(ns[n] if n in ns else g.get(n, UNBOUND) for n in names)
     items, captured, extra, labels = _capture(s, names, paths, globals_, rebound, frame)
-    ns, g = frame.f_locals, frame.f_globals
     objs = [items[i][1] for i in captured]
     s.block_labels.setdefault(key, labels)
     out = s.end(objs + [o for _, o in extra], frame, sig=labels,
                 rebind=[items[i][2] for i in captured] + [False] * len(extra), as_list=True,
                 hint="record the script again, or add `# flor: skip` to the loop", grads=grads)
+    return _put_back(items, captured, out, len(names), frame)
+
+
+def _put_back(items, captured, out, nnames, frame):
+    """Set the restored values `out` of the captured items: paths and
+    globals here; the values of the first `nnames` (names) are returned."""
+    ns, g = frame.f_locals, frame.f_globals
     values = [v for _, v, _ in items]
     for i, new in zip(captured, out):
         values[i] = new
-    for i in range(len(names), len(items)):
+    for i in range(nnames, len(items)):
         label, old, _ = items[i]
         if values[i] is not old and values[i] is not UNBOUND:
             if not label.startswith("global "):
@@ -245,5 +284,5 @@ def end(key, names, paths, globals_, rebound, grads=False):
                 _set(label[len("global "):], values[i], g, g)
             else:
                 g[label[len("global "):]] = values[i]
-    return tuple(values[:len(names)])
+    return tuple(values[:nnames])
 

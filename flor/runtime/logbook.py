@@ -121,12 +121,14 @@ class Logbook:
 
     def iteration_state(self, frame):
         """The fingerprint of the training state in scope of a top-level loop
-        (its modules and optimizers) at the end of an iteration."""
+        (its modules and optimizers) at the end of an iteration; returned."""
         if self.s.discard or frame.scope is None:
-            return
+            return None
         owners = state_owners([], frame.scope)
+        fp = _core.fingerprint(owners)
         if owners:
-            self.value("state@iteration", _core.fingerprint(owners), frame[1])
+            self.value("state@iteration", fp, frame[1])
+        return fp
 
     def random_state(self, frame):
         """At the start of a top-level loop: fingerprints of the global random

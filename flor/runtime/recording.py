@@ -15,15 +15,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
 import time
 
 from .. import _core
-from ..context import checkpoint_name, is_outermost, location
-from ..errors import CheckpointWriteError, SegmentDone, note
+from ..context import checkpoint_name, is_iteration, is_outermost, iteration_key, location
+from ..checkpoint import load
+from ..errors import (CheckpointWriteError, FlorError, FlorReplayError, Interrupted, SegmentDone,
+                      note)
 from ..materializer import Materializer, mode_from_env
 from ..program.gradients import manual_gradients
-from . import blockstate
+from . import blockstate, carry
 from .charge import Charges
 
 __all__ = ["Recording", "record_script", "summary", "never_checkpointed", "DEFAULT_EPSILON",
@@ -60,7 +63,8 @@ class Recording:
     first_phase = None
     part = 0
 
-    def __init__(self, store, script, argv, epsilon=None, adaptive=None, hands_free=None):
+    def __init__(self, store, script, argv, epsilon=None, adaptive=None, hands_free=None,
+                 resume=None):
         self.store = store
         eps = epsilon if epsilon is not None else float(
             os.environ.get("FLOR_EPSILON", DEFAULT_EPSILON))
@@ -73,10 +77,23 @@ class Recording:
         if script is not None:
             with open(script) as f:
                 source = f.read()
-        self.run_id = store.new_run("record", self.script, argv, source, epsilon=eps, c=c,
-                                    versions=json.dumps(versions()),
-                                    info=json.dumps({"adaptive": adaptive,
-                                                     "hands_free": hands_free is not None}))
+        info = {"adaptive": adaptive, "hands_free": hands_free is not None,
+                "pid": os.getpid(), "host": socket.gethostname()}
+        self.point = resume  # a flor.runtime.resume.ResumePoint
+        self.restored = resume is None or resume.start == 0
+        if resume is None:
+            self.run_id = store.new_run("record", self.script, argv, source, epsilon=eps, c=c,
+                                        versions=json.dumps(versions()), info=json.dumps(info))
+        else:
+            self.run_id = resume.run_id
+            run = store.run(self.run_id)
+            eps, c = run["epsilon"], run["c"]
+            info["resumed"] = json.loads(run["info"] or "{}").get("resumed", []) + [resume.start]
+            store.truncate_record(self.run_id, resume.ord, resume.decisions)
+            store.update_run(self.run_id, status="running", info=json.dumps(info),
+                             iterations=resume.start)
+            self.machine = _core.SkipMachine(_core.RECORD, eps, c, adaptive)
+        self.info = info
         self.hands_free = hands_free is not None
         if hands_free is not None:
             store.save_instrumented(self.run_id, hands_free.text, hands_free.summary())
@@ -89,6 +106,9 @@ class Recording:
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         self._mat = None
         self._bw = None
+        self._loop_t0: dict = {}  # (top-level loop, run) -> when its first iteration began
+        self._main_so_far = None  # (loop, run, iterations) of the main loop so far
+        self._startup = None
 
     # -- identity -----------------------------------------------------------
 
@@ -109,11 +129,79 @@ class Recording:
 
     # -- loops and blocks ---------------------------------------------------
 
-    def loop(self, session, iterable, key, run, scope):
-        return session.iterate(iterable, key, run, scope)
+    def loop(self, session, iterable, key, run, scope, carrier=None):
+        r = self.point
+        if not self.restored and session.at_top_level() and (key, run) == (r.loop, r.loop_run):
+            if carrier is None:
+                raise FlorError(f"the main loop at {key} no longer says what it carries "
+                                "(state=): run {r.run_id} cannot be resumed")
+            return session.iterate(iterable, key, run, scope, carrier, start=r.start)
+        return session.iterate(iterable, key, run, scope, carrier)
 
-    def iteration_done(self, session, progress):
-        pass
+    def resume(self, session, it, frame, start):
+        """Skip the main loop to `start` from the iteration checkpoint of the
+        iteration before it (verified), and record from there."""
+        r = self.point
+        for i in range(start):
+            session.context.set_index(frame, i)
+            next(it)
+        where = f"iteration checkpoint {r.file} of run {r.run_id}"
+        saved = load(os.path.join(self.store.ckpt_dir(self.run_id), r.file), map_location="cpu")
+        try:
+            values = carry.restore(saved, frame.carrier, frame[1], frame[2], start - 1,
+                                   frame.scope, where)
+        except FlorReplayError as e:
+            raise FlorError(f"cannot resume: {e}") from None
+        if values is not None:
+            session.resumed = (frame[1], values)
+        session.logbook.journal.ord = r.ord
+        session.discard = False
+        self.restored = True
+        self._loop_t0[(frame[1], frame[2])] = time.time()
+        note(f"resuming run {r.run_id} at iteration {start} of its main loop")
+
+    def iteration_started(self, session, frame):
+        if frame.carrier is not None:
+            key = iteration_key(frame[1])
+            frame.handle = self.machine.block(key)
+            self.machine.enter(frame.handle, False, False)
+            self.charges.started(key, self._writer())
+        self._loop_t0.setdefault((frame[1], frame[2]), time.time())
+        if self._startup is None:  # what a replay worker pays before the main loop
+            self._startup = time.time() - session.started
+
+    def iteration_abandoned(self, session, frame):
+        try:
+            self.machine.leave(frame.handle)
+        except RuntimeError:
+            pass  # an exception left a block open inside the iteration
+        frame.handle = None
+
+    def iteration_done(self, session, progress, frame, fp):
+        """Checkpoint what the main loop carries out of this iteration, if
+        the adaptive rule says so."""
+        if frame.handle is None:
+            return
+        handle, frame.handle = frame.handle, None
+        _, seconds = self.machine.leave(handle)
+        objs, sig, _ = frame.carrier.capture(frame.scope)
+        loop, run, i = frame[1:4]
+        if fp is None:
+            fp = carry.fingerprint(frame.scope)
+        self._checkpoint(session, iteration_key(loop), handle, session.info[1], 0, seconds,
+                         objs, lambda: carry.payload(loop, run, i, objs, sig, fp,
+                                                     session.logbook.journal.ord))
+
+    def iteration_committed(self, session, frame):
+        """What the run stored so far is committed: the run row says how far
+        it got (the main loop so far: the top-level loop running longest)."""
+        loop, run, i = frame[1:4]
+        now = time.time()
+        mine = now - self._loop_t0.get((loop, run), now)
+        best = self._main_so_far
+        if best is None or best[:2] == (loop, run) or mine >= now - self._loop_t0[best[:2]]:
+            self._main_so_far = (loop, run, i + 1)
+            self.store.update_run(self.run_id, main_loop=loop, main_run=run, iterations=i + 1)
 
     def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
         self.charges.started(key, self._writer())
@@ -134,42 +222,55 @@ class Recording:
             grads = blockstate.gradients(blockstate.state_owners(objs, frame))
         else:
             grads = None
-        self.charges.ended(b.key, seconds, self._writer())
-        nbytes = self.last_bytes.get(b.key)
+        if self._checkpoint(session, b.key, b.handle, b.ctx, b.occurrence, seconds,
+                            [list(objs), grads], lambda: blockstate.payload(
+                                b.key, b.ctx, b.occurrence, sig, objs, grads)):
+            session.logbook.state(b, sig, objs)
+
+    def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make):
+        """The adaptive rule for this execution of `key` (of `seconds`,
+        changing `objs`); if it says yes, submit the checkpoint `make()`.
+        Stores the decision; returns the checkpoint's name or None."""
+        self.charges.ended(key, seconds, self._writer())
+        if session.discard:  # record --resume, before the main loop: stored already
+            return None
+        nbytes = self.last_bytes.get(key)
         if nbytes is None:
-            nbytes = _core.measure([list(objs), grads])
+            nbytes = _core.measure(objs)
         bw, copy_bw = self.bandwidth()
         write_s = nbytes / bw
-        M = self.charges.cost(b.key, nbytes, copy_bw, write_s)
-        ok, reason, ratio, limit, M = self.machine.decide(b.handle, nbytes, M, write_s)
+        M = self.charges.cost(key, nbytes, copy_bw, write_s)
+        ok, reason, ratio, limit, M = self.machine.decide(handle, nbytes, M, write_s)
         fname = None
         _, _, top, top_iter, indices = session.info
         if ok:
-            fname = checkpoint_name(b.key, b.ctx, b.occurrence, json.loads(indices))
-            payload = blockstate.payload(b.key, b.ctx, b.occurrence, sig, objs, grads)
+            fname = checkpoint_name(key, ctx, occurrence, json.loads(indices))
+            payload = make()
             mat = self._materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
             try:
-                self.last_bytes[b.key] = mat.submit(fname, payload)
-                self.charges.charged(b.key, time.perf_counter() - t0)
-                self._submitted.append(b.key)
+                self.last_bytes[key] = mat.submit(fname, payload)
+                self.charges.charged(key, time.perf_counter() - t0)
+                self._submitted.append(key)
             except CheckpointWriteError as e:
-                note(f"checkpoint of block {b.key!r} failed: {e}")
+                note(f"checkpoint of block {key!r} failed: {e}")
                 fname = None
-            else:
-                session.logbook.state(b, sig, objs)
-        st = self.machine.stats()[b.handle]
+        st = self.machine.stats()[handle]
         session.logbook.decisions.append((
-            self.run_id, b.key, b.ctx, b.occurrence, indices, top, top_iter,
+            self.run_id, key, ctx, occurrence, indices, top, top_iter,
             st["n"], st["k"], seconds, st["compute_s"] / st["n"], nbytes, bw, M,
             ratio if math.isfinite(ratio) else None, limit, int(ok), reason,
             fname + ".flor" if fname else None))
+        return fname
 
     # -- checkpoint writing -------------------------------------------------
 
     def _materializer(self):
         if self._mat is None:
-            self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode_from_env())
+            # batch_count=1: fork mode writes each checkpoint now, not at exit,
+            # so that a killed record keeps what it checkpointed.
+            self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode_from_env(),
+                                     batch_count=1)
         return self._mat
 
     def _writer(self):
@@ -231,27 +332,46 @@ class Recording:
 
     def finish(self, session, error, failures):
         failed = error is not None and not isinstance(error, SegmentDone)
+        if isinstance(error, Interrupted) or not self.restored:
+            # SIGTERM, or a resume that did not get to its main loop: the
+            # run stays interrupted, as far as it committed.
+            self.store.update_run(self.run_id, status="interrupted")
+            note(f"record of run {self.run_id} interrupted; continue it with: python -m flor "
+                 f"record --resume {' '.join(sys.argv)}")
+            return
         torch = sys.modules.get("torch")
         top = [row for row in session.loop_stats if row[2] == 0]
+        if self.point is not None:
+            top = [row for row in top if row[:2] == (self.point.loop, self.point.loop_run)]
         main = max(top, key=lambda r: r[4]) if top else None
+        self.info.update({"failed_writes": [f[0] for f in failures],
+                          "threads": torch.get_num_threads() if torch is not None else None,
+                          "adaptive": self.machine.adaptive, "hands_free": self.hands_free,
+                          "flor_seconds": session.flor_s, "startup_s": self._startup,
+                          "captured": session.block_labels,
+                          "error": repr(error) if failed else None})
         self.store.update_run(
             self.run_id, finished=time.time(), status="failed" if failed else "finished",
             main_loop=main[0] if main else None, main_run=main[1] if main else None,
             iterations=main[3] if main else 0, versions=json.dumps(versions()),
-            info=json.dumps({"failed_writes": [f[0] for f in failures],
-                             "threads": torch.get_num_threads() if torch is not None else None,
-                             "adaptive": self.machine.adaptive,
-                             "hands_free": self.hands_free,
-                             "flor_seconds": session.flor_s,
-                             "captured": session.block_labels,
-                             "error": repr(error) if failed else None}))
+            info=json.dumps(self.info))
 
 
-def record_script(script, args, epsilon=None, adaptive=None) -> int:
+def _evicted(signum, frame):
+    raise Interrupted()
+
+
+def record_script(script, args, epsilon=None, adaptive=None, resume=False, force=False) -> int:
     """``python -m flor record``: run `script` with `args` as ``__main__``,
     recording it (hands-free if it does not import flor); print the summary.
-    Returns the script's exit status."""
+    `resume`: continue the latest interrupted record of `script` instead
+    (`force`: even if the script or its arguments changed).  While the
+    script runs, SIGTERM (when the script's process has no handler of its
+    own) ends it as Interrupted.  Returns the script's exit status."""
+    import signal
     import traceback
+
+    from . import resume as resuming
 
     from ..program.instrument import instrument, uses_flor
     from .script import run_main
@@ -267,14 +387,30 @@ def record_script(script, args, epsilon=None, adaptive=None) -> int:
         except SyntaxError as e:
             traceback.print_exception(e, limit=0)
             return 1
+    point = None
+    if resume:
+        from ..store import Store
+
+        point = resuming.find(Store(), script, args, force)
     session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive,
-                             hands_free=inst)
+                             hands_free=inst, resume=point)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    code, error = run_main(script, sys.stderr, inst)
+    own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if own:
+        signal.signal(signal.SIGTERM, _evicted)
+    try:
+        code, error = run_main(script, sys.stderr, inst)
+    finally:
+        if own:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     session.finish(error)
-    for line in summary(session.store, session.run_id):
-        note(line)
+    if isinstance(error, FlorError):
+        note(str(error))
+        return 2
+    if session.policy.restored and not isinstance(error, Interrupted):
+        for line in summary(session.store, session.run_id):
+            note(line)
     return code
 
 
@@ -284,12 +420,16 @@ def summary(store, run_id) -> list[str]:
     run = store.run(run_id)
     decisions = store.rows("decisions", run_id, "ORDER BY rowid")
     ckpt_dir = store.ckpt_dir(run_id)
-    ckpts = [d for d in decisions if d["checkpoint"]]
-    size = sum(os.path.getsize(os.path.join(ckpt_dir, d["file"])) for d in ckpts
-               if d["file"] and os.path.exists(os.path.join(ckpt_dir, d["file"])))
+    def size(rows):
+        return sum(os.path.getsize(os.path.join(ckpt_dir, d["file"])) for d in rows
+                   if d["file"] and os.path.exists(os.path.join(ckpt_dir, d["file"]))) / 2**20
+
+    ckpts = [d for d in decisions if d["checkpoint"] and not is_iteration(d["block"])]
+    iters = [d for d in decisions if d["checkpoint"] and is_iteration(d["block"])]
+    more = f" and {len(iters)} iteration checkpoints ({size(iters):.1f} MiB)" if iters else ""
     return [f"recorded run {run_id} of {run['script_name']}: {run['iterations']} iterations of "
-            f"the main loop, {len(ckpts)} checkpoints ({size / 2**20:.1f} MiB) in {store.root}",
-            *never_checkpointed(decisions)]
+            f"the main loop, {len(ckpts)} checkpoints ({size(ckpts):.1f} MiB){more} in "
+            f"{store.root}", *never_checkpointed(decisions)]
 
 
 def never_checkpointed(decisions):
@@ -297,7 +437,7 @@ def never_checkpointed(decisions):
     what the adaptive rule weighed at its last execution, and the way out."""
     last, taken = {}, set()
     for d in decisions:
-        if is_outermost(d["ctx"]):
+        if is_outermost(d["ctx"]) and not is_iteration(d["block"]):
             last[d["block"]] = d
             if d["checkpoint"]:
                 taken.add(d["block"])

@@ -23,7 +23,7 @@ from .. import _core
 from ..checkpoint import load
 from ..context import block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
-from . import blockstate
+from . import blockstate, carry
 
 __all__ = ["Replaying"]
 
@@ -35,8 +35,10 @@ class Replaying:
     mode = "replay"
     first_phase = "pre"
 
-    def __init__(self, store, plan, part, progress_fd=None):
+    def __init__(self, store, plan, part, progress_fd=None, resume=True):
         self.store, self.plan, self.part = store, plan, part
+        self.resume = resume  # start from an iteration checkpoint where the plan has one
+        self.resumed_from = None  # [iteration, seconds] of the restore
         self.run_id = plan.replay_id
         self.segment = tuple(plan.segments[part])
         self.last_part = part == len(plan.segments) - 1
@@ -74,12 +76,12 @@ class Replaying:
 
     # -- the main loop ------------------------------------------------------
 
-    def loop(self, session, iterable, key, run, scope):
+    def loop(self, session, iterable, key, run, scope, carrier=None):
         if session.context.at_top_level() and (key, run) == self.main:
-            return self._main(session, iterable, key, run, scope)
+            return self._main(session, iterable, key, run, scope, carrier)
         return session.iterate(iterable, key, run, scope)
 
-    def _main(self, session, iterable, key, run, scope):
+    def _main(self, session, iterable, key, run, scope, carrier):
         total = self.plan.iterations
         start, end = self.segment
         frame = session.context.push_loop(key, run, scope)
@@ -88,6 +90,9 @@ class Replaying:
         it = iter(iterable)
         t0, n = time.perf_counter(), 0
         try:
+            if start > 0 and self.resume and carrier is not None and \
+                    str(start - 1) in self.plan.resume:
+                n = self._restore_iteration(session, it, frame, carrier, start)
             while n < min(end, total):
                 pseudo = n < start
                 self.machine.phase = _core.PSEUDORESUME_PHASE if pseudo else _core.WORK
@@ -111,13 +116,48 @@ class Replaying:
         if not self.last_part:
             raise SegmentDone(self.part)
 
-    def iteration_done(self, session, progress):
+    def _restore_iteration(self, session, it, frame, carrier, start) -> int:
+        """Start the segment at `start` from the iteration checkpoint of
+        iteration start - 1: the loop's items before it are drawn (and
+        dropped), the carried state is restored and verified."""
+        fname = self.plan.resume[str(start - 1)]
+        session.discard = True
+        for i in range(start):
+            session.context.set_index(frame, i)
+            try:
+                next(it)
+            except StopIteration:
+                raise FlorReplayError(f"the main loop ended after {i} iterations; the record "
+                                      f"ran {self.plan.iterations}") from None
+        session.discard = False
+        t0 = time.perf_counter()
+        where = f"iteration checkpoint {fname}"
+        try:
+            saved = load(os.path.join(self.plan.ckpt_dir, fname), map_location="cpu")
+        except (FileNotFoundError, CheckpointCorrupt) as e:
+            raise FlorReplayError(f"{where} cannot be read ({e})") from None
+        values = carry.restore(saved, carrier, frame[1], frame[2], start - 1, frame.scope, where)
+        if values is not None:
+            session.resumed = (frame[1], values)
+        self.resumed_from = [start - 1, time.perf_counter() - t0]
+        return start
+
+    def iteration_started(self, session, frame):
+        pass
+
+    def iteration_abandoned(self, session, frame):
+        pass
+
+    def iteration_done(self, session, progress, frame, fp):
         if progress and self.progress_fd is not None:
             try:
                 os.write(self.progress_fd,
                          f"{self.part} {session.context.top()[1]}\n".encode())
             except OSError:
                 self.progress_fd = None
+
+    def iteration_committed(self, session, frame):
+        pass
 
     # -- blocks -------------------------------------------------------------
 
@@ -216,5 +256,6 @@ class Replaying:
                             {"reexecuted": self.reexecuted,
                              "threads": torch.get_num_threads() if torch is not None else None,
                              "main_seen": self.main_seen,
+                             "resumed_from": self.resumed_from,
                              "captured": session.block_labels,
                              "error": repr(error) if failed else None})

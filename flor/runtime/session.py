@@ -70,8 +70,11 @@ class Inert:
         self.pid = os.getpid()
         self.block_labels: dict = {}
 
-    def loop(self, iterable, name, frame):
+    def loop(self, iterable, name, frame, carrier=None):
         return iter(iterable)
+
+    def take_resumed(self, key):
+        return None
 
     def step_into(self, name, probed, frame, expect_sig=None):
         return True
@@ -124,21 +127,27 @@ class Session:
 
     @classmethod
     def record(cls, script, argv, epsilon=None, adaptive=None, store=None,
-               watch_exceptions=False, hands_free=None) -> "Session":
-        """Start recording `script` (its instrumented code `hands_free`)."""
+               watch_exceptions=False, hands_free=None, resume=None) -> "Session":
+        """Start recording `script` (its instrumented code `hands_free`);
+        `resume`: continue an interrupted record (flor/runtime/resume.py)."""
         from .recording import Recording
 
-        policy = Recording(store or Store(), script, argv, epsilon, adaptive, hands_free)
+        policy = Recording(store or Store(), script, argv, epsilon, adaptive, hands_free,
+                           resume)
         cls._current = cls(policy, script, tee=True, stderr=False,
                            watch_exceptions=watch_exceptions)
+        if not policy.restored:
+            cls._current.discard = True  # until the main loop is restored: stored already
         return cls._current
 
     @classmethod
-    def replay(cls, plan, part, store=None, tee=False, progress_fd=None) -> "Session":
-        """Start replaying segment `part` of `plan` (a flor.replay.plan.Plan)."""
+    def replay(cls, plan, part, store=None, tee=False, progress_fd=None,
+               resume=True) -> "Session":
+        """Start replaying segment `part` of `plan` (a flor.replay.plan.Plan);
+        `resume`: from an iteration checkpoint where the plan has one."""
         from .replaying import Replaying
 
-        policy = Replaying(store or Store(plan.store), plan, part, progress_fd)
+        policy = Replaying(store or Store(plan.store), plan, part, progress_fd, resume)
         cls._current = cls(policy, plan.script, tee=tee, stderr=True, watch_exceptions=False)
         return cls._current
 
@@ -165,6 +174,7 @@ class Session:
         self.flor_s = 0.0  # seconds flor itself spent on the main thread
         self._in_flor = False
         self.finished = False
+        self.resumed = None  # (loop, values to rebind) after an iteration restore
         self.capture = Capture(self.logbook.journal, tee, stderr, watch_exceptions)
         atexit.register(self.finish)
 
@@ -220,39 +230,60 @@ class Session:
 
     # -- loops --------------------------------------------------------------
 
-    def loop(self, iterable, name, frame):
+    def loop(self, iterable, name, frame, carrier=None):
+        """A tracked loop; `carrier` (flor/runtime/carry.py) says what it
+        carries from one iteration to the next, if it is the main loop."""
         key = name or self.site(frame, structural=True)
         run = self.context.next("L", key, self.info[1])
-        return self.policy.loop(self, iterable, key, run, frame)
+        return self.policy.loop(self, iterable, key, run, frame, carrier)
 
-    def iterate(self, iterable, key, run, scope):
-        """A tracked loop: its index is part of the context of what it runs."""
+    def iterate(self, iterable, key, run, scope, carrier=None, start=0):
+        """A tracked loop: its index is part of the context of what it runs.
+        `start`: iterations already done (``record --resume``)."""
         depth = self.context.depth()
         frame = self.context.push_loop(key, run, scope)
-        t0, n = time.perf_counter(), 0
+        frame.carrier = carrier if depth == 0 else None
+        t0, n = time.perf_counter(), start
+        it = iter(iterable)
         try:
-            for x in iterable:
+            if start:
+                self.policy.resume(self, it, frame, start)
+            for x in it:
                 self.context.set_index(frame, n)
-                if depth == 0 and n == 0:
-                    self.logbook.random_state(frame)
+                if depth == 0:
+                    if n == 0:
+                        self.logbook.random_state(frame)
+                    self.policy.iteration_started(self, frame)
                 n += 1
                 yield x
                 if depth == 0:
                     self.end_iteration(frame)
         finally:
+            if frame.handle is not None:  # left by break or an exception
+                self.policy.iteration_abandoned(self, frame)
             self.context.remove(frame)
             self.loop_stats.append((key, run, depth, n, time.perf_counter() - t0))
 
     @_accounted
     def end_iteration(self, frame, progress=False):
         """A top-level loop's iteration ended: fingerprint the training state
-        in its scope, if blocks ran in it, and store what it logged."""
-        if self._blocks_run:
-            self.logbook.iteration_state(frame)
+        in its scope, if blocks ran in it, checkpoint what the loop carries
+        (when the rule says so), and store what it logged."""
+        fp = self.logbook.iteration_state(frame) if self._blocks_run else None
         self._blocks_run = 0
+        self.policy.iteration_done(self, progress, frame, fp)
         self.context.forget_finished()
         self._flush()
-        self.policy.iteration_done(self, progress)
+        self.policy.iteration_committed(self, frame)
+
+    def take_resumed(self, key):
+        """Hands-free: the values the loop `key` rebinds after a restore of
+        its iteration checkpoint (once), else None."""
+        got = self.resumed
+        if got is not None and got[0] == key:
+            self.resumed = None
+            return got[1]
+        return None
 
 
     # -- blocks -------------------------------------------------------------

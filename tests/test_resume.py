@@ -1,0 +1,298 @@
+"""Killed and evicted records: what they keep, replay of them, `record
+--resume`, and replay workers that die.  Scripts are a small class-free
+trainer in the style of the PyTorch examples (hands-free, its epoch loop in
+main()) and a manual-API one that passes its loop's state."""
+import json
+import os
+import signal
+
+import pytest
+
+from conftest import flor, read, store, write_script
+
+HANDS_FREE = """
+    import os, signal, sys
+    import torch
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+
+    def train(model, loader, opt):
+        model.train()
+        total = 0.0
+        for xb, yb in loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        return total
+
+
+    def main(epochs):
+        torch.manual_seed(4)
+        torch.set_num_threads(1)
+        X, y = load_digits(return_X_y=True)
+        X = torch.tensor(X[:320], dtype=torch.float32) / 16
+        y = torch.tensor(y[:320])
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y),
+                                             batch_size=32, shuffle=True)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                                  torch.nn.Dropout(0.3), torch.nn.Linear(48, 10))
+        opt = torch.optim.SGD(net.parameters(), lr=0.2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+        best, history = 0.0, []
+        print("data ready")
+        for epoch in range(epochs):
+            total = train(net, loader, opt)
+            sched.step()
+            net.eval()
+            with torch.no_grad():
+                acc = (net(X).argmax(1) == y).float().mean().item()
+            best = max(best, acc)
+            history.append(round(total, 6))
+            print(f"epoch {epoch} loss {total:.6f} acc {acc:.6f} best {best:.6f} "
+                  f"noise {torch.rand(1).item():.6f}", flush=True)
+            if os.environ.get("STOP_AT") == str(epoch):
+                os.kill(os.getpid(), int(os.environ["STOP_WITH"]))
+        torch.save(net.state_dict(), "final.pt")
+        print("best", best, "history", history)
+
+
+    if __name__ == "__main__":
+        main(int(sys.argv[1]))
+"""
+
+
+def _record(d, *args, env=None, check=True):
+    return flor(d, "record", *args, env=dict({"FLOR_ADAPTIVE": "0"}, **(env or {})),
+                check=check)
+
+
+def _tensors(path):
+    import torch
+
+    return torch.load(path)
+
+
+def _same_model(a, b):
+    import torch
+
+    a, b = _tensors(a), _tensors(b)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _stored(d):
+    """What the run stored: its printed lines and logged values."""
+    st = store(d)
+    run = st.runs()[-1]
+    lines = [(r["iter"], r["value"]) for r in st.logs(run["run_id"])
+             if r["name"].startswith("stdout@")]
+    states = [(r["name"], r["iter"], r["value"]) for r in st.logs(run["run_id"])
+              if r["name"] in ("state@iteration", "state@block")]
+    return run, lines, states
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+def test_a_killed_record_resumes_to_the_uninterrupted_result(tmp_path, torch, how):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for d in (whole, cut):
+        d.mkdir()
+        write_script(str(d), "train.py", HANDS_FREE)
+    _record(str(whole), "train.py", "6")
+    stop = {"STOP_AT": "3", "STOP_WITH": str(int(signal.SIGKILL if how == "kill"
+                                                 else signal.SIGTERM))}
+    proc = _record(str(cut), "train.py", "6", env=stop, check=False)
+    assert proc.returncode == (-9 if how == "kill" else 143), proc.stderr
+    if how == "term":  # the eviction notice: flushed, and says how to go on
+        assert "record --resume train.py 6" in proc.stderr
+    st = store(str(cut))
+    (run,) = st.runs()
+    assert st.status(run) == "interrupted"
+    assert run["iterations"] == 3  # epoch 3 was cut short
+    listing = flor(str(cut), "runs").stdout
+    assert "interrupted" in listing
+    assert not os.path.exists(cut / "final.pt")
+
+    res = _record(str(cut), "--resume", "train.py", "6")
+    assert f"resuming run {run['run_id']} at iteration" in res.stderr
+    (after,) = store(str(cut)).runs()
+    assert after["status"] == "finished" and after["iterations"] == 6
+    assert json.loads(after["info"])["resumed"][0] > 0  # from a checkpoint, not the start
+    assert _same_model(whole / "final.pt", cut / "final.pt")
+    w, c = _stored(str(whole)), _stored(str(cut))
+    assert c[1] == w[1]  # every printed line, once, in order
+    assert c[2] == w[2]  # and the state fingerprints
+
+    # It replays as one run.
+    rep = flor(str(cut), "replay", "train.py", "6")
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
+def test_an_interrupted_record_replays_up_to_what_it_committed(tmp_path, torch):
+    d = str(tmp_path)
+    write_script(d, "train.py", HANDS_FREE)
+    _record(d, "train.py", "5", env={"STOP_AT": "2", "STOP_WITH": "9"}, check=False)
+    rep = flor(d, "replay", "train.py", "5")
+    assert "was interrupted after 2 iterations" in rep.stderr, rep.stderr
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    assert "epoch 0 loss" in rep.stdout and "epoch 1 loss" in rep.stdout
+    assert "epoch 2 loss" not in rep.stdout
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path, torch):
+    d = str(tmp_path)
+    write_script(d, "train.py", HANDS_FREE)
+    none = flor(d, "record", "--resume", "train.py", "4", check=False)
+    assert none.returncode == 2 and "no interrupted record of train.py" in none.stderr
+
+    _record(d, "train.py", "4", env={"STOP_AT": "1", "STOP_WITH": "9"}, check=False)
+    (run,) = store(d).runs()
+    args = flor(d, "record", "--resume", "train.py", "5", check=False)
+    assert args.returncode == 2
+    assert f"run {run['run_id']} recorded train.py with arguments ['4'], not ['5']" in \
+        args.stderr
+
+    path = os.path.join(d, "train.py")
+    with open(path, "a") as f:
+        f.write("print('one more line')\n")
+    changed = flor(d, "record", "--resume", "train.py", "4", check=False)
+    assert changed.returncode == 2
+    assert f"train.py changed since run {run['run_id']} recorded it" in changed.stderr
+    assert "--force" in changed.stderr
+    assert store(d).status(store(d).run(run["run_id"])) == "interrupted"  # nothing lost
+
+    forced = _record(d, "--resume", "--force", "train.py", "4")
+    assert "(--force)" in forced.stderr
+    assert store(d).run(run["run_id"])["status"] == "finished"
+
+
+MANUAL = """
+    import os, sys
+    import flor
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    net = torch.nn.Linear(8, 2)
+    shadow = torch.nn.Linear(8, 2)  # changed by the loop, but not in state=
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    X, Y = torch.randn(256, 8), torch.randn(256, 2)
+    for epoch in flor.generator(range(6), state=(net, opt)):
+        if flor.SkipBlock.step_into("train"):
+            for i in range(0, 256, 32):
+                opt.zero_grad()
+                ((net(X[i:i + 32]) - Y[i:i + 32]) ** 2).mean().backward()
+                opt.step()
+        flor.SkipBlock.end(net, opt)
+        with torch.no_grad():
+            shadow.weight.add_(net.weight)
+        print(f"epoch {epoch} {net.weight.sum().item():.6f} {shadow.weight.sum().item():.6f}")
+"""
+
+
+def test_a_restore_whose_fingerprint_differs_is_refused(tmp_path, torch):
+    """state= leaves out a module the loop changes: an iteration checkpoint
+    cannot reproduce the iteration's end, and both replay and resume say so
+    instead of going on from it."""
+    d = str(tmp_path)
+    write_script(d, "train.py", MANUAL)
+    _record(d, "train.py", env={"OMP_NUM_THREADS": "1"})
+    rep = flor(d, "replay", "--jobs", "2", "train.py")
+    assert "does not have the fingerprint the record computed" in rep.stderr, rep.stderr
+    assert "running it again from the start" in rep.stderr
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    assert [l for l in rep.stdout.splitlines() if l.startswith("epoch")] == \
+        [l for l in read_output(d) if l.startswith("epoch")]
+
+
+def read_output(d):
+    st = store(d)
+    rec = [r for r in st.runs() if r["kind"] == "record"][-1]
+    return [json.loads(r["value"]) for r in st.logs(rec["run_id"])
+            if r["name"].startswith("stdout@")]
+
+
+def test_a_replay_worker_that_dies_has_its_segment_run_again(tmp_path, torch):
+    d = str(tmp_path)
+    write_script(d, "train.py", HANDS_FREE)
+    _record(d, "train.py", "6", env={"OMP_NUM_THREADS": "1"})
+    marker = os.path.join(d, "died-once")
+    path = os.path.join(d, "train.py")
+    src = read(path).replace(
+        "        best = max(best, acc)\n",
+        "        best = max(best, acc)\n"
+        "        print('norm', round(net[0].weight.norm().item(), 4))\n"
+        f"        if epoch == 4 and not os.path.exists({marker!r}):\n"
+        f"            open({marker!r}, 'w').close()\n"
+        "            os.kill(os.getpid(), 9)\n")
+    with open(path, "w") as f:
+        f.write(src)
+    rep = flor(d, "replay", "--jobs", "2", "train.py", "6")
+    assert os.path.exists(marker)
+    assert "was killed (exit -9); running it again" in rep.stderr, rep.stderr
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    serial = flor(d, "replay", "train.py", "6")
+    assert rep.stdout == serial.stdout
+    assert rep.stdout.count("norm ") == 6
+
+
+def test_parts_take_their_index_from_the_scheduler_array(tmp_path, torch):
+    """A SLURM array of 1-based indices (--array=1-2) runs the two parts;
+    merge assembles them into the serial replay's output."""
+    d = str(tmp_path)
+    write_script(d, "train.py", HANDS_FREE)
+    _record(d, "train.py", "4", env={"OMP_NUM_THREADS": "1"})
+    edit_norm(d)
+    for task in ("1", "2"):
+        env = {"SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_MIN": "1",
+               "SLURM_ARRAY_TASK_COUNT": "2"}
+        part = flor(d, "replay", "--parts", "2", "train.py", "4", env=env)
+        assert f"part {int(task) - 1}/2 of replay" in part.stderr, part.stderr
+    merged = flor(d, "merge")
+    assert "deferred checks passed" in merged.stderr, merged.stderr
+    serial = flor(d, "replay", "train.py", "4")
+    assert merged.stdout == serial.stdout and merged.stdout.count("norm ") == 4
+    unset = flor(d, "replay", "--parts", "2", "train.py", "4", check=False,
+                 drop=("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"))
+    assert unset.returncode == 2 and "SLURM_ARRAY_TASK_ID" in unset.stderr
+
+
+def edit_norm(d):
+    path = os.path.join(d, "train.py")
+    src = read(path).replace(
+        "        best = max(best, acc)\n",
+        "        best = max(best, acc)\n"
+        "        print('norm', round(net[0].weight.norm().item(), 4))\n")
+    with open(path, "w") as f:
+        f.write(src)
+
+
+def test_replay_on_a_local_ray_cluster(tmp_path, torch):
+    """--backend ray runs the segments as Ray tasks on a cluster the replay
+    starts on this machine; the output is the local replay's."""
+    pytest.importorskip("ray")
+    d = str(tmp_path)
+    write_script(d, "train.py", HANDS_FREE)
+    _record(d, "train.py", "4", env={"OMP_NUM_THREADS": "1"})
+    edit_norm(d)
+    ray = flor(d, "replay", "--backend", "ray", "--jobs", "2", "train.py", "4",
+               drop=("RAY_ADDRESS",))
+    assert "deferred checks passed" in ray.stderr, ray.stderr
+    st = store(d)
+    replay = [r for r in st.runs() if r["kind"] == "replay"][-1]
+    info = json.loads(replay["info"])
+    assert info["mode"] == "ray" and info["nparts"] == 2
+    local = flor(d, "replay", "train.py", "4")
+    assert ray.stdout == local.stdout and ray.stdout.count("norm ") == 4
+
+
+def test_ray_missing_says_how_to_install_it(tmp_path, torch):
+    d = str(tmp_path)
+    write_script(d, "train.py", HANDS_FREE)
+    blocker = tmp_path / "noray"
+    blocker.mkdir()
+    (blocker / "ray.py").write_text("raise ImportError('no ray here')\n")
+    proc = flor(d, "replay", "--backend", "ray", "train.py", "4", check=False,
+                env={"PYTHONPATH": str(blocker)})
+    assert proc.returncode == 2 and "pip install 'flor[ray]'" in proc.stderr
