@@ -24,7 +24,10 @@ demo: setup
 # tests whose subprocesses run one torch thread each.
 PYTEST_JOBS := -n auto --maxprocesses=2
 
+# Ray (the optional extra for replay --backend ray) is installed for its test,
+# which starts a local Ray cluster.
 test: setup
+	$(BIN)/$(PIP) 'ray>=2.9'
 	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
 
 # The suite against an AddressSanitizer + UndefinedBehaviorSanitizer build,

@@ -9,7 +9,8 @@
     .flor/runs/<run>/handsfree.json   its loops, blocks, side-effect sets and give-ups
     .flor/runs/<run>/plan.json      a replay's plan
     .flor/runs/<run>/part-N.db      a --part worker's database, until merge imports it
-    .flor/runs/<run>/partN.stderr   a local replay worker's standard error
+    .flor/runs/<run>/part-N.aK.db   attempt K of a local (or Ray) worker, until imported
+    .flor/runs/<run>/partN.aK.stderr  attempt K of a local replay worker's standard error
     .flor/runs/<run>/values/        large logged tensors and arrays, one flor file each
     .flor/calibration.json          this machine's measured write and copy bandwidths
 
@@ -186,13 +187,7 @@ class Store(Layout):
         info = json.loads(run["info"] or "{}")
         if info.get("host") != socket.gethostname() or not info.get("pid"):
             return "running"
-        try:
-            os.kill(info["pid"], 0)
-        except ProcessLookupError:
-            return "interrupted"
-        except PermissionError:
-            pass
-        return "running"
+        return "running" if process_alive(info["pid"], info.get("pid_start")) else "interrupted"
 
     def iteration_checkpoints(self, run_id) -> list[dict]:
         """A record's written iteration checkpoint decisions, in order, with
@@ -309,6 +304,36 @@ class Store(Layout):
         return [dict(r) for r in self.db.execute(
             "SELECT stream, ctx, text FROM output WHERE run_id = ? AND top IS ? AND iter IS ? "
             "ORDER BY ord", (run_id, top, it))]
+
+
+def process_start(pid) -> int | None:
+    """When process `pid` started (clock ticks after boot), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def process_alive(pid, start=None) -> bool:
+    """Whether process `pid` (started at `start`, when known) still runs:
+    not a zombie, and not another process that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0] != "Z" and (start is None or int(fields[19]) == start)
 
 
 def printed_lines(output: list[dict]) -> list[dict]:

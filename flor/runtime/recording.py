@@ -20,14 +20,14 @@ import sys
 import time
 
 from .. import _core
-from ..context import checkpoint_name, is_iteration, is_outermost, iteration_key, location
-from ..checkpoint import load
-from ..errors import (CheckpointWriteError, FlorError, FlorReplayError, Interrupted, SegmentDone,
-                      note)
+from ..context import checkpoint_name, is_iteration, is_outermost, location
+from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
 from ..materializer import Materializer, mode_from_env
 from ..program.gradients import manual_gradients
-from . import blockstate, carry
+from ..store import process_start
+from . import blockstate
 from .charge import Charges
+from .iterations import RecordIterations
 
 __all__ = ["Recording", "record_script", "summary", "never_checkpointed", "DEFAULT_EPSILON",
            "DEFAULT_C"]
@@ -58,7 +58,7 @@ def versions() -> dict:
     return v
 
 
-class Recording:
+class Recording(RecordIterations):
     mode = "record"
     first_phase = None
     part = 0
@@ -78,7 +78,8 @@ class Recording:
             with open(script) as f:
                 source = f.read()
         info = {"adaptive": adaptive, "hands_free": hands_free is not None,
-                "pid": os.getpid(), "host": socket.gethostname()}
+                "pid": os.getpid(), "pid_start": process_start(os.getpid()),
+                "host": socket.gethostname()}
         self.point = resume  # a flor.runtime.resume.ResumePoint
         self.restored = resume is None or resume.start == 0
         if resume is None:
@@ -128,80 +129,6 @@ class Recording:
                 self.store.save_module_source(self.run_id, rel, f.read())
 
     # -- loops and blocks ---------------------------------------------------
-
-    def loop(self, session, iterable, key, run, scope, carrier=None):
-        r = self.point
-        if not self.restored and session.at_top_level() and (key, run) == (r.loop, r.loop_run):
-            if carrier is None:
-                raise FlorError(f"the main loop at {key} no longer says what it carries "
-                                "(state=): run {r.run_id} cannot be resumed")
-            return session.iterate(iterable, key, run, scope, carrier, start=r.start)
-        return session.iterate(iterable, key, run, scope, carrier)
-
-    def resume(self, session, it, frame, start):
-        """Skip the main loop to `start` from the iteration checkpoint of the
-        iteration before it (verified), and record from there."""
-        r = self.point
-        for i in range(start):
-            session.context.set_index(frame, i)
-            next(it)
-        where = f"iteration checkpoint {r.file} of run {r.run_id}"
-        saved = load(os.path.join(self.store.ckpt_dir(self.run_id), r.file), map_location="cpu")
-        try:
-            values = carry.restore(saved, frame.carrier, frame[1], frame[2], start - 1,
-                                   frame.scope, where)
-        except FlorReplayError as e:
-            raise FlorError(f"cannot resume: {e}") from None
-        if values is not None:
-            session.resumed = (frame[1], values)
-        session.logbook.journal.ord = r.ord
-        session.discard = False
-        self.restored = True
-        self._loop_t0[(frame[1], frame[2])] = time.time()
-        note(f"resuming run {r.run_id} at iteration {start} of its main loop")
-
-    def iteration_started(self, session, frame):
-        if frame.carrier is not None:
-            key = iteration_key(frame[1])
-            frame.handle = self.machine.block(key)
-            self.machine.enter(frame.handle, False, False)
-            self.charges.started(key, self._writer())
-        self._loop_t0.setdefault((frame[1], frame[2]), time.time())
-        if self._startup is None:  # what a replay worker pays before the main loop
-            self._startup = time.time() - session.started
-
-    def iteration_abandoned(self, session, frame):
-        try:
-            self.machine.leave(frame.handle)
-        except RuntimeError:
-            pass  # an exception left a block open inside the iteration
-        frame.handle = None
-
-    def iteration_done(self, session, progress, frame, fp):
-        """Checkpoint what the main loop carries out of this iteration, if
-        the adaptive rule says so."""
-        if frame.handle is None:
-            return
-        handle, frame.handle = frame.handle, None
-        _, seconds = self.machine.leave(handle)
-        objs, sig, _ = frame.carrier.capture(frame.scope)
-        loop, run, i = frame[1:4]
-        if fp is None:
-            fp = carry.fingerprint(frame.scope)
-        self._checkpoint(session, iteration_key(loop), handle, session.info[1], 0, seconds,
-                         objs, lambda: carry.payload(loop, run, i, objs, sig, fp,
-                                                     session.logbook.journal.ord))
-
-    def iteration_committed(self, session, frame):
-        """What the run stored so far is committed: the run row says how far
-        it got (the main loop so far: the top-level loop running longest)."""
-        loop, run, i = frame[1:4]
-        now = time.time()
-        mine = now - self._loop_t0.get((loop, run), now)
-        best = self._main_so_far
-        if best is None or best[:2] == (loop, run) or mine >= now - self._loop_t0[best[:2]]:
-            self._main_so_far = (loop, run, i + 1)
-            self.store.update_run(self.run_id, main_loop=loop, main_run=run, iterations=i + 1)
 
     def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
         self.charges.started(key, self._writer())

@@ -19,39 +19,22 @@ value or a decision belongs to exactly one execution.
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import os
 import sys
 import time
 
 from .. import _core
-from ..context import PLAIN, Context, location
+from ..context import PLAIN, Context
 from ..store import Store
 from .blockstate import signature
 from .capture import Capture
 from .logbook import Logbook
+from .loops import Loops, _accounted
 
 __all__ = ["Session", "Inert"]
 
 BODY_RUNS = (_core.EXECUTE, _core.STEP_INTO)
-
-
-def _accounted(method):
-    """Add the time spent in `method` to the session's own main-thread time
-    (once: calls nested in another accounted call are not counted twice)."""
-    @functools.wraps(method)
-    def timed(self, *args, **kwargs):
-        if self._in_flor:
-            return method(self, *args, **kwargs)
-        self._in_flor = True
-        t0 = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.flor_s += time.perf_counter() - t0
-            self._in_flor = False
-    return timed
 
 
 def _ret(objs):
@@ -101,7 +84,7 @@ class Inert:
         return True
 
 
-class Session:
+class Session(Loops):
     _current: "Session | Inert | None" = None
 
     @classmethod
@@ -227,64 +210,6 @@ class Session:
 
     def innermost_loop(self):
         return self.context.innermost_loop()
-
-    # -- loops --------------------------------------------------------------
-
-    def loop(self, iterable, name, frame, carrier=None):
-        """A tracked loop; `carrier` (flor/runtime/carry.py) says what it
-        carries from one iteration to the next, if it is the main loop."""
-        key = name or self.site(frame, structural=True)
-        run = self.context.next("L", key, self.info[1])
-        return self.policy.loop(self, iterable, key, run, frame, carrier)
-
-    def iterate(self, iterable, key, run, scope, carrier=None, start=0):
-        """A tracked loop: its index is part of the context of what it runs.
-        `start`: iterations already done (``record --resume``)."""
-        depth = self.context.depth()
-        frame = self.context.push_loop(key, run, scope)
-        frame.carrier = carrier if depth == 0 else None
-        t0, n = time.perf_counter(), start
-        it = iter(iterable)
-        try:
-            if start:
-                self.policy.resume(self, it, frame, start)
-            for x in it:
-                self.context.set_index(frame, n)
-                if depth == 0:
-                    if n == 0:
-                        self.logbook.random_state(frame)
-                    self.policy.iteration_started(self, frame)
-                n += 1
-                yield x
-                if depth == 0:
-                    self.end_iteration(frame)
-        finally:
-            if frame.handle is not None:  # left by break or an exception
-                self.policy.iteration_abandoned(self, frame)
-            self.context.remove(frame)
-            self.loop_stats.append((key, run, depth, n, time.perf_counter() - t0))
-
-    @_accounted
-    def end_iteration(self, frame, progress=False):
-        """A top-level loop's iteration ended: fingerprint the training state
-        in its scope, if blocks ran in it, checkpoint what the loop carries
-        (when the rule says so), and store what it logged."""
-        fp = self.logbook.iteration_state(frame) if self._blocks_run else None
-        self._blocks_run = 0
-        self.policy.iteration_done(self, progress, frame, fp)
-        self.context.forget_finished()
-        self._flush()
-        self.policy.iteration_committed(self, frame)
-
-    def take_resumed(self, key):
-        """Hands-free: the values the loop `key` rebinds after a restore of
-        its iteration checkpoint (once), else None."""
-        got = self.resumed
-        if got is not None and got[0] == key:
-            self.resumed = None
-            return got[1]
-        return None
-
 
     # -- blocks -------------------------------------------------------------
 
