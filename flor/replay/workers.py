@@ -117,6 +117,7 @@ class _Attempt:
         os.close(w)
         self.pipe = os.fdopen(r, "rb", buffering=0)
         self.buf = b""
+        self.copy = False  # a copy of a slow segment's attempt
         self.started = time.monotonic()
         self.first = None  # when it reported its first iteration
         self.done = 0  # iterations it replayed
@@ -197,7 +198,7 @@ class _Queue:
         if not self.seconds_per_iter:
             return None
         per_iter = sorted(self.seconds_per_iter)[len(self.seconds_per_iter) // 2]
-        copies = {a.part for a in self.running if a.number > 0}
+        copies = {a.part for a in self.running if a.copy}
         startup = sorted(a.first - a.started for a in self.won.values() if a.first)
         startup = startup[len(startup) // 2] if startup else 0.0
         worst, worst_left = None, 0.0
@@ -259,6 +260,7 @@ class _Queue:
                 if backup is not None:
                     note(f"segment {backup.part} is running slowly; running a copy of it")
                     self._launch(backup.part, True)
+                    self.running[-1].copy = True
             ready, _, _ = select.select([a.pipe for a in self.running], [], [], 0.5)
             for a in list(self.running):
                 if a.pipe in ready:
