@@ -93,17 +93,21 @@ def _stored(d):
     return run, lines, states
 
 
-@pytest.mark.parametrize("how", ["kill", "term"])
+@pytest.mark.parametrize("how", ["kill", "term", "kill-fork"])
 def test_a_killed_record_resumes_to_the_uninterrupted_result(tmp_path, torch, how):
+    """kill-fork: the fork materializer writes each checkpoint in a child of
+    its own as it is taken, so a killed record keeps them."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for d in (whole, cut):
         d.mkdir()
         write_script(str(d), "train.py", HANDS_FREE)
     _record(str(whole), "train.py", "6")
-    stop = {"STOP_AT": "3", "STOP_WITH": str(int(signal.SIGKILL if how == "kill"
-                                                 else signal.SIGTERM))}
+    stop = {"STOP_AT": "3", "STOP_WITH": str(int(signal.SIGTERM if how == "term"
+                                                 else signal.SIGKILL))}
+    if how == "kill-fork":
+        stop["FLOR_MATERIALIZER"] = "fork"
     proc = _record(str(cut), "train.py", "6", env=stop, check=False)
-    assert proc.returncode == (-9 if how == "kill" else 143), proc.stderr
+    assert proc.returncode == (143 if how == "term" else -9), proc.stderr
     if how == "term":  # the eviction notice: flushed, and says how to go on
         assert "record --resume train.py 6" in proc.stderr
     st = store(str(cut))

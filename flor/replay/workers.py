@@ -202,11 +202,16 @@ class _Queue:
         startup = sorted(a.first - a.started for a in self.won.values() if a.first)
         startup = startup[len(startup) // 2] if startup else 0.0
         worst, worst_left = None, 0.0
+        now = time.monotonic()
         for a in self.running:
-            rate = a.rate()
-            if a.part in copies or rate is None:
+            if a.part in copies:
                 continue
-            left = (self._length(a.part) - a.done) / rate
+            # Its iterations take at least this long: the one under way
+            # has not ended yet.
+            slowest = (now - a.started - startup) / (a.done + 1)
+            rate = a.rate()
+            per = max(slowest, 1 / rate if rate else 0.0)
+            left = (self._length(a.part) - a.done) * per
             fresh = startup + self._length(a.part) * per_iter
             if left > 1.5 * fresh and left > worst_left:
                 worst, worst_left = a, left
