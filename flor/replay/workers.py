@@ -199,8 +199,9 @@ class _Queue:
             return None
         per_iter = sorted(self.seconds_per_iter)[len(self.seconds_per_iter) // 2]
         copies = {a.part for a in self.running if a.copy}
+        # A worker's first report comes after its start-up and one iteration.
         startup = sorted(a.first - a.started for a in self.won.values() if a.first)
-        startup = startup[len(startup) // 2] if startup else 0.0
+        startup = max(0.0, startup[len(startup) // 2] - per_iter) if startup else 0.0
         worst, worst_left = None, 0.0
         now = time.monotonic()
         for a in self.running:
@@ -213,7 +214,7 @@ class _Queue:
             per = max(slowest, 1 / rate if rate else 0.0)
             left = (self._length(a.part) - a.done) * per
             fresh = startup + self._length(a.part) * per_iter
-            if left > 1.5 * fresh and left > worst_left:
+            if left > 1.2 * fresh and left > worst_left:
                 worst, worst_left = a, left
         return worst
 
