@@ -43,6 +43,8 @@ HANDS_FREE = """
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
         best, history = 0.0, []
         print("data ready")
+        if os.environ.get("STOP_AT") == "start":
+            os.kill(os.getpid(), 9)
         for epoch in range(epochs):
             total = train(net, loader, opt)
             sched.step()
@@ -131,6 +133,21 @@ def test_a_killed_record_resumes_to_the_uninterrupted_result(tmp_path, torch, ho
     # It replays as one run.
     rep = flor(str(cut), "replay", "train.py", "6")
     assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
+def test_a_record_killed_before_its_main_loop_resumes_from_its_start(tmp_path, torch):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for d in (whole, cut):
+        d.mkdir()
+        write_script(str(d), "train.py", HANDS_FREE)
+    _record(str(whole), "train.py", "3")
+    _record(str(cut), "train.py", "3", env={"STOP_AT": "start"}, check=False)
+    res = _record(str(cut), "--resume", "train.py", "3")
+    assert "no iteration checkpoint to resume from" in res.stderr
+    (after,) = store(str(cut)).runs()
+    assert after["status"] == "finished" and after["iterations"] == 3
+    assert _same_model(whole / "final.pt", cut / "final.pt")
+    assert _stored(str(cut))[1:] == _stored(str(whole))[1:]
 
 
 def test_an_interrupted_record_replays_up_to_what_it_committed(tmp_path, torch):

@@ -84,8 +84,9 @@ class RecordIterations:
         """What the run stored so far is committed: the run row says how far
         it got (the main loop so far: the top-level loop running longest)."""
         loop, run, i = frame[1:4]
-        if self.point is not None and (loop, run) != (self.point.loop, self.point.loop_run):
-            return  # a resumed record's main loop is known
+        if self.point is not None and self.point.start and \
+                (loop, run) != (self.point.loop, self.point.loop_run):
+            return  # a record resumed from a checkpoint knows its main loop
         now = time.time()
         mine = now - self._loop_t0.get((loop, run), now)
         best = self._main_so_far

@@ -268,7 +268,7 @@ class Recording(RecordIterations):
             return
         torch = sys.modules.get("torch")
         top = [row for row in session.loop_stats if row[2] == 0]
-        if self.point is not None:
+        if self.point is not None and self.point.start:
             top = [row for row in top if row[:2] == (self.point.loop, self.point.loop_run)]
         main = max(top, key=lambda r: r[4]) if top else None
         self.info.update({"failed_writes": [f[0] for f in failures],
