@@ -16,7 +16,7 @@ epoch's blocks run again, so that workers have work to share):
                   random moment of the replay; against the 2-worker time;
                   its stdout must equal the 2-worker replay's
 
-Then the kill/resume trials on a small hands-free trainer (digits, 60
+Then the kill/resume trials on a small hands-free trainer (digits, 200
 epochs): a record SIGKILLed at a random moment of its main loop (as an
 uninterrupted record timed it), then `record --resume` (recorded again when
 it was killed before its run existed); its final model (torch.save at the
@@ -343,7 +343,7 @@ def main():
                 "deferred checks passed": all(w["checks_passed"] for w in ws),
             }
         if args.trials:
-            t = report["trials"] = trials(args.trials, 4 if args.quick else 60, work, log, rng)
+            t = report["trials"] = trials(args.trials, 4 if args.quick else 200, work, log, rng)
             goals["kill -9 + resume identical in >= 50 trials"] = \
                 t["identical"] == len(t["trials"]) >= 50
         report["goals"] = goals
