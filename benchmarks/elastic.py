@@ -17,9 +17,10 @@ epoch's blocks run again, so that workers have work to share):
                   its stdout must equal the 2-worker replay's
 
 Then the kill/resume trials on a small hands-free trainer (digits, 200
-epochs): a record SIGKILLed at a random moment of its main loop (as an
-uninterrupted record timed it), then `record --resume` (recorded again when
-it was killed before its run existed); its final model (torch.save at the
+epochs): a record SIGKILLed at a random epoch (once it has committed a
+random number of iterations, after a random part of an epoch's time), then
+`record --resume` (recorded again when it was killed before its run
+existed); its final model (torch.save at the
 end), printed lines and end-of-iteration state fingerprints must equal an
 uninterrupted record's (the block fingerprints are left out: which blocks
 the adaptive rule checkpoints depends on timing).
@@ -193,6 +194,24 @@ def _final(d):
     return run_row["status"], model, lines, states
 
 
+def _committed(d) -> int:
+    """Main-loop iterations the record in d has committed (read-only)."""
+    import sqlite3
+
+    db = os.path.join(d, ".flor", "flor.db")
+    if not os.path.exists(db):
+        return -1
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)
+        try:
+            row = conn.execute("SELECT iterations FROM runs").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return -1
+    return (row[0] or 0) if row else -1
+
+
 def _run_info(d):
     sys.path.insert(0, ROOT)
     from flor.store import Store
@@ -232,22 +251,24 @@ def trials(n, epochs, work, log, rng):
     whole = time.perf_counter() - t0
     ref = _final(d)
     info, seconds = _run_info(d)
-    # The run starts about 0.5 s into the process (the interpreter, flor).
-    loop_start, loop_end = info["startup_s"] + 0.5, min(whole, seconds + 0.5)
+    per_epoch = (seconds - info["startup_s"]) / epochs
     results = []
     for t in range(n):
         d, e = fresh(f"trial{t}")
-        at = rng.uniform(loop_start, loop_end)  # during the main loop, mostly
+        # A random epoch, and a random moment within it: once the run has
+        # committed `epoch` iterations, up to one epoch's time later.
+        epoch, extra = rng.randrange(epochs), rng.uniform(0, per_epoch)
         proc = subprocess.Popen([sys.executable, "-m", "flor", "record", "train.py",
                                  str(epochs)], cwd=d, env=e, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        try:
-            proc.wait(timeout=at)
-            killed = False
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            killed = True
+        t0 = time.perf_counter()
+        while proc.poll() is None and _committed(d) < epoch:
+            time.sleep(0.01)  # a benchmark's poll of the run's progress
+        time.sleep(extra)
+        at = time.perf_counter() - t0
+        killed = proc.poll() is None
+        proc.kill()
+        proc.wait()
         when, m = "after its end", None
         status = _status(d) if os.path.exists(os.path.join(d, ".flor", "flor.db")) else None
         if killed and status is None:
@@ -293,8 +314,7 @@ def render(r) -> str:
     t = r.get("trials")
     lines += ["", f"Kill -9 / `record --resume` trials ({t['epochs']} epochs of "
               f"`tests/scripts/handsfree/digits_epochs.py`, an uninterrupted record "
-              f"{t['record_s']:.1f} s, killed at a uniformly random moment between the start of its "
-              "main loop and its end, as the uninterrupted record timed them): "
+              f"{t['record_s']:.1f} s, killed at a random epoch, at a random moment of it): "
               f"{len(t['trials'])} trials, {t['during']} killed during the run and resumed, "
               f"{t['resumed_from_checkpoint']} of them from an iteration checkpoint, "
               f"{t['before']} killed before the run existed (recorded again); "
