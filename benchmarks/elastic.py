@@ -36,6 +36,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -333,16 +334,17 @@ def main():
     p.add_argument("--trials", type=int, default=50)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workloads", default="image,language,finetune")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "elastic"))
     args = p.parse_args()
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="flor-elastic-")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        report = {"command": "python benchmarks/elastic.py " + " ".join(sys.argv[1:]),
+        report = {"command": "python benchmarks/elastic.py " + shlex.join(sys.argv[1:]),
                   "machine": f"{_cpu()}, {os.cpu_count()} cores, Python "
                              f"{platform.python_version()}",
                   "rounds": args.rounds, "workloads": {}}
