@@ -1,69 +1,36 @@
 """Killed and evicted records: what they keep, replay of them, `record
---resume`, and replay workers that die.  Scripts are a small class-free
-trainer in the style of the PyTorch examples (hands-free, its epoch loop in
-main()) and a manual-API one that passes its loop's state."""
+--resume`, and replay workers that die.  Scripts are a small trainer in the
+style of the PyTorch examples (hands-free, its epoch loop in main():
+tests/scripts/handsfree/digits_epochs.py) and a manual-API one that passes
+its loop's state."""
 import json
 import os
 import signal
 
 import pytest
 
-from conftest import flor, read, store, write_script
+from conftest import ROOT, flor, read, store, write_script
 
-HANDS_FREE = """
-    import os, signal, sys
-    import torch
-    import torch.nn.functional as F
-    from sklearn.datasets import load_digits
-
-
-    def train(model, loader, opt):
-        model.train()
-        total = 0.0
-        for xb, yb in loader:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            total += loss.item()
-        return total
-
-
-    def main(epochs):
-        torch.manual_seed(4)
-        torch.set_num_threads(1)
-        X, y = load_digits(return_X_y=True)
-        X = torch.tensor(X[:320], dtype=torch.float32) / 16
-        y = torch.tensor(y[:320])
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y),
-                                             batch_size=32, shuffle=True)
-        net = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
-                                  torch.nn.Dropout(0.3), torch.nn.Linear(48, 10))
-        opt = torch.optim.SGD(net.parameters(), lr=0.2)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
-        best, history = 0.0, []
-        print("data ready")
-        if os.environ.get("STOP_AT") == "start":
-            os.kill(os.getpid(), 9)
-        for epoch in range(epochs):
-            total = train(net, loader, opt)
-            sched.step()
-            net.eval()
-            with torch.no_grad():
-                acc = (net(X).argmax(1) == y).float().mean().item()
-            best = max(best, acc)
-            history.append(round(total, 6))
-            print(f"epoch {epoch} loss {total:.6f} acc {acc:.6f} best {best:.6f} "
-                  f"noise {torch.rand(1).item():.6f}", flush=True)
-            if os.environ.get("STOP_AT") == str(epoch):
-                os.kill(os.getpid(), int(os.environ["STOP_WITH"]))
-        torch.save(net.state_dict(), "final.pt")
-        print("best", best, "history", history)
+def _stoppable(source):
+    """tests/scripts/handsfree/digits_epochs.py, which kills itself (signal
+    STOP_WITH) when STOP_AT names an epoch it has printed, or is "start"."""
+    source = source.replace("import sys\n", "import os\nimport sys\n", 1)
+    source = source.replace(
+        '    print("data ready")\n',
+        '    print("data ready")\n'
+        '    if os.environ.get("STOP_AT") == "start":\n'
+        '        os.kill(os.getpid(), 9)\n', 1)
+    source = source.replace(
+        '              f"noise {torch.rand(1).item():.6f}", flush=True)\n',
+        '              f"noise {torch.rand(1).item():.6f}", flush=True)\n'
+        '        if os.environ.get("STOP_AT") == str(epoch):\n'
+        '            os.kill(os.getpid(), int(os.environ["STOP_WITH"]))\n', 1)
+    assert source.count("STOP_AT") == 2
+    return source
 
 
-    if __name__ == "__main__":
-        main(int(sys.argv[1]))
-"""
+HANDS_FREE = _stoppable(read(os.path.join(ROOT, "tests", "scripts", "handsfree",
+                                          "digits_epochs.py")))
 
 
 def _record(d, *args, env=None, check=True):

@@ -174,7 +174,6 @@ class _Queue:
         self.seconds_per_iter: list[float] = []
         self.gpus = _gpus()
         self.threads = str(plan.threads or max(1, (os.cpu_count() or 1) // slots))
-        self.retried = 0
         self.shown = [0] * len(plan.segments)  # iterations of each segment on the progress bar
 
     def _launch(self, part, resume):
@@ -244,7 +243,6 @@ class _Queue:
             self.failed.append(a)
             return False
         self.lost.append(a)
-        self.retried += 1
         how = "was killed" if died else "failed after restoring an iteration checkpoint"
         why = ""
         if not died:

@@ -71,7 +71,11 @@ class Recording(RecordIterations):
         if adaptive is None:
             adaptive = os.environ.get("FLOR_ADAPTIVE", "1") not in ("0", "false", "off")
         self.script = os.path.abspath(script) if script else None
-        c = estimate_c(store, os.path.basename(script) if script else None)
+        if resume is not None:  # the interrupted run's rule goes on
+            run = store.run(resume.run_id)
+            eps, c = run["epsilon"], run["c"]
+        else:
+            c = estimate_c(store, os.path.basename(script) if script else None)
         self.machine = _core.SkipMachine(_core.RECORD, eps, c, adaptive)
         source = None
         if script is not None:
@@ -87,13 +91,10 @@ class Recording(RecordIterations):
                                         versions=json.dumps(versions()), info=json.dumps(info))
         else:
             self.run_id = resume.run_id
-            run = store.run(self.run_id)
-            eps, c = run["epsilon"], run["c"]
             info["resumed"] = json.loads(run["info"] or "{}").get("resumed", []) + [resume.start]
             store.truncate_record(self.run_id, resume.ord, resume.decisions)
             store.update_run(self.run_id, status="running", info=json.dumps(info),
                              iterations=resume.start)
-            self.machine = _core.SkipMachine(_core.RECORD, eps, c, adaptive)
         self.info = info
         self.hands_free = hands_free is not None
         if hands_free is not None:
