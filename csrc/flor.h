@@ -4,11 +4,12 @@
  * (module.c, which registers everything, depends on all of them; no two
  * files depend on each other):
  *   support.c       helpers: clock, argument checks, FormatError, torch/numpy lookups
- *   crc32c.c        CRC-32C checksums (hardware instruction when present)
+ *   crc32c.c        CRC-32C checksums (hardware instruction when present), content hash
  *   arena.c         warm host staging buffers, reused across snapshots
  *   skeleton.c      the Ref placeholder, pickling a skeleton, rebuilding tensors
  *                   and arrays when it is unpickled
  *   walk.c          flor.snapshot(): the copy walk, and the Snapshot type
+ *   dedup.c         the durable blobs of a run by content, for incremental checkpoints
  *   format.c        the checkpoint file: atomic writer and verifying reader
  *   materializer.c  inline / thread / fork background writers
  *   skipblock.c     the SkipBlock state machine and the adaptive checkpoint rule
@@ -84,6 +85,11 @@ typedef struct {
     const char *src;
     Py_buffer *view;
     int recheck;     /* owner is a live CPU storage: re-read src before copying */
+    /* Content hash (snapshots: once hashed; files: as written). */
+    uint64_t hash;
+    int hashed;
+    uint32_t source; /* files: 0 here, k: in the k-th earlier file of the table */
+    int copy;        /* loading: another blob maps the same bytes, so copy them */
 } flor_blob;
 
 /* ------------------------------------------------------------------ */
@@ -161,8 +167,22 @@ double flor_now(void);
 int flor_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi);
 void flor_entries_free(flor_entry *e, uint32_t n);
 
+/* dedup.c */
+typedef struct flor_dedup flor_dedup;
+flor_dedup *flor_dedup_new(void);
+void flor_dedup_free(flor_dedup *d);
+int flor_dedup_find(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype,
+                    const char **file, uint64_t *offset, uint32_t *crc);
+int flor_dedup_add(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype,
+                   const char *file, uint64_t offset, uint32_t crc);
+void flor_dedup_next_generation(flor_dedup *d);
+
 /* crc32c.c */
 uint32_t flor_crc32c(uint32_t crc, const void *buf, size_t len);
+#define FLOR_HASH_CHUNK ((size_t)256 << 10) /* pieces of the content hash */
+uint64_t flor_hash64_start(uint64_t nbytes);
+uint64_t flor_hash64_update(uint64_t h, const void *piece, size_t len); /* one piece */
+uint64_t flor_hash64(const void *buf, size_t len);
 extern PyMethodDef flor_crc32c_functions[];
 
 /* arena.c */
@@ -180,18 +200,24 @@ typedef struct {
     const flor_entry *entries;
     const flor_blob *blobs;
     uint32_t n_entries, n_blobs;
-    const char *data;    /* base address the blob offsets are relative to */
-    PyObject *mapping;   /* zero-copy source (a Mapping), or NULL to copy */
-    uint64_t mapping_offset; /* where `data` starts within the mapping */
+    /* Snapshots: blob offsets are relative to `data`, bytes are copied. */
+    const char *data;
+    /* Files: blob b lives in the Mapping maps[b.source], at data_offs[b.source]
+     * + b.offset; its CRC is checked the first time it is used. */
+    PyObject **maps;
+    const uint64_t *data_offs;
+    char **sources;      /* names of maps[1:], for messages */
     PyObject **storages; /* per-blob cache */
+    unsigned char *verified;
     PyObject *hook;      /* map_location hook, or NULL */
+    int hook_failed;     /* the hook raised: its error passes through unchanged */
     const char *path;    /* for messages */
 } flor_loader;
 
 PyObject *flor_ref_new(flor_state *st, int kind, Py_ssize_t index, PyObject *payload);
 extern PyType_Spec flor_ref_spec;
 PyObject *flor_pickle_skeleton(flor_state *st, PyObject *skeleton, int tree);
-PyObject *flor_unpickle(flor_state *st, PyObject *meta, flor_loader *ld);
+PyObject *flor_unpickle(flor_state *st, PyObject *loads, PyObject *meta, flor_loader *ld);
 extern PyMethodDef flor_skeleton_functions[];
 
 /* walk.c */
@@ -215,7 +241,9 @@ typedef struct {
  * stop without copying (the snapshot then only knows its byte counts). */
 typedef int (*flor_reserve_fn)(void *ctx, uint64_t data_bytes);
 
-PyObject *flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx);
+/* hash: compute each host blob's content hash while copying it. */
+PyObject *flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx,
+                           int hash);
 extern PyType_Spec flor_snapshot_spec;
 extern PyMethodDef flor_walk_functions[];
 
@@ -225,8 +253,30 @@ typedef struct {
     const char *step; /* "open", "write", "fsync", "rename", ... */
 } flor_ioerr;
 
+/* A private, writable memory map of a checkpoint file. */
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    size_t len;
+} FlorMapping;
+
+#define FLOR_TAG_LEN 32
+enum flor_file_flags {
+    FLOR_FILE_TAGGED = 1, /* the header holds the tag of what the file is for */
+    FLOR_FILE_SIGNED = 2, /* the header holds an HMAC of the tag and metadata */
+    FLOR_FILE_FLAGS = 3,
+};
+typedef struct {
+    const unsigned char *tag; /* FLOR_TAG_LEN bytes, or NULL */
+    const unsigned char *sig; /* FLOR_TAG_LEN bytes, or NULL */
+    flor_dedup *dedup;        /* refer to blobs of earlier files, or NULL */
+    uint64_t written;         /* out: data bytes written into this file */
+} flor_wopts;
+
 int flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
-                    flor_ioerr *err);
+                    flor_wopts *opts, flor_ioerr *err);
+int flor_sign(PyObject *signer, const unsigned char *tag, PyObject *meta, unsigned char *out);
+int flor_tag_arg(PyObject *arg, unsigned char *out);
 extern PyType_Spec flor_mapping_spec;
 extern PyMethodDef flor_format_functions[];
 

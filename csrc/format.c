@@ -30,9 +30,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#define HEADER_SIZE 128
-#define FORMAT_VERSION 1u
-#define BLOB_REC 24
+#define HEADER_SIZE 192
+#define HEADER_SIZE_V1 128
+#define FORMAT_VERSION 2u
+#define BLOB_REC 32
+#define BLOB_REC_V1 24
 #define ENTRY_FIXED 24
 #define WRITE_CHUNK ((size_t)8 << 20)
 
@@ -146,34 +148,98 @@ fsync_parent(const char *path)
     return rc;
 }
 
+/* The dtype of the first entry that views each blob ("" for none). */
+static const char **
+blob_dtypes(const FlorSnapshot *s)
+{
+    const char **dt = calloc(s->n_blobs ? s->n_blobs : 1, sizeof(char *));
+    uint32_t i;
+    if (dt == NULL) {
+        return NULL;
+    }
+    for (i = 0; i < s->n_blobs; i++) {
+        dt[i] = "";
+    }
+    for (i = s->n_entries; i-- > 0;) {
+        if (s->entries[i].blob < s->n_blobs) {
+            dt[s->entries[i].blob] = s->entries[i].dtype;
+        }
+    }
+    return dt;
+}
+
+static const char *
+base_name(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    return slash != NULL ? slash + 1 : path;
+}
+
 int
 flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
-                flor_ioerr *err)
+                flor_wopts *opts, flor_ioerr *err)
 {
     int rc = -1, fd = -1, created = 0;
     char *tmp = NULL;
     unsigned char *table = NULL, header[HEADER_SIZE];
-    uint64_t table_len = 8 + (uint64_t)BLOB_REC * s->n_blobs, meta_off = HEADER_SIZE;
-    uint64_t table_off, data_off, file_size;
-    uint32_t i;
+    const char **dtypes = NULL, **ref_file = NULL, **sources = NULL;
+    uint64_t *hashes = NULL, *offs = NULL;
+    uint32_t *crcs = NULL, *src_of = NULL, n_sources = 0;
+    uint64_t table_len = 16 + (uint64_t)BLOB_REC * s->n_blobs, meta_off = HEADER_SIZE;
+    uint64_t table_off, data_off, data_len = 0, file_size, payload = 0;
+    uint32_t i, k;
     unsigned char *p;
     const char *data = s->arena != NULL ? s->arena->base : NULL;
+    flor_dedup *dedup = opts != NULL ? opts->dedup : NULL;
     struct timespec ts;
-    size_t tmplen;
+    size_t tmplen, n = s->n_blobs ? s->n_blobs : 1;
 
     err->err = 0;
     err->step = NULL;
+    dtypes = blob_dtypes(s);
+    ref_file = calloc(n, sizeof(char *));
+    sources = calloc(n, sizeof(char *));
+    hashes = calloc(n, sizeof(uint64_t));
+    offs = calloc(n, sizeof(uint64_t));
+    crcs = calloc(n, sizeof(uint32_t));
+    src_of = calloc(n, sizeof(uint32_t));
+    tmplen = strlen(path) + 64;
+    tmp = malloc(tmplen);
+    if (dtypes == NULL || ref_file == NULL || sources == NULL || hashes == NULL || offs == NULL ||
+        crcs == NULL || src_of == NULL || tmp == NULL) {
+        err->err = ENOMEM;
+        err->step = "allocate";
+        goto cleanup;
+    }
+    /* Which blobs an earlier file of this run holds already, and where. */
+    for (i = 0; i < s->n_blobs; i++) {
+        const flor_blob *b = &s->blobs[i];
+        hashes[i] = b->hashed ? b->hash : flor_hash64(data + b->offset, (size_t)b->nbytes);
+        if (dedup != NULL && b->nbytes > 0 &&
+            flor_dedup_find(dedup, hashes[i], b->nbytes, dtypes[i], &ref_file[i], &offs[i],
+                            &crcs[i])) {
+            for (k = 0; k < n_sources && strcmp(sources[k], ref_file[i]) != 0; k++) {
+            }
+            if (k == n_sources) {
+                sources[n_sources++] = ref_file[i];
+                table_len += align8(2 + strlen(ref_file[i]));
+            }
+            src_of[i] = k + 1;
+        }
+        else {
+            offs[i] = data_len;
+            data_len += flor_align_up(b->nbytes);
+            payload += b->nbytes;
+        }
+    }
     for (i = 0; i < s->n_entries; i++) {
         table_len += entry_size(&s->entries[i]);
     }
     table_off = align8(meta_off + meta_len);
     data_off = flor_align_up(table_off + table_len);
-    file_size = data_off + s->data_bytes;
-
+    file_size = data_off + data_len;
     table = calloc(1, (size_t)table_len);
-    tmplen = strlen(path) + 64;
-    tmp = malloc(tmplen);
-    if (table == NULL || tmp == NULL) {
+    if (table == NULL) {
         err->err = ENOMEM;
         err->step = "allocate";
         goto cleanup;
@@ -190,34 +256,50 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
     created = 1;
 
     /* Data first, checksumming each blob while its bytes are in cache. */
-    p = table + 8;
     for (i = 0; i < s->n_blobs; i++) {
         const flor_blob *b = &s->blobs[i];
         uint64_t done = 0, span = flor_align_up(b->nbytes);
         uint32_t crc = 0;
+        if (src_of[i] != 0) {
+            continue;
+        }
         while (done < span) {
-            size_t n = (size_t)(span - done < WRITE_CHUNK ? span - done : WRITE_CHUNK);
+            size_t c = (size_t)(span - done < WRITE_CHUNK ? span - done : WRITE_CHUNK);
             if (done < b->nbytes) {
-                uint64_t c = b->nbytes - done < n ? b->nbytes - done : n;
-                crc = flor_crc32c(crc, data + b->offset + done, (size_t)c);
+                uint64_t m = b->nbytes - done < c ? b->nbytes - done : c;
+                crc = flor_crc32c(crc, data + b->offset + done, (size_t)m);
             }
-            if (pwrite_all(fd, data + b->offset + done, n, data_off + b->offset + done) < 0) {
+            if (pwrite_all(fd, data + b->offset + done, c, data_off + offs[i] + done) < 0) {
                 err->err = errno;
                 err->step = "write";
                 goto cleanup;
             }
-            done += n;
+            done += c;
         }
-        put64(p, b->offset);
-        put64(p + 8, b->nbytes);
-        put32(p + 16, crc);
-        p += BLOB_REC;
+        crcs[i] = crc;
     }
     put32(table, s->n_blobs);
     put32(table + 4, s->n_entries);
+    put32(table + 8, n_sources);
+    p = table + 16;
+    for (k = 0; k < n_sources; k++) {
+        size_t len = strlen(sources[k]);
+        p[0] = (unsigned char)(len & 0xff);
+        p[1] = (unsigned char)(len >> 8);
+        memcpy(p + 2, sources[k], len);
+        p += align8(2 + len);
+    }
+    for (i = 0; i < s->n_blobs; i++) {
+        put64(p, offs[i]);
+        put64(p + 8, s->blobs[i].nbytes);
+        put32(p + 16, crcs[i]);
+        put32(p + 20, src_of[i]);
+        put64(p + 24, hashes[i]);
+        p += BLOB_REC;
+    }
     for (i = 0; i < s->n_entries; i++) {
         const flor_entry *e = &s->entries[i];
-        size_t dl = strlen(e->dtype), vl = strlen(e->device), k;
+        size_t dl = strlen(e->dtype), vl = strlen(e->device);
         p[0] = e->kind;
         p[1] = e->flags;
         p[2] = e->ndim;
@@ -225,7 +307,7 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         p[4] = (unsigned char)vl;
         put32(p + 8, e->blob);
         put64(p + 16, (uint64_t)e->storage_offset);
-        for (k = 0; k < 2 * (size_t)e->ndim; k++) {
+        for (k = 0; k < 2 * (uint32_t)e->ndim; k++) {
             put64(p + ENTRY_FIXED + 8 * k, (uint64_t)e->dims[k]);
         }
         memcpy(p + ENTRY_FIXED + 16 * (size_t)e->ndim, e->dtype, dl);
@@ -243,12 +325,21 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
     put64(header + 40, table_off);
     put64(header + 48, table_len);
     put64(header + 56, data_off);
-    put64(header + 64, s->data_bytes);
+    put64(header + 64, data_len);
     put32(header + 72, s->n_blobs);
     put32(header + 76, s->n_entries);
     put32(header + 80, flor_crc32c(0, meta, meta_len));
     put32(header + 84, flor_crc32c(0, table, (size_t)table_len));
-    put32(header + 124, flor_crc32c(0, header, 124));
+    put32(header + 88, (opts != NULL && opts->tag != NULL ? FLOR_FILE_TAGGED : 0) |
+                           (opts != NULL && opts->sig != NULL ? FLOR_FILE_SIGNED : 0));
+    put32(header + 92, n_sources);
+    if (opts != NULL && opts->tag != NULL) {
+        memcpy(header + 96, opts->tag, FLOR_TAG_LEN);
+    }
+    if (opts != NULL && opts->sig != NULL) {
+        memcpy(header + 128, opts->sig, FLOR_TAG_LEN);
+    }
+    put32(header + HEADER_SIZE - 4, flor_crc32c(0, header, HEADER_SIZE - 4));
     if (pwrite_all(fd, (const char *)header, HEADER_SIZE, 0) < 0 ||
         pwrite_all(fd, meta, meta_len, meta_off) < 0 ||
         pwrite_all(fd, (const char *)table, (size_t)table_len, table_off) < 0) {
@@ -256,7 +347,7 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         err->step = "write";
         goto cleanup;
     }
-    if (s->data_bytes == 0 && ftruncate(fd, (off_t)file_size) < 0) {
+    if (data_len == 0 && ftruncate(fd, (off_t)file_size) < 0) {
         err->err = errno;
         err->step = "write";
         goto cleanup;
@@ -278,13 +369,26 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         err->step = "rename";
         goto cleanup;
     }
+    created = 0;
     if (fsync_parent(path) < 0) {
         err->err = errno;
         err->step = "fsync directory";
-        goto cleanup_renamed;
+        goto cleanup;
+    }
+    /* Durable: later checkpoints may refer to this file's blobs. */
+    if (dedup != NULL) {
+        for (i = 0; i < s->n_blobs; i++) {
+            if (src_of[i] == 0 && s->blobs[i].nbytes > 0) {
+                (void)flor_dedup_add(dedup, hashes[i], s->blobs[i].nbytes, dtypes[i],
+                                     base_name(path), offs[i], crcs[i]);
+            }
+        }
+        flor_dedup_next_generation(dedup);
+    }
+    if (opts != NULL) {
+        opts->written = payload;
     }
     rc = 0;
-    goto cleanup_renamed;
 cleanup:
     if (fd >= 0) {
         close(fd);
@@ -292,20 +396,20 @@ cleanup:
     if (created) {
         unlink(tmp);
     }
-cleanup_renamed:
     free(tmp);
     free(table);
+    free(dtypes);
+    free(ref_file);
+    free(sources);
+    free(hashes);
+    free(offs);
+    free(crcs);
+    free(src_of);
     return rc;
 }
 
 /* ------------------------------------------------------------------ */
 /* Mapping: a private, writable memory map of a checkpoint file.        */
-
-typedef struct {
-    PyObject_HEAD
-    char *base;
-    size_t len;
-} FlorMapping;
 
 static void
 mapping_dealloc(FlorMapping *m)
@@ -342,8 +446,10 @@ PyType_Spec flor_mapping_spec = {
 /* Reader.                                                              */
 
 typedef struct {
+    uint32_t version, header_size, flags, n_sources;
     uint64_t file_size, meta_off, meta_len, table_off, table_len, data_off, data_len;
     uint32_t n_blobs, n_entries, meta_crc, table_crc;
+    const unsigned char *tag, *sig; /* inside the mapping, or NULL */
 } header_t;
 
 static const char *
@@ -358,32 +464,229 @@ section_at(const header_t *h, uint64_t end)
     return "data";
 }
 
+/* Map `path` and check its header and the checksums of its metadata and
+ * table.  Returns a new Mapping, or NULL with FormatError/OSError set. */
+static FlorMapping *
+map_checked(flor_state *st, const char *path, header_t *h)
+{
+    FlorMapping *m = NULL, *res = NULL;
+    struct stat sb;
+    int fd;
+    const unsigned char *b;
+
+    memset(h, 0, sizeof(*h));
+    Py_BEGIN_ALLOW_THREADS
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    Py_END_ALLOW_THREADS
+    if (fd < 0 || fstat(fd, &sb) < 0) {
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+        goto cleanup;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        errno = EISDIR;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+        goto cleanup;
+    }
+    if (sb.st_size < HEADER_SIZE_V1) {
+        flor_format_error(st, path, "header",
+                          "the file is %lld bytes, shorter than the %d-byte header (truncated)",
+                          (long long)sb.st_size, HEADER_SIZE_V1);
+        goto cleanup;
+    }
+    m = PyObject_New(FlorMapping, st->MappingType);
+    if (m == NULL) {
+        goto cleanup;
+    }
+    m->len = (size_t)sb.st_size;
+    m->base = mmap(NULL, m->len, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    if (m->base == MAP_FAILED) {
+        m->base = NULL;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+        goto cleanup;
+    }
+    b = (const unsigned char *)m->base;
+    if (memcmp(b, MAGIC, 8) != 0) {
+        flor_format_error(st, path, "header", "bad magic number: not a flor checkpoint");
+        goto cleanup;
+    }
+    h->version = get32(b + 8);
+    h->header_size = get32(b + 12);
+    if (h->version == FORMAT_VERSION && h->header_size == HEADER_SIZE &&
+        (uint64_t)sb.st_size < HEADER_SIZE) {
+        flor_format_error(st, path, "header",
+                          "the file is %lld bytes, shorter than the %d-byte header (truncated)",
+                          (long long)sb.st_size, HEADER_SIZE);
+        goto cleanup;
+    }
+    if (!((h->version == 1 && h->header_size == HEADER_SIZE_V1) ||
+          (h->version == FORMAT_VERSION && h->header_size == HEADER_SIZE)) ||
+        (uint64_t)sb.st_size < h->header_size) {
+        /* Check the version's own header CRC first when it is ours. */
+        if ((uint64_t)sb.st_size >= HEADER_SIZE_V1 &&
+            flor_crc32c(0, b, HEADER_SIZE_V1 - 4) != get32(b + HEADER_SIZE_V1 - 4) &&
+            ((uint64_t)sb.st_size < HEADER_SIZE ||
+             flor_crc32c(0, b, HEADER_SIZE - 4) != get32(b + HEADER_SIZE - 4))) {
+            flor_format_error(st, path, "header", "checksum mismatch");
+            goto cleanup;
+        }
+        flor_format_error(st, path, "header",
+                          "format version %u is not supported (this flor reads versions 1 and "
+                          "%u)",
+                          h->version, FORMAT_VERSION);
+        goto cleanup;
+    }
+    if (flor_crc32c(0, b, h->header_size - 4) != get32(b + h->header_size - 4)) {
+        flor_format_error(st, path, "header", "checksum mismatch");
+        goto cleanup;
+    }
+    h->file_size = get64(b + 16);
+    h->meta_off = get64(b + 24);
+    h->meta_len = get64(b + 32);
+    h->table_off = get64(b + 40);
+    h->table_len = get64(b + 48);
+    h->data_off = get64(b + 56);
+    h->data_len = get64(b + 64);
+    h->n_blobs = get32(b + 72);
+    h->n_entries = get32(b + 76);
+    h->meta_crc = get32(b + 80);
+    h->table_crc = get32(b + 84);
+    if (h->version >= 2) {
+        h->flags = get32(b + 88);
+        h->n_sources = get32(b + 92);
+        h->tag = (h->flags & FLOR_FILE_TAGGED) ? b + 96 : NULL;
+        h->sig = (h->flags & FLOR_FILE_SIGNED) ? b + 128 : NULL;
+    }
+    /* Overflow-safe: each section lies inside file_size, in order. */
+    if (h->meta_off != h->header_size || h->meta_len > h->file_size ||
+        h->meta_off > h->file_size - h->meta_len || h->table_len > h->file_size ||
+        h->table_off > h->file_size - h->table_len || h->table_off < h->meta_off + h->meta_len ||
+        h->data_len > h->file_size || h->data_off > h->file_size - h->data_len ||
+        h->data_off < h->table_off + h->table_len || h->data_off + h->data_len != h->file_size ||
+        h->data_off % FLOR_ALIGN != 0 || (h->flags & ~(uint32_t)FLOR_FILE_FLAGS) != 0) {
+        flor_format_error(st, path, "header", "section offsets are inconsistent");
+        goto cleanup;
+    }
+    if ((uint64_t)sb.st_size < h->file_size) {
+        flor_format_error(st, path, section_at(h, (uint64_t)sb.st_size),
+                          "truncated: the header records %llu bytes, the file has %lld",
+                          (unsigned long long)h->file_size, (long long)sb.st_size);
+        goto cleanup;
+    }
+    if ((uint64_t)sb.st_size > h->file_size) {
+        flor_format_error(st, path, "data",
+                          "%lld unexpected bytes after the end recorded in the header",
+                          (long long)sb.st_size - (long long)h->file_size);
+        goto cleanup;
+    }
+    if (flor_crc32c(0, b + h->meta_off, (size_t)h->meta_len) != h->meta_crc) {
+        flor_format_error(st, path, "metadata", "checksum mismatch");
+        goto cleanup;
+    }
+    if (flor_crc32c(0, b + h->table_off, (size_t)h->table_len) != h->table_crc) {
+        flor_format_error(st, path, "tensor table", "checksum mismatch");
+        goto cleanup;
+    }
+    res = m;
+    m = NULL;
+cleanup:
+    if (fd >= 0) {
+        close(fd);
+    }
+    Py_XDECREF(m);
+    return res;
+}
+
+/* A source name is a plain file name in the checkpoint's own directory. */
+static int
+valid_source_name(const unsigned char *p, size_t len)
+{
+    size_t i;
+    if (len == 0 || len > 255 || (len == 1 && p[0] == '.') ||
+        (len == 2 && p[0] == '.' && p[1] == '.')) {
+        return 0;
+    }
+    for (i = 0; i < len; i++) {
+        if (p[i] <= ' ' || p[i] >= 0x7f || p[i] == '/' || p[i] == '\\') {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Names in the table are ASCII letters, digits and a few marks. */
+static int
+valid_name(const char *s)
+{
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              strchr("_:<>|=.", c) != NULL)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static int
 parse_table(flor_state *st, const char *path, const unsigned char *t, const header_t *h,
-            flor_entry **entries_out, flor_blob **blobs_out)
+            flor_entry **entries_out, flor_blob **blobs_out, char ***sources_out)
 {
-    const unsigned char *p = t + 8, *end = t + h->table_len;
+    const unsigned char *p, *end = t + h->table_len;
     flor_entry *entries = NULL;
     flor_blob *blobs = NULL;
-    uint32_t i;
+    char **sources = NULL;
+    uint32_t i, k;
+    uint64_t rec = h->version >= 2 ? BLOB_REC : BLOB_REC_V1, head = h->version >= 2 ? 16 : 8;
 
-    if (h->table_len < 8 || get32(t) != h->n_blobs || get32(t + 4) != h->n_entries ||
-        (uint64_t)h->n_blobs * BLOB_REC > h->table_len - 8 ||
-        (uint64_t)h->n_entries * ENTRY_FIXED > h->table_len - 8 - (uint64_t)h->n_blobs * BLOB_REC) {
+    if (h->table_len < head || get32(t) != h->n_blobs || get32(t + 4) != h->n_entries ||
+        (h->version >= 2 && (get32(t + 8) != h->n_sources || get32(t + 12) != 0 ||
+                             h->n_sources > h->n_blobs)) ||
+        (uint64_t)h->n_blobs * rec > h->table_len - head ||
+        (uint64_t)h->n_entries * ENTRY_FIXED > h->table_len - head - (uint64_t)h->n_blobs * rec) {
         flor_format_error(st, path, "tensor table", "counts disagree with the header");
         goto error;
     }
     blobs = calloc(h->n_blobs ? h->n_blobs : 1, sizeof(flor_blob));
     entries = calloc(h->n_entries ? h->n_entries : 1, sizeof(flor_entry));
-    if (blobs == NULL || entries == NULL) {
+    sources = calloc((size_t)h->n_sources + 1, sizeof(char *));
+    if (blobs == NULL || entries == NULL || sources == NULL) {
         PyErr_NoMemory();
         goto error;
     }
-    for (i = 0; i < h->n_blobs; i++, p += BLOB_REC) {
+    p = t + head;
+    for (k = 0; k < h->n_sources; k++) {
+        size_t len;
+        if (end - p < 2 || (len = (size_t)p[0] | ((size_t)p[1] << 8), (size_t)(end - p) < align8(2 + len)) ||
+            !valid_source_name(p + 2, len)) {
+            flor_format_error(st, path, "tensor table", "source %u is malformed", k);
+            goto error;
+        }
+        sources[k] = strndup((const char *)p + 2, len);
+        if (sources[k] == NULL) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        p += align8(2 + len);
+    }
+    if ((uint64_t)(end - p) < (uint64_t)h->n_blobs * rec) {
+        flor_format_error(st, path, "tensor table", "counts disagree with the header");
+        goto error;
+    }
+    for (i = 0; i < h->n_blobs; i++, p += rec) {
         blobs[i].offset = get64(p);
         blobs[i].nbytes = get64(p + 8);
         blobs[i].crc = get32(p + 16);
-        if (blobs[i].offset > h->data_len || blobs[i].nbytes > h->data_len - blobs[i].offset) {
+        if (h->version >= 2) {
+            blobs[i].source = get32(p + 20);
+            blobs[i].hash = get64(p + 24);
+        }
+        if (blobs[i].source > h->n_sources) {
+            flor_format_error(st, path, "tensor table", "blob %u names source %u of %u", i,
+                              blobs[i].source, h->n_sources);
+            goto error;
+        }
+        if (blobs[i].source == 0 &&
+            (blobs[i].offset > h->data_len || blobs[i].nbytes > h->data_len - blobs[i].offset)) {
             flor_format_error(st, path, "tensor table",
                               "blob %u (%llu bytes at %llu) lies outside the data section", i,
                               (unsigned long long)blobs[i].nbytes,
@@ -410,18 +713,17 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
         }
         if (e->ndim > FLOR_MAX_NDIM || dl >= FLOR_NAME_MAX || vl >= FLOR_NAME_MAX ||
             e->blob >= h->n_blobs || e->storage_offset < 0 || e->kind < FLOR_REF_TENSOR ||
-            e->kind > FLOR_REF_BYTEARRAY) {
+            e->kind > FLOR_REF_BYTEARRAY || (e->flags & ~3u) != 0) {
             flor_format_error(st, path, "tensor table", "entry %u is malformed", i);
             goto error;
         }
         if (e->ndim > 0) {
-            size_t k;
             e->dims = malloc(2 * (size_t)e->ndim * sizeof(int64_t));
             if (e->dims == NULL) {
                 PyErr_NoMemory();
                 goto error;
             }
-            for (k = 0; k < 2 * (size_t)e->ndim; k++) {
+            for (k = 0; k < 2 * (uint32_t)e->ndim; k++) {
                 e->dims[k] = (int64_t)get64(p + ENTRY_FIXED + 8 * k);
                 if (e->dims[k] < 0) {
                     flor_format_error(st, path, "tensor table", "entry %u has a negative size", i);
@@ -431,6 +733,10 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
         }
         memcpy(e->dtype, p + ENTRY_FIXED + 16 * (size_t)e->ndim, dl);
         memcpy(e->device, p + ENTRY_FIXED + 16 * (size_t)e->ndim + dl, vl);
+        if (!valid_name(e->dtype) || !valid_name(e->device)) {
+            flor_format_error(st, path, "tensor table", "entry %u has a malformed dtype or device", i);
+            goto error;
+        }
         if (align8(need) > (size_t)(end - p)) {
             goto overrun; /* its padding would run past the table */
         }
@@ -438,168 +744,327 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
     }
     *entries_out = entries;
     *blobs_out = blobs;
+    *sources_out = sources;
     return 0;
 overrun:
     flor_format_error(st, path, "tensor table", "entry %u runs past the end of the table", i);
 error:
     flor_entries_free(entries, h->n_entries);
     free(blobs);
+    if (sources != NULL) {
+        for (k = 0; k < h->n_sources; k++) {
+            free(sources[k]);
+        }
+        free(sources);
+    }
+    return -1;
+}
+
+static int
+cmp_region(const void *a, const void *b)
+{
+    const flor_blob *x = *(const flor_blob *const *)a, *y = *(const flor_blob *const *)b;
+    if (x->source != y->source) {
+        return x->source < y->source ? -1 : 1;
+    }
+    if (x->offset != y->offset) {
+        return x->offset < y->offset ? -1 : 1;
+    }
+    return x < y ? -1 : (x > y);
+}
+
+/* Blobs with equal bytes may refer to one region of an earlier file; each
+ * but the first is then loaded as a copy, so that no two loaded tensors
+ * share memory that were apart when saved. */
+static int
+mark_shared_regions(flor_blob *blobs, uint32_t n)
+{
+    flor_blob **order;
+    uint32_t i;
+    if (n < 2) {
+        return 0;
+    }
+    order = malloc((size_t)n * sizeof(*order));
+    if (order == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i < n; i++) {
+        order[i] = &blobs[i];
+    }
+    qsort(order, n, sizeof(*order), cmp_region);
+    for (i = 1; i < n; i++) {
+        if (order[i]->source != 0 && order[i]->source == order[i - 1]->source &&
+            order[i]->offset == order[i - 1]->offset && order[i]->nbytes > 0) {
+            order[i]->copy = 1;
+        }
+    }
+    free(order);
+    return 0;
+}
+
+/* Map the earlier files this one refers to; check each referenced range lies
+ * in its data section.  maps[0] is the file itself. */
+static int
+map_sources(flor_state *st, const char *path, const header_t *h, char **sources,
+            flor_blob *blobs, PyObject **maps, uint64_t *data_offs, uint64_t *data_lens)
+{
+    const char *slash = strrchr(path, '/');
+    size_t dirlen = slash != NULL ? (size_t)(slash - path) + 1 : 0;
+    uint32_t k, i;
+    int rc = -1;
+    char *full = NULL;
+
+    for (k = 0; k < h->n_sources; k++) {
+        header_t sh;
+        full = malloc(dirlen + strlen(sources[k]) + 1);
+        if (full == NULL) {
+            PyErr_NoMemory();
+            goto cleanup;
+        }
+        memcpy(full, path, dirlen);
+        strcpy(full + dirlen, sources[k]);
+        maps[k + 1] = (PyObject *)map_checked(st, full, &sh);
+        if (maps[k + 1] == NULL) {
+            PyObject *t, *v, *tb, *msg;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            msg = v != NULL ? PyObject_Str(v) : NULL;
+            if (t != NULL && PyErr_GivenExceptionMatches(t, PyExc_FileNotFoundError)) {
+                flor_format_error(st, path, "data",
+                                  "its blobs are stored in the earlier checkpoint %s, which is "
+                                  "missing",
+                                  full);
+            }
+            else {
+                flor_format_error(st, path, "data",
+                                  "its blobs are stored in the earlier checkpoint %s, which "
+                                  "cannot be used: %S",
+                                  full, msg != NULL ? msg : Py_None);
+            }
+            Py_XDECREF(msg);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            goto cleanup;
+        }
+        data_offs[k + 1] = sh.data_off;
+        data_lens[k + 1] = sh.data_len;
+        free(full);
+        full = NULL;
+    }
+    for (i = 0; i < h->n_blobs; i++) {
+        const flor_blob *b = &blobs[i];
+        if (b->source != 0 && (b->offset > data_lens[b->source] ||
+                               b->nbytes > data_lens[b->source] - b->offset)) {
+            flor_format_error(st, path, "tensor table",
+                              "blob %u lies outside the data of %s", i, sources[b->source - 1]);
+            goto cleanup;
+        }
+    }
+    rc = 0;
+cleanup:
+    free(full);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ */
+/* The pickle of the metadata is scanned before anything unpickles it:   */
+/* every opcode known and complete, no persistent ids, extension codes   */
+/* or out-of-band buffers, and memo indices that grow one at a time (so  */
+/* the unpickler's memo stays proportional to the metadata's size).      */
+
+static int
+scan_pickle(flor_state *st, const char *path, const unsigned char *p, uint64_t len)
+{
+    const unsigned char *end = p + len;
+    uint64_t memo = 0, arg;
+    const char *why = NULL;
+
+    while (p < end) {
+        unsigned char op = *p++;
+        uint64_t avail = (uint64_t)(end - p), skip = 0, idx = UINT64_MAX;
+        switch (op) {
+        case '(': case '.': case '0': case '1': case '2': case 'N': case 'R': case 'a':
+        case 'b': case 'd': case '}': case 'e': case 'l': case ']': case 'o': case 's':
+        case 't': case ')': case 'u': case 0x81: case 0x85: case 0x86: case 0x87:
+        case 0x88: case 0x89: case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93:
+            break;
+        case 0x94: /* MEMOIZE */
+            memo++;
+            break;
+        case 'K': case 0x80:
+            skip = 1;
+            break;
+        case 'M':
+            skip = 2;
+            break;
+        case 'J':
+            skip = 4;
+            break;
+        case 'G': case 0x95:
+            skip = 8;
+            break;
+        case 'q': case 'h': /* BINPUT, BINGET */
+            if (avail < 1) {
+                goto truncated;
+            }
+            idx = p[0];
+            skip = 1;
+            break;
+        case 'r': case 'j': /* LONG_BINPUT, LONG_BINGET */
+            if (avail < 4) {
+                goto truncated;
+            }
+            idx = get32(p);
+            skip = 4;
+            break;
+        case 0x8a: case 'U': case 'C': case 0x8c: /* 1-byte length */
+            if (avail < 1) {
+                goto truncated;
+            }
+            skip = 1 + (uint64_t)p[0];
+            break;
+        case 0x8b: case 'T': case 'X': case 'B': /* 4-byte length */
+            if (avail < 4) {
+                goto truncated;
+            }
+            skip = 4 + (uint64_t)get32(p);
+            break;
+        case 0x8d: case 0x8e: case 0x96: /* 8-byte length */
+            if (avail < 8) {
+                goto truncated;
+            }
+            arg = get64(p);
+            if (arg > avail - 8) {
+                goto truncated;
+            }
+            skip = 8 + arg;
+            break;
+        default:
+            why = "an opcode that flor never writes (text, persistent id, extension or "
+                  "out-of-band buffer)";
+            goto bad;
+        }
+        if (skip > avail) {
+            goto truncated;
+        }
+        if (idx != UINT64_MAX) {
+            if (op == 'q' || op == 'r') {
+                if (idx > memo) {
+                    why = "a memo index beyond the objects so far";
+                    goto bad;
+                }
+                if (idx == memo) {
+                    memo++;
+                }
+            }
+            else if (idx >= memo) {
+                why = "a reference to a memo entry never stored";
+                goto bad;
+            }
+        }
+        if (op == '.') {
+            if (p != end) {
+                why = "bytes after its end";
+                goto bad;
+            }
+            return 0;
+        }
+        p += skip;
+    }
+truncated:
+    why = "an incomplete pickle";
+bad:
+    flor_format_error(st, path, "metadata", "the pickle holds %s", why);
     return -1;
 }
 
 static PyObject *
-load_file(flor_state *st, PyObject *path_obj, PyObject *hook)
+load_file(flor_state *st, PyObject *path_obj, PyObject *hook, PyObject *policy)
 {
-    PyObject *pathb = NULL, *res = NULL, *meta = NULL;
+    PyObject *pathb = NULL, *res = NULL, *meta = NULL, *loads = NULL;
+    PyObject **maps = NULL;
     FlorMapping *m = NULL;
     flor_entry *entries = NULL;
     flor_blob *blobs = NULL;
+    char **sources = NULL;
+    uint64_t *data_offs = NULL, *data_lens = NULL;
     const char *path;
     const unsigned char *b;
     header_t h;
-    struct stat sb;
-    int fd = -1;
-    uint32_t i, bad = UINT32_MAX, version;
+    uint32_t k;
     flor_loader ld;
 
     memset(&h, 0, sizeof(h));
+    memset(&ld, 0, sizeof(ld));
     if (!PyUnicode_FSConverter(path_obj, &pathb)) {
         return NULL;
     }
     path = PyBytes_AS_STRING(pathb);
-    Py_BEGIN_ALLOW_THREADS
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    Py_END_ALLOW_THREADS
-    if (fd < 0) {
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_obj);
-        goto cleanup;
-    }
-    if (fstat(fd, &sb) < 0) {
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_obj);
-        goto cleanup;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        errno = EISDIR;
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_obj);
-        goto cleanup;
-    }
-    if (sb.st_size < HEADER_SIZE) {
-        flor_format_error(st, path, "header",
-                          "the file is %lld bytes, shorter than the %d-byte header (truncated)",
-                          (long long)sb.st_size, HEADER_SIZE);
-        goto cleanup;
-    }
-    m = PyObject_New(FlorMapping, st->MappingType);
+    m = map_checked(st, path, &h);
     if (m == NULL) {
         goto cleanup;
     }
-    m->len = (size_t)sb.st_size;
-    m->base = mmap(NULL, m->len, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-    if (m->base == MAP_FAILED) {
-        m->base = NULL;
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_obj);
-        goto cleanup;
-    }
-    close(fd);
-    fd = -1;
     b = (const unsigned char *)m->base;
-
-    if (memcmp(b, MAGIC, 8) != 0) {
-        flor_format_error(st, path, "header", "bad magic number: not a flor checkpoint");
+    if (parse_table(st, path, b + h.table_off, &h, &entries, &blobs, &sources) < 0) {
         goto cleanup;
     }
-    if (flor_crc32c(0, b, 124) != get32(b + 124)) {
-        flor_format_error(st, path, "header", "checksum mismatch");
+    maps = calloc((size_t)h.n_sources + 1, sizeof(PyObject *));
+    data_offs = calloc((size_t)h.n_sources + 1, sizeof(uint64_t));
+    data_lens = calloc((size_t)h.n_sources + 1, sizeof(uint64_t));
+    if (maps == NULL || data_offs == NULL || data_lens == NULL) {
+        PyErr_NoMemory();
         goto cleanup;
     }
-    version = get32(b + 8);
-    if (version != FORMAT_VERSION || get32(b + 12) != HEADER_SIZE) {
-        flor_format_error(st, path, "header",
-                          "format version %u is not supported (this flor reads version %u)",
-                          version, FORMAT_VERSION);
-        goto cleanup;
-    }
-    h.file_size = get64(b + 16);
-    h.meta_off = get64(b + 24);
-    h.meta_len = get64(b + 32);
-    h.table_off = get64(b + 40);
-    h.table_len = get64(b + 48);
-    h.data_off = get64(b + 56);
-    h.data_len = get64(b + 64);
-    h.n_blobs = get32(b + 72);
-    h.n_entries = get32(b + 76);
-    h.meta_crc = get32(b + 80);
-    h.table_crc = get32(b + 84);
-    /* Overflow-safe: each section lies inside file_size, in order. */
-    if (h.meta_off != HEADER_SIZE || h.meta_len > h.file_size ||
-        h.meta_off > h.file_size - h.meta_len || h.table_len > h.file_size ||
-        h.table_off > h.file_size - h.table_len || h.table_off < h.meta_off + h.meta_len ||
-        h.data_len > h.file_size || h.data_off > h.file_size - h.data_len ||
-        h.data_off < h.table_off + h.table_len || h.data_off + h.data_len != h.file_size ||
-        h.data_off % FLOR_ALIGN != 0) {
-        flor_format_error(st, path, "header", "section offsets are inconsistent");
-        goto cleanup;
-    }
-    if ((uint64_t)sb.st_size < h.file_size) {
-        flor_format_error(st, path, section_at(&h, (uint64_t)sb.st_size),
-                          "truncated: the header records %llu bytes, the file has %lld",
-                          (unsigned long long)h.file_size, (long long)sb.st_size);
-        goto cleanup;
-    }
-    if ((uint64_t)sb.st_size > h.file_size) {
-        flor_format_error(st, path, "data",
-                          "%lld unexpected bytes after the end recorded in the header",
-                          (long long)sb.st_size - (long long)h.file_size);
-        goto cleanup;
-    }
-    if (flor_crc32c(0, b + h.meta_off, (size_t)h.meta_len) != h.meta_crc) {
-        flor_format_error(st, path, "metadata", "checksum mismatch");
-        goto cleanup;
-    }
-    if (flor_crc32c(0, b + h.table_off, (size_t)h.table_len) != h.table_crc) {
-        flor_format_error(st, path, "tensor table", "checksum mismatch");
-        goto cleanup;
-    }
-    if (parse_table(st, path, b + h.table_off, &h, &entries, &blobs) < 0) {
-        goto cleanup;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (i = 0; i < h.n_blobs; i++) {
-        if (flor_crc32c(0, b + h.data_off + blobs[i].offset, (size_t)blobs[i].nbytes) !=
-            blobs[i].crc) {
-            bad = i;
-            break;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    if (bad != UINT32_MAX) {
-        flor_format_error(st, path, "data",
-                          "checksum mismatch in blob %u (%llu bytes at file offset %llu)", bad,
-                          (unsigned long long)blobs[bad].nbytes,
-                          (unsigned long long)(h.data_off + blobs[bad].offset));
+    maps[0] = Py_NewRef((PyObject *)m);
+    data_offs[0] = h.data_off;
+    data_lens[0] = h.data_len;
+    if (scan_pickle(st, path, b + h.meta_off, h.meta_len) < 0 ||
+        mark_shared_regions(blobs, h.n_blobs) < 0 ||
+        map_sources(st, path, &h, sources, blobs, maps, data_offs, data_lens) < 0) {
         goto cleanup;
     }
     meta = PyMemoryView_FromMemory(m->base + h.meta_off, (Py_ssize_t)h.meta_len, PyBUF_READ);
     if (meta == NULL) {
         goto cleanup;
     }
-    memset(&ld, 0, sizeof(ld));
+    /* The caller decides how to unpickle, from what is not pickled. */
+    loads = PyObject_CallFunction(policy, "iy#y#O", (int)h.version, (const char *)h.tag,
+                                  (Py_ssize_t)(h.tag != NULL ? FLOR_TAG_LEN : 0),
+                                  (const char *)h.sig,
+                                  (Py_ssize_t)(h.sig != NULL ? FLOR_TAG_LEN : 0), meta);
+    if (loads == NULL) {
+        goto cleanup;
+    }
     ld.entries = entries;
     ld.n_entries = h.n_entries;
     ld.blobs = blobs;
     ld.n_blobs = h.n_blobs;
-    ld.data = m->base + h.data_off;
-    ld.mapping = (PyObject *)m;
-    ld.mapping_offset = h.data_off;
+    ld.maps = maps;
+    ld.data_offs = data_offs;
+    ld.sources = sources;
     ld.hook = hook;
     ld.path = path;
-    res = flor_unpickle(st, meta, &ld);
+    res = flor_unpickle(st, loads, meta, &ld);
 cleanup:
-    if (fd >= 0) {
-        close(fd);
-    }
+    Py_XDECREF(loads);
     Py_XDECREF(meta);
     Py_XDECREF(m);
+    if (maps != NULL) {
+        for (k = 0; k <= h.n_sources; k++) {
+            Py_XDECREF(maps[k]);
+        }
+    }
+    if (sources != NULL) {
+        for (k = 0; k < h.n_sources; k++) {
+            free(sources[k]);
+        }
+    }
+    free(sources);
+    free(maps);
+    free(data_offs);
+    free(data_lens);
     Py_XDECREF(pathb);
     flor_entries_free(entries, h.n_entries);
     free(blobs);
@@ -610,10 +1075,48 @@ cleanup:
 /* Module functions.                                                    */
 
 PyDoc_STRVAR(save_doc,
-             "save(obj, path, /)\n--\n\n"
+             "save(obj, path, tag=None, signer=None, /)\n--\n\n"
              "Snapshot obj and write it to path atomically (temp file, fsync, rename,\n"
-             "fsync of the directory). Returns (bytes of data, errno, step); errno is\n"
-             "0 on success.");
+             "fsync of the directory). tag (32 bytes) goes into the header;\n"
+             "signer(tag, metadata) -> 32 bytes signs it. Returns (bytes of data,\n"
+             "errno, step); errno is 0 on success.");
+
+/* The signature of a file's metadata: signer(tag, meta) -> 32 bytes. */
+int
+flor_sign(PyObject *signer, const unsigned char *tag, PyObject *meta, unsigned char *out)
+{
+    PyObject *r;
+    int rc = -1;
+    r = PyObject_CallFunction(signer, "y#O", (const char *)tag,
+                              (Py_ssize_t)(tag != NULL ? FLOR_TAG_LEN : 0), meta);
+    if (r == NULL) {
+        return -1;
+    }
+    if (!PyBytes_Check(r) || PyBytes_GET_SIZE(r) != FLOR_TAG_LEN) {
+        PyErr_SetString(PyExc_ValueError, "a checkpoint signer must return 32 bytes");
+        goto cleanup;
+    }
+    memcpy(out, PyBytes_AS_STRING(r), FLOR_TAG_LEN);
+    rc = 0;
+cleanup:
+    Py_DECREF(r);
+    return rc;
+}
+
+/* A 32-byte tag argument, or None. */
+int
+flor_tag_arg(PyObject *arg, unsigned char *out)
+{
+    if (arg == Py_None) {
+        return 0;
+    }
+    if (!PyBytes_Check(arg) || PyBytes_GET_SIZE(arg) != FLOR_TAG_LEN) {
+        PyErr_SetString(PyExc_TypeError, "a checkpoint tag must be 32 bytes or None");
+        return -1;
+    }
+    memcpy(out, PyBytes_AS_STRING(arg), FLOR_TAG_LEN);
+    return 1;
+}
 
 static PyObject *
 mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -621,15 +1124,21 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     flor_state *st = (flor_state *)PyModule_GetState(module);
     PyObject *snap = NULL, *meta = NULL, *path = NULL, *res = NULL;
     flor_ioerr err = {0, NULL};
-    int rc;
+    flor_wopts opts;
+    unsigned char tag[FLOR_TAG_LEN], sig[FLOR_TAG_LEN];
+    int rc, has_tag = 0;
 
-    if (!flor_check_nargs("save", nargs, 2, 2)) {
+    memset(&opts, 0, sizeof(opts));
+    if (!flor_check_nargs("save", nargs, 2, 4)) {
+        return NULL;
+    }
+    if (nargs > 2 && (has_tag = flor_tag_arg(args[2], tag)) < 0) {
         return NULL;
     }
     if (!PyUnicode_FSConverter(args[1], &path)) {
         return NULL;
     }
-    snap = flor_snapshot_ex(st, args[0], NULL, NULL);
+    snap = flor_snapshot_ex(st, args[0], NULL, NULL, 0);
     if (snap == NULL) {
         goto cleanup;
     }
@@ -637,9 +1146,16 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (meta == NULL) {
         goto cleanup;
     }
+    opts.tag = has_tag ? tag : NULL;
+    if (nargs > 3 && args[3] != Py_None) {
+        if (flor_sign(args[3], opts.tag, meta, sig) < 0) {
+            goto cleanup;
+        }
+        opts.sig = sig;
+    }
     Py_BEGIN_ALLOW_THREADS
     rc = flor_write_file(PyBytes_AS_STRING(path), PyBytes_AS_STRING(meta),
-                         (size_t)PyBytes_GET_SIZE(meta), (FlorSnapshot *)snap, &err);
+                         (size_t)PyBytes_GET_SIZE(meta), (FlorSnapshot *)snap, &opts, &err);
     Py_END_ALLOW_THREADS
     (void)rc;
     res = Py_BuildValue("(Kis)", (unsigned long long)((FlorSnapshot *)snap)->nbytes, err.err,
@@ -652,18 +1168,22 @@ cleanup:
 }
 
 PyDoc_STRVAR(load_doc,
-             "load(path, hook, /)\n--\n\n"
+             "load(path, hook, policy, /)\n--\n\n"
              "Read and verify a checkpoint file and rebuild its object. Tensor data is\n"
-             "memory-mapped, not copied. hook(storage, device) -> storage relocates\n"
-             "each storage, or is None. Damage raises FormatError(path, section, detail).");
+             "memory-mapped, not copied; each blob's checksum is checked when it is\n"
+             "first used. hook(storage, device) -> storage relocates each storage, or\n"
+             "is None. Before anything is unpickled, policy(version, tag, signature,\n"
+             "metadata) returns the function that unpickles the metadata (or raises).\n"
+             "Damage raises FormatError(path, section, detail).");
 
 static PyObject *
 mod_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!flor_check_nargs("load", nargs, 2, 2)) {
+    if (!flor_check_nargs("load", nargs, 3, 3)) {
         return NULL;
     }
-    return load_file((flor_state *)PyModule_GetState(module), args[0], args[1] == Py_None ? NULL : args[1]);
+    return load_file((flor_state *)PyModule_GetState(module), args[0],
+                     args[1] == Py_None ? NULL : args[1], args[2]);
 }
 
 PyMethodDef flor_format_functions[] = {

@@ -58,6 +58,11 @@ typedef struct flor_job {
     char *msg;
     int done;
     double seconds; /* spent pickling and writing */
+    unsigned char tag[FLOR_TAG_LEN], sig[FLOR_TAG_LEN];
+    int has_tag, has_sig;
+    PyObject *signer;   /* signer(tag, meta) -> 32 bytes, or NULL */
+    flor_dedup *dedup;  /* the engine's, in thread and inline modes */
+    uint64_t written;   /* data bytes the file holds (refs to earlier files excluded) */
 } flor_job;
 
 typedef struct {
@@ -93,6 +98,9 @@ typedef struct {
     int nchildren;
 
     PyObject *failures; /* [(path, errno, step, message)] */
+    PyObject *signer;   /* signs each file's metadata, or NULL */
+    flor_dedup *dedup;  /* incremental: blobs made durable so far */
+    uint64_t bytes_referenced;
     uint64_t submitted, written, failed, bytes_written, forks, fork_fallbacks;
     double block_seconds, max_block_seconds, write_seconds;
 } FlorMaterializer;
@@ -111,6 +119,7 @@ job_free(flor_job *j)
 {
     Py_XDECREF(j->snapshot);
     Py_XDECREF(j->meta);
+    Py_XDECREF(j->signer);
     free(j->path);
     free(j->msg);
     free(j);
@@ -129,6 +138,12 @@ job_pickle(flor_state *st, flor_job *j)
     }
     j->meta = flor_pickle_skeleton(st, ((FlorSnapshot *)j->snapshot)->skeleton,
                                    ((FlorSnapshot *)j->snapshot)->tree);
+    if (j->meta != NULL && j->signer != NULL) {
+        if (flor_sign(j->signer, j->has_tag ? j->tag : NULL, j->meta, j->sig) < 0) {
+            Py_CLEAR(j->meta);
+        }
+        j->has_sig = 1;
+    }
     j->seconds += flor_now() - t0;
     if (j->meta != NULL) {
         return;
@@ -152,15 +167,21 @@ static void
 job_write(flor_job *j)
 {
     flor_ioerr e;
+    flor_wopts o;
     double t0 = flor_now();
     if (j->meta == NULL) {
         return;
     }
+    memset(&o, 0, sizeof(o));
+    o.tag = j->has_tag ? j->tag : NULL;
+    o.sig = j->has_sig ? j->sig : NULL;
+    o.dedup = j->dedup;
     if (flor_write_file(j->path, PyBytes_AS_STRING(j->meta), (size_t)PyBytes_GET_SIZE(j->meta),
-                        (FlorSnapshot *)j->snapshot, &e) < 0) {
+                        (FlorSnapshot *)j->snapshot, &o, &e) < 0) {
         j->err = e.err;
         j->step = e.step;
     }
+    j->written = o.written;
     j->seconds += flor_now() - t0;
 }
 
@@ -189,8 +210,11 @@ reap_done(FlorMaterializer *m)
             Py_XDECREF(f);
         }
         else {
+            uint64_t n = ((FlorSnapshot *)j->snapshot)->nbytes;
             m->written++;
-            m->bytes_written += ((FlorSnapshot *)j->snapshot)->nbytes;
+            /* A fork child's count stays in the child: it writes every blob. */
+            m->bytes_written += j->dedup != NULL ? j->written : n;
+            m->bytes_referenced += j->dedup != NULL ? n - j->written : 0;
         }
         job_free(j);
     }
@@ -691,9 +715,36 @@ take_failures(FlorMaterializer *m)
 }
 
 PyDoc_STRVAR(mat_submit_doc,
-             "submit($self, path, obj, /)\n--\n\n"
-             "Snapshot obj now and write it to path later. Returns the snapshot's data\n"
-             "bytes. Waits first if the bytes held would pass max_buffer_bytes.");
+             "submit($self, path, obj, tag=None, /)\n--\n\n"
+             "Snapshot obj now and write it to path later, with tag (32 bytes) in its\n"
+             "header. Returns the data bytes the file will hold: with incremental on,\n"
+             "those not found in earlier files. Waits first if the bytes held would\n"
+             "pass max_buffer_bytes.");
+
+/* The bytes of a snapshot that no durable file of the run holds. */
+static uint64_t
+new_bytes(FlorMaterializer *m, const FlorSnapshot *s)
+{
+    uint64_t n = 0;
+    uint32_t i, k;
+    if (m->dedup == NULL) {
+        return s->nbytes;
+    }
+    for (i = 0; i < s->n_blobs; i++) {
+        const flor_blob *b = &s->blobs[i];
+        const char *dtype = "";
+        for (k = 0; k < s->n_entries; k++) {
+            if (s->entries[k].blob == i) {
+                dtype = s->entries[k].dtype;
+                break;
+            }
+        }
+        if (!b->hashed || !flor_dedup_find(m->dedup, b->hash, b->nbytes, dtype, NULL, NULL, NULL)) {
+            n += b->nbytes;
+        }
+    }
+    return n;
+}
 
 static PyObject *
 mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
@@ -705,7 +756,14 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
     uint64_t reserved = 0;
     int handed = 0;
 
-    if (st == NULL || !flor_check_nargs("submit", nargs, 2, 2) || check_usable(m) < 0) {
+    unsigned char tag[FLOR_TAG_LEN];
+    int has_tag = 0;
+    uint64_t estimate;
+
+    if (st == NULL || !flor_check_nargs("submit", nargs, 2, 3) || check_usable(m) < 0) {
+        return NULL;
+    }
+    if (nargs > 2 && (has_tag = flor_tag_arg(args[2], tag)) < 0) {
         return NULL;
     }
     if (!PyUnicode_FSConverter(args[0], &pathb)) {
@@ -715,7 +773,8 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
         goto cleanup;
     }
     m->reserved = 0;
-    snap = flor_snapshot_ex(st, args[1], m->mode == MODE_INLINE ? NULL : reserve_cb, m);
+    snap = flor_snapshot_ex(st, args[1], m->mode == MODE_INLINE ? NULL : reserve_cb, m,
+                            m->dedup != NULL);
     if (snap == NULL) {
         /* Give back a reservation the failed snapshot may have made. */
         pthread_mutex_lock(&m->mu);
@@ -731,7 +790,14 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
     }
     j->snapshot = Py_NewRef(snap);
     j->bytes = reserved;
+    j->has_tag = has_tag;
+    if (has_tag) {
+        memcpy(j->tag, tag, FLOR_TAG_LEN);
+    }
+    j->signer = Py_XNewRef(m->signer);
+    j->dedup = m->dedup;
     m->submitted++;
+    estimate = new_bytes(m, (FlorSnapshot *)snap);
     if (m->mode == MODE_INLINE) {
         job_pickle(st, j);
         Py_BEGIN_ALLOW_THREADS
@@ -785,7 +851,7 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
             goto cleanup;
         }
     }
-    res = PyLong_FromUnsignedLongLong(((FlorSnapshot *)snap)->nbytes);
+    res = PyLong_FromUnsignedLongLong(estimate);
 cleanup:
     if (snap != NULL && !handed) {
         /* The job never reached a writer: give its bytes back. */
@@ -886,7 +952,8 @@ mat_close(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
 
 PyDoc_STRVAR(mat_stats_doc,
              "stats($self, /)\n--\n\n"
-             "Counters: submitted, written, failed, bytes_written, write_seconds,\n"
+             "Counters: submitted, written, failed, bytes_written, bytes_referenced\n"
+             "(left in earlier files), write_seconds,\n"
              "block_seconds, max_block_seconds, forks, fork_fallbacks, held_bytes,\n"
              "peak_held_bytes, pending, writing. write_seconds is time spent pickling and\n"
              "writing; pending counts the checkpoints not yet durable, writing those of\n"
@@ -919,7 +986,8 @@ mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
     }
     writing = pending;
     pending += (uint64_t)m->batch_n;
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K,s:K}", "submitted",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K,s:K}",
+                         "bytes_referenced", (unsigned long long)m->bytes_referenced, "submitted",
                          (unsigned long long)m->submitted, "written",
                          (unsigned long long)m->written, "failed", (unsigned long long)m->failed,
                          "bytes_written", (unsigned long long)m->bytes_written, "write_seconds", ws,
@@ -958,16 +1026,22 @@ static PyObject *
 mat_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"mode", "max_buffer_bytes", "max_children", "batch_bytes",
-                             "batch_count", NULL};
+                             "batch_count", "incremental", "signer", NULL};
     FlorMaterializer *m;
     flor_state *st = flor_state_of_type(type);
-    int mode, max_children;
+    int mode, max_children, incremental = 0;
     unsigned long long max_buffer, batch_bytes;
     Py_ssize_t batch_count;
+    PyObject *signer = Py_None;
 
     if (st == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwds, "iKiKn:Materializer", kwlist, &mode, &max_buffer,
-                                     &max_children, &batch_bytes, &batch_count)) {
+        !PyArg_ParseTupleAndKeywords(args, kwds, "iKiKn|pO:Materializer", kwlist, &mode,
+                                     &max_buffer, &max_children, &batch_bytes, &batch_count,
+                                     &incremental, &signer)) {
+        return NULL;
+    }
+    if (signer != Py_None && !PyCallable_Check(signer)) {
+        PyErr_SetString(PyExc_TypeError, "Materializer: signer must be callable or None");
         return NULL;
     }
     if (mode < MODE_INLINE || mode > MODE_FORK || max_children < 1 || max_children > 64 ||
@@ -995,8 +1069,13 @@ mat_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m->owner = getpid();
     m->failures = PyList_New(0);
     m->children = calloc((size_t)max_children, sizeof(flor_child));
-    if (m->failures == NULL || m->children == NULL) {
-        int nomem = m->children == NULL;
+    m->signer = signer != Py_None ? Py_NewRef(signer) : NULL;
+    /* Fork children cannot tell the parent what they made durable: fork
+     * mode writes every blob. */
+    m->dedup = incremental && mode != MODE_FORK ? flor_dedup_new() : NULL;
+    if (m->failures == NULL || m->children == NULL ||
+        (incremental && mode != MODE_FORK && m->dedup == NULL)) {
+        int nomem = m->failures != NULL;
         Py_DECREF(m);
         return nomem ? PyErr_NoMemory() : NULL;
     }
@@ -1055,6 +1134,10 @@ mat_dealloc(FlorMaterializer *m)
     }
     free(m->children);
     Py_XDECREF(m->failures);
+    Py_XDECREF(m->signer);
+    if (m->owner == getpid()) {
+        flor_dedup_free(m->dedup); /* the writer thread has stopped */
+    }
     tp->tp_free(m);
     Py_DECREF(tp);
 }
@@ -1072,7 +1155,8 @@ static PyType_Slot mat_slots[] = {
     {Py_tp_new, mat_new},
     {Py_tp_dealloc, mat_dealloc},
     {Py_tp_methods, mat_methods},
-    {Py_tp_doc, "Materializer(mode, max_buffer_bytes, max_children, batch_bytes, batch_count)\n"
+    {Py_tp_doc, "Materializer(mode, max_buffer_bytes, max_children, batch_bytes, batch_count,\n"
+                "incremental=False, signer=None)\n"
                 "--\n\nThe C engine behind flor.Materializer."},
     {0, NULL},
 };

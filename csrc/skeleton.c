@@ -175,14 +175,16 @@ current_loader(flor_state *st)
 }
 
 PyObject *
-flor_unpickle(flor_state *st, PyObject *meta, flor_loader *ld)
+flor_unpickle(flor_state *st, PyObject *loads, PyObject *meta, flor_loader *ld)
 {
     PyObject *key = NULL, *prev = NULL, *cap = NULL, *res = NULL;
     uint32_t i;
 
     ld->storages = calloc(ld->n_blobs ? ld->n_blobs : 1, sizeof(PyObject *));
-    if (ld->storages == NULL) {
-        return PyErr_NoMemory();
+    ld->verified = calloc(ld->n_blobs ? ld->n_blobs : 1, 1);
+    if (ld->storages == NULL || ld->verified == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
     }
     key = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     cap = PyCapsule_New(ld, "flor.loader", NULL);
@@ -194,7 +196,7 @@ flor_unpickle(flor_state *st, PyObject *meta, flor_loader *ld)
     if (PyErr_Occurred() || PyDict_SetItem(st->loaders, key, cap) < 0) {
         goto cleanup;
     }
-    res = PyObject_CallOneArg(st->loads, meta);
+    res = PyObject_CallOneArg(loads != NULL ? loads : st->loads, meta);
     /* Restore the enclosing load's context, keeping any exception. */
     {
         PyObject *t, *v, *tb;
@@ -207,15 +209,58 @@ flor_unpickle(flor_state *st, PyObject *meta, flor_loader *ld)
         PyErr_Restore(t, v, tb);
     }
 cleanup:
-    for (i = 0; i < ld->n_blobs; i++) {
-        Py_XDECREF(ld->storages[i]);
+    if (ld->storages != NULL) {
+        for (i = 0; i < ld->n_blobs; i++) {
+            Py_XDECREF(ld->storages[i]);
+        }
     }
     free(ld->storages);
+    free(ld->verified);
     ld->storages = NULL;
+    ld->verified = NULL;
     Py_XDECREF(prev);
     Py_XDECREF(cap);
     Py_XDECREF(key);
     return res;
+}
+
+/* Where blob `bi` lies: its Mapping (NULL for a snapshot, whose bytes are
+ * copied) and its offset there.  A file's blob has its CRC checked the first
+ * time it is used; a mismatch raises FormatError naming the file. */
+static const char *
+blob_bytes(flor_state *st, flor_loader *ld, uint32_t bi, PyObject **mapping, uint64_t *moff)
+{
+    const flor_blob *b = &ld->blobs[bi];
+    const char *p;
+    uint32_t crc;
+    if (ld->maps == NULL) {
+        *mapping = NULL;
+        *moff = 0;
+        return ld->data + b->offset;
+    }
+    *mapping = ld->maps[b->source];
+    *moff = ld->data_offs[b->source] + b->offset;
+    p = ((FlorMapping *)*mapping)->base + *moff;
+    if (!ld->verified[bi]) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = flor_crc32c(0, p, (size_t)b->nbytes);
+        Py_END_ALLOW_THREADS
+        if (crc != b->crc) {
+            if (b->source != 0) {
+                flor_format_error(st, ld->path, "data",
+                                  "checksum mismatch in blob %u (%llu bytes, stored in %s)", bi,
+                                  (unsigned long long)b->nbytes, ld->sources[b->source - 1]);
+            }
+            else {
+                flor_format_error(st, ld->path, "data",
+                                  "checksum mismatch in blob %u (%llu bytes at file offset %llu)",
+                                  bi, (unsigned long long)b->nbytes, (unsigned long long)*moff);
+            }
+            return NULL;
+        }
+        ld->verified[bi] = 1;
+    }
+    return p;
 }
 
 static PyObject *
@@ -257,16 +302,22 @@ blob_storage(flor_state *st, flor_loader *ld, uint32_t bi, const char *device)
 {
     const flor_blob *b = &ld->blobs[bi];
     PyObject *u8 = NULL, *storage = NULL, *kw = NULL, *args = NULL, *fn = NULL, *ptr = NULL;
+    PyObject *mapping;
+    const char *src;
+    uint64_t moff;
 
     if (ld->storages[bi] != NULL) {
         return Py_NewRef(ld->storages[bi]);
     }
-    if (ld->mapping != NULL && b->nbytes > 0) {
+    src = blob_bytes(st, ld, bi, &mapping, &moff);
+    if (src == NULL) {
+        return NULL;
+    }
+    if (mapping != NULL && !b->copy && b->nbytes > 0) {
         fn = PyObject_GetAttrString(st->torch, "frombuffer");
-        args = PyTuple_Pack(1, ld->mapping);
+        args = PyTuple_Pack(1, mapping);
         kw = Py_BuildValue("{s:O,s:K,s:K}", "dtype", st->uint8, "count",
-                           (unsigned long long)b->nbytes, "offset",
-                           (unsigned long long)(ld->mapping_offset + b->offset));
+                           (unsigned long long)b->nbytes, "offset", (unsigned long long)moff);
         if (fn == NULL || args == NULL || kw == NULL) {
             goto cleanup;
         }
@@ -291,7 +342,7 @@ blob_storage(flor_state *st, flor_loader *ld, uint32_t bi, const char *device)
                 goto cleanup;
             }
             Py_BEGIN_ALLOW_THREADS
-            memcpy(dst, ld->data + b->offset, (size_t)b->nbytes);
+            memcpy(dst, src, (size_t)b->nbytes);
             Py_END_ALLOW_THREADS
         }
     }
@@ -301,6 +352,7 @@ blob_storage(flor_state *st, flor_loader *ld, uint32_t bi, const char *device)
     storage = PyObject_CallMethod(u8, "untyped_storage", NULL);
     if (storage != NULL && ld->hook != NULL) {
         Py_SETREF(storage, PyObject_CallFunction(ld->hook, "Os", storage, device));
+        ld->hook_failed = storage == NULL;
     }
     if (storage != NULL) {
         ld->storages[bi] = Py_NewRef(storage);
@@ -440,18 +492,36 @@ build_array(flor_state *st, flor_loader *ld, Py_ssize_t index)
     const flor_entry *e = &ld->entries[index];
     const flor_blob *b = &ld->blobs[e->blob];
     PyObject *np = NULL, *dtype = NULL, *itemsize = NULL, *src = NULL, *arr = NULL, *shape = NULL;
-    PyObject *res = NULL, *fn = NULL, *args = NULL, *kw = NULL;
-    uint64_t nelem = 1, isz;
+    PyObject *res = NULL, *fn = NULL, *args = NULL, *kw = NULL, *mapping;
+    uint64_t nelem = 1, isz, moff;
+    const char *bytes;
     int k;
 
+    bytes = blob_bytes(st, ld, e->blob, &mapping, &moff);
+    if (bytes == NULL) {
+        return NULL;
+    }
     if (e->kind == FLOR_REF_BYTEARRAY) {
-        return PyByteArray_FromStringAndSize(ld->data + b->offset, (Py_ssize_t)b->nbytes);
+        return PyByteArray_FromStringAndSize(bytes, (Py_ssize_t)b->nbytes);
+    }
+    if (e->dtype[0] != '<' && e->dtype[0] != '>' && e->dtype[0] != '|' && e->dtype[0] != '=') {
+        return flor_format_error(st, ld->path, "tensor table", "unknown array dtype '%s'",
+                                 e->dtype);
     }
     np = PyImport_ImportModule("numpy");
     if (np == NULL) {
         return NULL;
     }
     dtype = PyObject_CallMethod(np, "dtype", "s", e->dtype);
+    if (dtype != NULL) {
+        /* Arrays of Python objects are never raw bytes. */
+        PyObject *obj = PyObject_GetAttrString(dtype, "hasobject");
+        int has = obj == NULL ? -1 : PyObject_IsTrue(obj);
+        Py_XDECREF(obj);
+        if (has != 0) {
+            Py_CLEAR(dtype);
+        }
+    }
     if (dtype == NULL) {
         PyErr_Clear();
         flor_format_error(st, ld->path, "tensor table", "unknown array dtype '%s'", e->dtype);
@@ -482,18 +552,20 @@ build_array(flor_state *st, flor_loader *ld, Py_ssize_t index)
         res = PyObject_CallMethod(np, "empty", "OO", shape, dtype);
         goto cleanup;
     }
-    if (ld->mapping != NULL) {
-        src = Py_NewRef(ld->mapping);
+    if (mapping != NULL && b->copy) {
+        mapping = NULL; /* its bytes are another blob's too: a private copy */
+    }
+    if (mapping != NULL) {
+        src = Py_NewRef(mapping);
     }
     else {
-        src = PyMemoryView_FromMemory((char *)ld->data + b->offset, (Py_ssize_t)b->nbytes,
-                                      PyBUF_READ);
+        src = PyMemoryView_FromMemory((char *)bytes, (Py_ssize_t)b->nbytes, PyBUF_READ);
     }
     fn = PyObject_GetAttrString(np, "frombuffer");
     args = src == NULL ? NULL : PyTuple_Pack(1, src);
     kw = Py_BuildValue("{s:O,s:K,s:K}", "dtype", dtype, "count", (unsigned long long)nelem,
                        "offset",
-                       (unsigned long long)(ld->mapping != NULL ? ld->mapping_offset + b->offset : 0));
+                       (unsigned long long)(mapping != NULL ? moff : 0));
     if (fn == NULL || args == NULL || kw == NULL) {
         goto cleanup;
     }
@@ -502,7 +574,7 @@ build_array(flor_state *st, flor_loader *ld, Py_ssize_t index)
     if (arr == NULL) {
         goto cleanup;
     }
-    res = ld->mapping != NULL ? Py_NewRef(arr) : PyObject_CallMethod(arr, "copy", NULL);
+    res = mapping != NULL ? Py_NewRef(arr) : PyObject_CallMethod(arr, "copy", NULL);
 cleanup:
     Py_XDECREF(np);
     Py_XDECREF(dtype);
@@ -514,6 +586,48 @@ cleanup:
     Py_XDECREF(args);
     Py_XDECREF(kw);
     return res;
+}
+
+/* A failure while rebuilding from a well-formed-looking table means the
+ * table lies: report it as damage, except errors of the map_location hook
+ * (the caller's) and memory errors, which pass through. */
+static PyObject *
+as_damage(flor_state *st, flor_loader *ld, const char *section, Py_ssize_t index)
+{
+    PyObject *t, *v, *tb, *msg;
+    if (ld->hook_failed || PyErr_ExceptionMatches(st->FormatError) ||
+        PyErr_ExceptionMatches(PyExc_MemoryError) ||
+        PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+        return NULL;
+    }
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    msg = v != NULL ? PyObject_Repr(v) : NULL;
+    if (msg == NULL) {
+        PyErr_Clear();
+    }
+    flor_format_error(st, ld->path, section, "reference %zd cannot be rebuilt: %S", index,
+                      msg != NULL ? msg : Py_None);
+    Py_XDECREF(msg);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
+static int
+int_tuple(PyObject *o)
+{
+    Py_ssize_t i;
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > FLOR_MAX_NDIM) {
+        return 0;
+    }
+    for (i = 0; i < PyTuple_GET_SIZE(o); i++) {
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(o, i))) {
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static PyObject *
@@ -553,9 +667,23 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                      index);
         }
         if (kind == FLOR_REF_TENSOR) {
-            return build_tensor(st, ld, index, payload);
+            if (payload != Py_None && (torch = torch_module(st)) == NULL) {
+                return NULL;
+            }
+            Py_CLEAR(torch);
+            if (payload != Py_None &&
+                (!PyType_Check(payload) ||
+                 !PyType_IsSubtype((PyTypeObject *)payload, (PyTypeObject *)st->Tensor))) {
+                return flor_format_error(st, ld->path, "metadata",
+                                         "reference %zd names a class that is not a tensor",
+                                         index);
+            }
+            res = build_tensor(st, ld, index, payload);
         }
-        return build_array(st, ld, index);
+        else {
+            res = build_array(st, ld, index);
+        }
+        return res != NULL ? res : as_damage(st, ld, "tensor table", index);
     case FLOR_REF_NAMED:
     case FLOR_REF_DEVICE:
     case FLOR_REF_SIZE:
@@ -565,15 +693,26 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
         if (kind == FLOR_REF_NAMED) {
+            /* Only a dtype, layout or memory format: never any other
+             * attribute of torch. */
             res = PyUnicode_Check(payload) ? PyObject_GetAttr(torch, payload) : NULL;
+            if (res != NULL && !PyObject_TypeCheck(res, (PyTypeObject *)st->dtype_t) &&
+                !PyObject_TypeCheck(res, (PyTypeObject *)st->layout_t) &&
+                !PyObject_TypeCheck(res, (PyTypeObject *)st->memfmt_t)) {
+                Py_CLEAR(res);
+            }
+            PyErr_Clear();
         }
         else if (kind == FLOR_REF_DEVICE) {
-            res = PyObject_CallMethod(torch, "device", "(O)", payload);
+            res = PyUnicode_Check(payload) ? PyObject_CallMethod(torch, "device", "(O)", payload)
+                                           : NULL;
         }
         else if (kind == FLOR_REF_SIZE) {
-            res = PyObject_CallMethod(torch, "Size", "(O)", payload);
+            res = int_tuple(payload) ? PyObject_CallMethod(torch, "Size", "(O)", payload) : NULL;
         }
-        else if (PyTuple_Check(payload) && PyTuple_GET_SIZE(payload) == 2) {
+        else if (PyTuple_Check(payload) && PyTuple_GET_SIZE(payload) == 2 &&
+                 PyUnicode_Check(PyTuple_GET_ITEM(payload, 0)) &&
+                 PyObject_TypeCheck(PyTuple_GET_ITEM(payload, 1), (PyTypeObject *)st->Tensor)) {
             PyObject *r;
             res = PyObject_CallMethod(torch, "Generator", "(O)", PyTuple_GET_ITEM(payload, 0));
             r = res == NULL ? NULL
@@ -587,7 +726,7 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (res == NULL && !PyErr_Occurred()) {
             flor_format_error(st, ld->path, "metadata", "malformed torch constant %R", payload);
         }
-        return res;
+        return res != NULL ? res : as_damage(st, ld, "metadata", index);
     default:
         return flor_format_error(st, ld->path, "metadata", "unknown reference kind %d", kind);
     }

@@ -1483,7 +1483,7 @@ cleanup:
 }
 
 static int
-copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx)
+copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx, int hash)
 {
     flor_state *st = w->st;
     uint64_t total = 0, payload = 0;
@@ -1540,7 +1540,20 @@ copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx)
     for (i = 0; i < s->n_blobs; i++) {
         flor_blob *b = &s->blobs[i];
         uint64_t pad = flor_align_up(b->nbytes) - b->nbytes;
-        if (b->where == FLOR_BLOB_HOST && b->nbytes > 0) {
+        if (b->where == FLOR_BLOB_HOST && b->nbytes > 0 && hash) {
+            /* Hash each piece just copied, while it is in cache. */
+            uint64_t done = 0, h = flor_hash64_start(b->nbytes);
+            while (done < b->nbytes) {
+                size_t n = (size_t)(b->nbytes - done < FLOR_HASH_CHUNK ? b->nbytes - done
+                                                                       : FLOR_HASH_CHUNK);
+                memcpy(base + b->offset + done, b->src + done, n);
+                h = flor_hash64_update(h, base + b->offset + done, n);
+                done += n;
+            }
+            b->hash = h;
+            b->hashed = 1;
+        }
+        else if (b->where == FLOR_BLOB_HOST && b->nbytes > 0) {
             memcpy(base + b->offset, b->src, b->nbytes);
         }
         if (pad) {
@@ -1659,11 +1672,11 @@ error:
 }
 
 PyObject *
-flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx)
+flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx, int hash)
 {
     walker w;
     FlorSnapshot *s = walk_object(st, obj, &w);
-    if (s != NULL && copy_phase(&w, s, reserve, ctx) < 0) {
+    if (s != NULL && copy_phase(&w, s, reserve, ctx, hash) < 0) {
         Py_CLEAR(s);
     }
     return (PyObject *)s;
@@ -1800,7 +1813,7 @@ snapshot_restore(FlorSnapshot *s)
     ld.n_blobs = s->n_blobs;
     ld.data = s->arena != NULL ? s->arena->base : NULL;
     ld.path = "<snapshot>";
-    res = flor_unpickle(st, meta, &ld);
+    res = flor_unpickle(st, NULL, meta, &ld);
     Py_DECREF(meta);
     return res;
 }
@@ -1882,7 +1895,7 @@ PyDoc_STRVAR(snapshot_doc,
 static PyObject *
 mod_snapshot(PyObject *module, PyObject *obj)
 {
-    return flor_snapshot_ex((flor_state *)PyModule_GetState(module), obj, NULL, NULL);
+    return flor_snapshot_ex((flor_state *)PyModule_GetState(module), obj, NULL, NULL, 0);
 }
 
 static int
@@ -1899,7 +1912,7 @@ PyDoc_STRVAR(measure_doc,
 static PyObject *
 mod_measure(PyObject *module, PyObject *obj)
 {
-    PyObject *s = flor_snapshot_ex((flor_state *)PyModule_GetState(module), obj, measure_only, NULL), *r;
+    PyObject *s = flor_snapshot_ex((flor_state *)PyModule_GetState(module), obj, measure_only, NULL, 0), *r;
     if (s == NULL) {
         return NULL;
     }

@@ -9,6 +9,7 @@ from .api import SkipBlock, dataframe, generator, log
 from .checkpoint import load, restore, save
 from .errors import CheckpointCorrupt, CheckpointWriteError, FlorReplayError
 from .materializer import Materializer
+from .trust import UnsafeCheckpoint
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "Materializer",
     "SkipBlock",
     "Snapshot",
+    "UnsafeCheckpoint",
     "dataframe",
     "generator",
     "load",

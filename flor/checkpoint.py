@@ -10,7 +10,7 @@ import random
 import sys
 from collections.abc import Mapping
 
-from . import _core
+from . import _core, trust
 from .errors import CheckpointCorrupt, CheckpointWriteError
 
 __all__ = ["save", "load", "restore"]
@@ -19,22 +19,36 @@ __all__ = ["save", "load", "restore"]
 def save(obj, path) -> None:
     """Write ``obj`` to ``path`` atomically: temp file, fsync, rename, fsync of
     the directory.  A crash at any moment leaves either the old file or the
-    complete new one under ``path``, never a partial one."""
+    complete new one under ``path``, never a partial one.  The file is signed
+    with the user's key (see :mod:`flor.trust`)."""
     path = os.fspath(path)
-    _nbytes, err, step = _core.save(obj, path)
+    _nbytes, err, step = _core.save(obj, path, None, trust.signer())
     if err:
         raise CheckpointWriteError([(path, err, step, "")])
 
 
-def _location_hook(map_location):
+def _location_hook(map_location, path=""):
     """Return hook(storage, recorded_device) -> storage, as torch.load does.
 
     torch is imported when the hook first runs, which is only for files that
     hold tensors."""
     if callable(map_location):
-        return map_location
+        def call(storage, recorded):
+            try:
+                return map_location(storage, recorded)
+            except Exception as e:
+                raise trust._HookFailed() from e
+        return call
 
     def move(storage, recorded):
+        try:
+            return _move(storage, recorded)
+        except _core.FormatError:
+            raise
+        except Exception as e:
+            raise trust._HookFailed() from e
+
+    def _move(storage, recorded):
         import torch
 
         if map_location is None:
@@ -48,7 +62,13 @@ def _location_hook(map_location):
                 "map_location must be None, a device, a dict or a callable, "
                 f"not {type(map_location).__name__}"
             )
-        device = torch.device(target)
+        try:
+            device = torch.device(target)
+        except RuntimeError:
+            if target != recorded:
+                raise
+            raise _core.FormatError(path, "tensor table",
+                                    f"the recorded device {recorded!r} is not a device") from None
         if device.type == "cpu":
             return storage
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -61,12 +81,21 @@ def _location_hook(map_location):
     return move
 
 
-def load(path, map_location=None):
+def load(path, map_location=None, *, trusted=False):
     """Read a checkpoint written by :func:`save` or a :class:`Materializer`.
 
-    Every section is checked against its CRC-32C before use; a damaged or
-    truncated file raises :class:`CheckpointCorrupt` naming the file and the
-    section.  Tensor data is memory-mapped (copy-on-write), not copied.
+    Every section is checked against its CRC-32C before use (each blob of
+    tensor data when it is first used); a damaged or truncated file raises
+    :class:`CheckpointCorrupt` naming the file and the section.  Tensor data is
+    memory-mapped (copy-on-write), not copied.
+
+    Loading is safe by default, as ``torch.load(weights_only=True)``: only
+    containers, numbers, strings, tensors, arrays and torch dtypes, devices and
+    sizes load, and a file that names anything else raises
+    :class:`flor.UnsafeCheckpoint` before any of it runs.  Pass
+    ``trusted=True`` to load other objects (classes of your script, objects
+    saved by their ``__reduce__``): that runs whatever code the file names, so
+    do it only for files you trust.
 
     ``map_location`` works as in ``torch.load``: ``None`` puts tensors back on
     the device they were saved from, a device moves all of them there, a dict
@@ -74,10 +103,23 @@ def load(path, map_location=None):
     ``f(storage, recorded_device) -> storage`` decides per storage.
     Objects saved through ``state_dict()`` load as their state dict.
     """
+    return read(path, map_location, bool(trusted))
+
+
+def read(path, map_location=None, trusted=False, expect_tag=None, seen=None):
+    """:func:`load` with flor's own choices: ``trusted`` may be "signed" (the
+    full unpickler for files signed with the user's key, the safe one for the
+    rest); ``expect_tag`` refuses a file made for something else
+    (:class:`flor.trust.Mismatch`) before anything is unpickled; ``seen``
+    receives how the file was read."""
+    path = os.fspath(path)
     try:
-        return _core.load(os.fspath(path), _location_hook(map_location))
+        return _core.load(path, _location_hook(map_location, path),
+                          trust.policy(path, trusted, expect_tag, seen))
     except _core.FormatError as e:
         raise CheckpointCorrupt(*e.args) from None
+    except trust._HookFailed as e:
+        raise e.__cause__ from None
 
 
 def restore(live, saved):

@@ -12,7 +12,7 @@ import re
 import sys
 import threading
 
-from . import _core
+from . import _core, trust
 from .errors import CheckpointWriteError
 
 __all__ = ["Materializer", "DEFAULT_MODE", "MODES", "mode_from_env"]
@@ -104,6 +104,12 @@ class Materializer:
 
     ``max_buffer_bytes`` bounds the staged bytes not yet written; ``submit``
     waits when a new snapshot would pass it (backpressure).
+
+    ``incremental=True`` (thread and inline modes) makes a checkpoint refer to
+    the tensor bytes that an earlier file of this materializer already holds
+    instead of writing them again (docs/FORMAT.md): such a file needs the
+    earlier files next to it.  ``signed=True`` signs each file with the user's
+    key (:mod:`flor.trust`), so that flor's replay may unpickle it in full.
     """
 
     def __init__(
@@ -114,6 +120,8 @@ class Materializer:
         max_children: int = 2,
         batch_bytes: int | None = None,
         batch_count: int = 5000,
+        incremental: bool = False,
+        signed: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
@@ -144,7 +152,8 @@ class Materializer:
         sweep_temp_files(self.directory)
         self.mode = mode
         self._engine = _core.Materializer(
-            MODES[mode], max_buffer_bytes, max_children, batch_bytes, batch_count
+            MODES[mode], max_buffer_bytes, max_children, batch_bytes, batch_count,
+            incremental, trust.signer() if signed else None
         )
         # One caller at a time: the engine's fork bookkeeping is not shared.
         self._lock = threading.Lock()
@@ -154,12 +163,14 @@ class Materializer:
         _check_name(name)
         return os.path.join(self.directory, name + SUFFIX)
 
-    def submit(self, name: str, obj) -> int:
-        """Snapshot ``obj`` now; write it to ``directory/name.flor`` later.
-        Returns the bytes of tensor and array data captured."""
+    def submit(self, name: str, obj, tag: bytes | None = None) -> int:
+        """Snapshot ``obj`` now; write it to ``directory/name.flor`` later,
+        with ``tag`` (32 bytes, see :func:`flor.trust.tag_of`) in its header.
+        Returns the bytes of tensor and array data the file will hold (with
+        ``incremental``, those no earlier file holds)."""
         path = self.path_for(name)
         with self._lock:
-            return self._engine.submit(path, obj)
+            return self._engine.submit(path, obj, tag)
 
     def flush(self) -> None:
         """Block until every submitted checkpoint is durable on disk.

@@ -60,6 +60,19 @@ def _store_outside_the_checkout(tmp_path_factory):
         os.environ["FLOR_DIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _signing_key_outside_home(tmp_path_factory):
+    """flor's per-user signing key (~/.config/flor/key) is made in a
+    temporary config directory, shared by every process a test starts."""
+    old = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CONFIG_HOME", None)
+    else:
+        os.environ["XDG_CONFIG_HOME"] = old
+
+
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")

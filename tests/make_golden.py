@@ -1,4 +1,7 @@
-"""Writes tests/data/golden-v1.flor, a version-1 checkpoint that the tests load.
+"""Writes the golden checkpoints the tests load: tests/data/golden-v2-base.flor
+and tests/data/golden-v2.flor (version 2; the second refers to the first's
+blobs and carries a tag).  tests/data/golden-v1.flor was written by version 1
+of the format and is kept as it is.
 
 Run it only when the format version changes on purpose:
     python tests/make_golden.py
@@ -31,7 +34,15 @@ def golden_object():
     }
 
 
+GOLDEN_TAG = bytes(range(32))
+
+
 if __name__ == "__main__":
-    path = os.path.join(os.path.dirname(__file__), "data", "golden-v1.flor")
-    flor.save(golden_object(), path)
-    print(path, os.path.getsize(path))
+    data = os.path.join(os.path.dirname(__file__), "data")
+    obj = golden_object()
+    with flor.Materializer(data, mode="inline", incremental=True, signed=False) as mat:
+        mat.submit("golden-v2-base", {"float32": obj["float32"], "array": obj["array"]})
+        mat.submit("golden-v2", obj, GOLDEN_TAG)
+    for name in ("golden-v2-base", "golden-v2"):
+        path = os.path.join(data, name + ".flor")
+        print(path, os.path.getsize(path))

@@ -19,17 +19,19 @@ import flor
 from flor import _core
 
 from conftest import ROOT, run_py
-from make_golden import golden_object
+from make_golden import GOLDEN_TAG, golden_object
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden-v1.flor")
-HEADER = struct.Struct("<8sIIQQQQQQQIIII36sI")
+GOLDEN_V2 = os.path.join(os.path.dirname(__file__), "data", "golden-v2.flor")
+HEADER = struct.Struct("<8sIIQQQQQQQIIIIII32s32s28sI")  # version 2
 
 
 def header(path):
     with open(path, "rb") as f:
         fields = HEADER.unpack(f.read(HEADER.size))
     names = ("magic version header_size file_size meta_off meta_len table_off table_len "
-             "data_off data_len n_blobs n_entries meta_crc table_crc reserved header_crc").split()
+             "data_off data_len n_blobs n_entries meta_crc table_crc flags n_sources tag sig "
+             "reserved header_crc").split()
     return dict(zip(names, fields))
 
 
@@ -68,11 +70,20 @@ def test_golden_file_loads():
     assert_equal_objects(flor.load(GOLDEN), golden_object())
 
 
+def test_golden_version_2_files_load():
+    """A version-2 file that refers to blobs of an earlier one (its header
+    names one source) and carries a tag keeps loading."""
+    h = header(GOLDEN_V2)
+    assert h["version"] == 2 and h["n_sources"] == 1 and h["tag"] == GOLDEN_TAG
+    assert h["flags"] == 1  # tagged, not signed
+    assert_equal_objects(flor.load(GOLDEN_V2), golden_object())
+
+
 def test_layout_is_aligned(tmp_path):
     path = tmp_path / "x.flor"
     flor.save({"a": torch.ones(3), "b": torch.zeros(17, dtype=torch.int8)}, path)
     h = header(path)
-    assert h["data_off"] % 64 == 0 and h["meta_off"] == 128
+    assert h["data_off"] % 64 == 0 and h["meta_off"] == 192
     assert h["file_size"] == os.path.getsize(path) == h["data_off"] + h["data_len"]
 
 
@@ -199,9 +210,9 @@ def test_not_a_checkpoint(tmp_path):
 def test_future_version_is_refused(good_file, tmp_path):
     path, _ = good_file
     buf = bytearray(path.read_bytes())
-    buf[8] = 2
-    buf[124:128] = struct.pack("<I", _core.crc32c(bytes(buf[:124])))
-    with pytest.raises(flor.CheckpointCorrupt, match="version 2 is not supported"):
+    buf[8] = 3
+    buf[188:192] = struct.pack("<I", _core.crc32c(bytes(buf[:188])))
+    with pytest.raises(flor.CheckpointCorrupt, match="version 3 is not supported"):
         flor.load(damaged(path, bytes(buf), tmp_path))
 
 
@@ -325,4 +336,6 @@ def test_script_functions_pickle_by_value_even_recursive(tmp_path):
         return 1 if n <= 1 else n * fact(n - 1)
 
     flor.save({"f": fact, "w": torch.ones(2)}, tmp_path / "f.flor")
-    assert flor.load(tmp_path / "f.flor")["f"](5) == 120
+    with pytest.raises(flor.UnsafeCheckpoint, match="trusted=True"):
+        flor.load(tmp_path / "f.flor")  # code: only on request
+    assert flor.load(tmp_path / "f.flor", trusted=True)["f"](5) == 120

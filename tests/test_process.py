@@ -61,7 +61,7 @@ def test_c_functions_have_signatures():
     import inspect
 
     assert str(inspect.signature(_core.snapshot)) == "(obj, /)"
-    assert str(inspect.signature(_core.load)) == "(path, hook, /)"
+    assert str(inspect.signature(_core.load)) == "(path, hook, policy, /)"
 
 
 def _training_state():

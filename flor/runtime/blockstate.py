@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 import sys
 
-from .. import _core
-from ..checkpoint import restore
+from .. import _core, trust
+from ..checkpoint import read, restore
 
 __all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state"]
 
@@ -139,6 +139,26 @@ def payload(key: str, ctx: str, occurrence: int, sig: list, objs, grads=None) ->
     if grads is not None:
         out["grads"] = grads
     return out
+
+
+def tag(key: str, ctx: str, occurrence: int) -> bytes:
+    """The header tag of the checkpoint of one execution of block `key`."""
+    return trust.tag_of("block", key, ctx, occurrence)
+
+
+def payload_tag(saved: dict) -> bytes:
+    return tag(saved["block"], saved["ctx"], saved["occurrence"])
+
+
+def read_own(path: str, expect: bytes):
+    """Read a checkpoint that a record wrote: in full where its signature
+    verifies with this user's key, in safe mode otherwise.  Returns the
+    payload and how it was read ("signed" or "safe").  A file whose header
+    tag is not `expect` raises trust.Mismatch before anything is unpickled;
+    a file safe mode refuses raises trust.UnsafeCheckpoint."""
+    seen: list = []
+    saved = read(path, "cpu", "signed", expect, seen)
+    return saved, seen[0]
 
 
 def belongs(loaded, key: str, ctx: str, occurrence: int) -> bool:

@@ -60,6 +60,11 @@ def ctx_of(loop: str, run: int, i: int) -> str:
     return encode([["L", loop, run, i]])
 
 
+def tag(loop: str, run: int, i: int) -> bytes:
+    """The header tag of the checkpoint of iteration i."""
+    return blockstate.tag(iteration_key(loop), ctx_of(loop, run, i), 0)
+
+
 def payload(loop, run, i, objs, sig, fp, ord_) -> dict:
     out = blockstate.payload(iteration_key(loop), ctx_of(loop, run, i), 0, sig, objs)
     out.update(fingerprint=fp, ord=ord_, iteration=i)

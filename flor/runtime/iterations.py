@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import time
 
-from ..checkpoint import load
 from ..context import iteration_key
 from ..errors import FlorError, FlorReplayError, note
-from . import carry
+from . import blockstate, carry
 
 __all__ = ["RecordIterations"]
 
@@ -34,7 +33,8 @@ class RecordIterations:
             session.context.set_index(frame, i)
             next(it)
         where = f"iteration checkpoint {r.file} of run {r.run_id}"
-        saved = load(os.path.join(self.store.ckpt_dir(self.run_id), r.file), map_location="cpu")
+        saved, _ = blockstate.read_own(os.path.join(self.store.ckpt_dir(self.run_id), r.file),
+                                       carry.tag(frame[1], frame[2], start - 1))
         try:
             values = carry.restore(saved, frame.carrier, frame[1], frame[2], start - 1,
                                    frame.scope, where)

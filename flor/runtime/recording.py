@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 
-from .. import _core
+from .. import _core, trust
 from ..context import checkpoint_name, is_iteration, is_outermost, location
 from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
 from ..materializer import Materializer, mode_from_env
@@ -177,7 +177,8 @@ class Recording(RecordIterations):
             mat = self._materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
             try:
-                self.last_bytes[key] = mat.submit(fname, payload)
+                self.last_bytes[key] = mat.submit(fname, payload,
+                                                  blockstate.payload_tag(payload))
                 self.charges.charged(key, time.perf_counter() - t0)
                 self._submitted.append(key)
             except CheckpointWriteError as e:
@@ -196,9 +197,16 @@ class Recording(RecordIterations):
     def _materializer(self):
         if self._mat is None:
             # batch_count=1: fork mode writes each checkpoint now, not at exit,
-            # so that a killed record keeps what it checkpointed.
+            # so that a killed record keeps what it checkpointed.  Incremental:
+            # a checkpoint refers to the unchanged tensor bytes of earlier ones.
+            try:
+                signed = trust.signer() is not None
+            except (OSError, FlorError) as e:
+                note(f"checkpoints of this run are not signed ({e}); replay will load them "
+                     "in safe mode")
+                signed = False
             self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode_from_env(),
-                                     batch_count=1)
+                                     batch_count=1, incremental=True, signed=signed)
         return self._mat
 
     def _writer(self):

@@ -19,8 +19,7 @@ import os
 import sys
 import time
 
-from .. import _core
-from ..checkpoint import load
+from .. import _core, trust
 from ..context import block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
 from . import blockstate, carry
@@ -52,6 +51,7 @@ class Replaying:
         self.main_seen = False
         self.reexecuted = 0
         self._sig_noted: set[str] = set()
+        self._safe_noted = False
         self.recorded = type(store)(plan.store)  # the record's rows (a part may store elsewhere)
         self._output_at, self._output = None, []  # the record's output of one iteration
         store.clear_part(self.run_id, part)
@@ -133,9 +133,12 @@ class Replaying:
         t0 = time.perf_counter()
         where = f"iteration checkpoint {fname}"
         try:
-            saved = load(os.path.join(self.plan.ckpt_dir, fname), map_location="cpu")
-        except (FileNotFoundError, CheckpointCorrupt) as e:
+            saved, how = blockstate.read_own(os.path.join(self.plan.ckpt_dir, fname),
+                                             carry.tag(frame[1], frame[2], start - 1))
+        except (FileNotFoundError, CheckpointCorrupt, trust.Mismatch,
+                trust.UnsafeCheckpoint) as e:
             raise FlorReplayError(f"{where} cannot be read ({e})") from None
+        self._how_read(fname, how)
         values = carry.restore(saved, carrier, frame[1], frame[2], start - 1, frame.scope, where)
         if values is not None:
             session.resumed = (frame[1], values)
@@ -188,16 +191,32 @@ class Replaying:
             return None
         path = os.path.join(self.plan.ckpt_dir, fname)
         try:
-            payload = load(path, map_location="cpu")
+            payload, how = blockstate.read_own(path, blockstate.tag(key, ctx, occurrence))
         except FileNotFoundError:
             note(f"checkpoint {fname} is missing; re-executing {where}")
         except CheckpointCorrupt as e:
             note(f"{e}; re-executing {where}")
+        except trust.Mismatch:
+            note(f"checkpoint {fname} does not belong to {where} (its header says so; nothing "
+                 "of it was unpickled); re-executing it")
+        except trust.UnsafeCheckpoint as e:
+            note(f"checkpoint {fname} is not signed with this user's key "
+                 f"({trust.key_path()}), and safe loading refuses it: "
+                 f"{str(e).split(': ', 1)[-1].split('. ', 1)[0]}; re-executing {where}")
         else:
             if blockstate.belongs(payload, key, ctx, occurrence):
+                self._how_read(fname, how)
                 return payload
             note(f"checkpoint {fname} does not belong to {where}; re-executing it")
         self.reexecuted += 1
+
+    def _how_read(self, fname, how):
+        """Say, once, that checkpoints without a valid signature load in safe mode."""
+        if how == "safe" and not self._safe_noted:
+            self._safe_noted = True
+            note(f"checkpoint {fname} is not signed with this user's key "
+                 f"({trust.key_path()}): it was loaded in safe mode (tensors, containers and "
+                 "numbers only), as are any others like it")
         return None
 
     def entered(self, session, key, ctx, occurrence, state):

@@ -16,10 +16,10 @@ import json
 import os
 from dataclasses import dataclass
 
-from ..checkpoint import load
 from ..context import top_key
 from ..errors import CheckpointCorrupt, FlorError, note
-from .blockstate import belongs
+from .. import trust
+from .blockstate import belongs, read_own, tag
 
 __all__ = ["ResumePoint", "find"]
 
@@ -79,8 +79,9 @@ def _point(store, run) -> ResumePoint:
             continue
         path = os.path.join(store.ckpt_dir(rid), row["file"])
         try:
-            saved = load(path, map_location="cpu")
-        except (FileNotFoundError, CheckpointCorrupt) as e:
+            saved, _ = read_own(path, tag(row["block"], row["ctx"], 0))
+        except (FileNotFoundError, CheckpointCorrupt, trust.Mismatch,
+                trust.UnsafeCheckpoint) as e:
             note(f"iteration checkpoint {row['file']} cannot be used ({e}); trying an earlier one")
             continue
         if not belongs(saved, row["block"], row["ctx"], 0):

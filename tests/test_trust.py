@@ -1,0 +1,264 @@
+"""Safe loading: a checkpoint file cannot run code unless its reader trusts
+it, and crafted contents with valid checksums raise CheckpointCorrupt."""
+import os
+import pickle
+import shutil
+import stat
+import struct
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import flor
+from flor import _core, trust
+from flor.checkpoint import read
+from flor.errors import FlorError
+
+from conftest import edit, flor as flor_cli, plain, run_py, store, write_script
+from crafted import craft
+
+
+class _RunsCode:
+    """Unpickling this runs os.system: what a malicious file would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _evil(tmp_path, **kw):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.flor"
+    path.write_bytes(craft(pickle.dumps({"w": _RunsCode(marker)}, protocol=5), **kw))
+    return path, marker
+
+
+def test_a_pickle_that_calls_os_system_is_refused_by_default(tmp_path):
+    path, marker = _evil(tmp_path)
+    with pytest.raises(flor.UnsafeCheckpoint) as info:
+        flor.load(path)
+    msg = str(info.value)
+    assert "system" in msg and "trusted=True" in msg and str(path) in msg
+    assert not marker.exists()
+    # The opt-in does what it says: the file's code runs.
+    flor.load(path, trusted=True)
+    assert marker.exists()
+
+
+def test_state_dicts_numpy_and_torch_constants_load_safely(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    obj = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+           "np": np.arange(6.0).reshape(2, 3), "scalar": np.float32(1.5), "i": np.int64(3),
+           "dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2, 3]),
+           "gen": torch.Generator().manual_seed(7), "set": {1, 2}, "bytes": b"x",
+           "param": torch.nn.Parameter(torch.ones(2))}
+    flor.save(obj, tmp_path / "s.flor")
+    got = flor.load(tmp_path / "s.flor")
+    assert torch.equal(got["model"]["1.running_mean"], model[1].running_mean)
+    assert got["opt"]["param_groups"] == opt.state_dict()["param_groups"]
+    assert got["sched"] == sched.state_dict()
+    assert got["scalar"] == np.float32(1.5) and type(got["i"]) is np.int64
+    assert got["dtype"] is torch.bfloat16 and got["size"] == torch.Size([2, 3])
+    assert torch.equal(got["gen"].get_state(), obj["gen"].get_state())
+    assert isinstance(got["param"], torch.nn.Parameter)
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    model2.load_state_dict(got["model"])
+
+
+def test_a_file_cannot_declare_itself_trusted(tmp_path):
+    """Replay's mode ("signed") unpickles in full only what the user's key
+    signed: a file that sets the signed flag, or carries the signature of
+    another file, still loads in safe mode."""
+    good = tmp_path / "good.flor"
+    flor.save({"a": 1}, good)
+    real_sig = good.read_bytes()[128:160]
+    assert real_sig != bytes(32)
+    for sig in (os.urandom(32), real_sig):
+        path, marker = _evil(tmp_path, sig=sig)
+        seen = []
+        with pytest.raises(flor.UnsafeCheckpoint):
+            read(path, trusted="signed", seen=seen)
+        assert seen == ["safe"] and not marker.exists()
+    # What the key signed loads in full: a function of this module, by value.
+    flor.save({"f": _RunsCode}, tmp_path / "own.flor")
+    seen = []
+    assert read(tmp_path / "own.flor", trusted="signed", seen=seen)["f"] is not None
+    assert seen == ["signed"]
+
+
+def test_the_header_tag_is_checked_before_anything_is_unpickled(tmp_path):
+    path, marker = _evil(tmp_path, tag=trust.tag_of("block", "a"))
+    with pytest.raises(trust.Mismatch):
+        read(path, trusted=True, expect_tag=trust.tag_of("block", "b"))
+    assert not marker.exists()
+
+
+def test_memo_bombs_are_refused_before_unpickling(tmp_path):
+    """A huge memo index would make the unpickler allocate gigabytes."""
+    cases = {
+        "put": b"\x80\x05N" + b"r" + struct.pack("<I", 1 << 31) + b".",
+        "get": b"\x80\x05N\x94" + b"j" + struct.pack("<I", 1 << 30) + b".",
+        "text": b"\x80\x05" + b"cos\nsystem\n" + b".",
+        "persid": b"\x80\x05N" + b"Q" + b".",
+        "trailing": b"\x80\x05N." + b"N",
+        "cut": b"\x80\x05" + b"\x8d" + struct.pack("<Q", 1 << 40),
+    }
+    for name, meta in cases.items():
+        path = tmp_path / f"{name}.flor"
+        path.write_bytes(craft(meta))
+        t0 = time.perf_counter()
+        with pytest.raises(flor.CheckpointCorrupt) as info:
+            flor.load(path, trusted=True)
+        assert info.value.section == "metadata", name
+        assert time.perf_counter() - t0 < 5, name  # refused, not attempted
+
+
+def test_placeholders_rebuild_only_torch_constants(tmp_path):
+    """_rebuild's named kind returns dtypes, layouts and memory formats, never
+    another attribute of torch (torch.load, say) for the pickle to call."""
+    class Named:
+        def __init__(self, kind, payload):
+            self.kind, self.payload = kind, payload
+
+        def __reduce__(self):
+            return (_core._rebuild, (self.kind, -1, self.payload))
+
+    for kind, payload in ((4, "load"), (4, "_C"), (5, 5), (6, ("a",)), (7, ("cpu", 1)),
+                          (1, None)):
+        path = tmp_path / "n.flor"
+        path.write_bytes(craft(pickle.dumps(Named(kind, payload), protocol=5)))
+        with pytest.raises(flor.CheckpointCorrupt):
+            flor.load(path)
+
+
+FUZZ = """
+import random, sys, traceback
+sys.path.insert(0, {tests!r})
+import numpy as np, torch, flor
+from crafted import fix_checksums
+src = open({path!r}, "rb").read()
+rng = random.Random({seed})
+kinds = {{}}
+for i in range({n}):
+    b = bytearray(src)
+    meta_off, meta_len, table_off, table_len = __import__("struct").unpack_from("<QQQQ", b, 24)
+    lo, hi = (table_off, table_off + table_len) if i % 3 else (meta_off, meta_off + meta_len)
+    for _ in range(rng.choice((1, 1, 2, 4))):
+        pos = rng.randrange(lo, hi)
+        b[pos] = rng.choice((rng.randrange(256), b[pos] ^ (1 << rng.randrange(8)), 0, 255))
+    fix_checksums(b)
+    with open({out!r}, "wb") as f:
+        f.write(b)
+    try:
+        flor.load({out!r})
+        kinds["loaded"] = kinds.get("loaded", 0) + 1
+    except (flor.CheckpointCorrupt, flor.UnsafeCheckpoint) as e:
+        kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+    except Exception as e:
+        print("UNEXPECTED", type(e).__name__, e)
+        traceback.print_exc()
+print(kinds)
+"""
+
+
+def test_checksum_fixed_mutations_raise_only_checkpoint_errors(tmp_path):
+    """Bytes of the metadata and tensor table changed at random, every CRC
+    recomputed: a load either succeeds or raises CheckpointCorrupt (or
+    UnsafeCheckpoint for a pickle that now names another global); no other
+    exception, no crash."""
+    obj = {"w": torch.arange(64.0).reshape(8, 8), "v": torch.ones(3, dtype=torch.int16)[1:],
+           "np": np.arange(10, dtype=np.int32), "b": bytearray(b"abc"),
+           "sd": torch.nn.Linear(3, 2).state_dict(), "dt": torch.float16,
+           "sz": torch.Size([4]), "p": torch.nn.Parameter(torch.zeros(2))}
+    src = tmp_path / "src.flor"
+    flor.save(obj, src)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = run_py(FUZZ.format(tests=tests, path=str(src), seed=2026, n=1500,
+                             out=str(tmp_path / "m.flor")), timeout=600)
+    assert "UNEXPECTED" not in out.stdout, out.stdout + out.stderr
+    counts = eval(out.stdout.strip().splitlines()[-1])
+    assert counts.get("CheckpointCorrupt", 0) > 500, counts
+
+
+def test_a_signing_key_others_can_read_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    trust._cached.clear()
+    try:
+        assert trust.signing_key(create=True) is not None
+        key = trust.key_path()
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+        os.chmod(key, 0o644)
+        trust._cached.clear()
+        with pytest.raises(FlorError, match=f"chmod 600 {key}"):
+            trust.signing_key()
+    finally:
+        trust._cached.clear()
+
+
+SCRIPT = """
+import argparse
+import torch
+import flor
+
+class Holder:  # a user object in the block's state: needs the full unpickler
+    def __init__(self):
+        self.count = 0
+
+def main():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    holder = Holder()
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    for epoch in flor.generator(range(4)):
+        if flor.SkipBlock.step_into("train"):
+            for _ in range(5):
+                opt.zero_grad()
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                holder.count += 1
+        flor.SkipBlock.end(model, opt, holder)
+        loss = ((model(x) - y) ** 2).mean()
+        print(f"epoch {epoch} loss {loss.item():.6f} count {holder.count}")
+
+main()
+"""
+
+
+def test_replay_restores_signed_files_and_never_runs_planted_ones(tmp_path):
+    d = str(tmp_path)
+    path = write_script(d, "train.py", SCRIPT)
+    flor_cli(d, "record", "--no-adaptive", "train.py")
+    st = store(d)
+    rec = [r for r in st.runs() if r["kind"] == "record"][-1]
+    ckdir = st.ckpt_dir(rec["run_id"])
+    files = sorted(f for f in os.listdir(ckdir) if f.endswith(".flor"))
+    assert len(files) == 4
+    # Plant a crafted file in place of epoch 1's checkpoint, with its header
+    # tag (not a secret) but no valid signature, and epoch 0's (signed, but
+    # made for another block execution) in place of epoch 2's.
+    marker = tmp_path / "ran"
+    planted = os.path.join(ckdir, files[1])
+    with open(planted, "rb") as f:
+        tag = f.read(128)[96:128]
+    with open(planted, "wb") as f:
+        f.write(craft(pickle.dumps({"x": _RunsCode(marker)}, protocol=5), tag=tag,
+                      sig=os.urandom(32)))
+    shutil.copy(os.path.join(ckdir, files[0]), os.path.join(ckdir, files[2]))
+    edit(path, 'print(f"epoch', 'print(f"  w {model.weight.norm().item():.6f}")', after=False)
+    want = plain(d, "train.py").stdout
+    rep = flor_cli(d, "replay", "train.py")
+    assert rep.stdout == want
+    assert not marker.exists()
+    assert "safe loading refuses it" in rep.stderr and files[1] in rep.stderr, rep.stderr
+    assert "does not belong" in rep.stderr and "nothing of it was unpickled" in rep.stderr
+    assert "deferred checks passed" in rep.stderr, rep.stderr
