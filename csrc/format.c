@@ -148,6 +148,23 @@ fsync_parent(const char *path)
     return rc;
 }
 
+/* A source name is a plain file name in the checkpoint's own directory. */
+static int
+valid_source_name(const unsigned char *p, size_t len)
+{
+    size_t i;
+    if (len == 0 || len > 255 || (len == 1 && p[0] == '.') ||
+        (len == 2 && p[0] == '.' && p[1] == '.')) {
+        return 0;
+    }
+    for (i = 0; i < len; i++) {
+        if (p[i] <= ' ' || p[i] >= 0x7f || p[i] == '/' || p[i] == '\\') {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* The dtype of the first entry that views each blob ("" for none). */
 static const char **
 blob_dtypes(const FlorSnapshot *s)
@@ -217,7 +234,8 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         hashes[i] = b->hashed ? b->hash : flor_hash64(data + b->offset, (size_t)b->nbytes);
         if (dedup != NULL && b->nbytes > 0 &&
             flor_dedup_find(dedup, hashes[i], b->nbytes, dtypes[i], &ref_file[i], &offs[i],
-                            &crcs[i])) {
+                            &crcs[i]) &&
+            strcmp(ref_file[i], base_name(path)) != 0) { /* never the file being replaced */
             for (k = 0; k < n_sources && strcmp(sources[k], ref_file[i]) != 0; k++) {
             }
             if (k == n_sources) {
@@ -375,8 +393,10 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         err->step = "fsync directory";
         goto cleanup;
     }
-    /* Durable: later checkpoints may refer to this file's blobs. */
-    if (dedup != NULL) {
+    /* Durable: later checkpoints may refer to this file's blobs (if a reader
+     * will accept its name as a source). */
+    if (dedup != NULL &&
+        valid_source_name((const unsigned char *)base_name(path), strlen(base_name(path)))) {
         for (i = 0; i < s->n_blobs; i++) {
             if (src_of[i] == 0 && s->blobs[i].nbytes > 0) {
                 (void)flor_dedup_add(dedup, hashes[i], s->blobs[i].nbytes, dtypes[i],
@@ -449,7 +469,8 @@ typedef struct {
     uint32_t version, header_size, flags, n_sources;
     uint64_t file_size, meta_off, meta_len, table_off, table_len, data_off, data_len;
     uint32_t n_blobs, n_entries, meta_crc, table_crc;
-    const unsigned char *tag, *sig; /* inside the mapping, or NULL */
+    const unsigned char *tag, *sig; /* into tag_buf / sig_buf, or NULL */
+    unsigned char tag_buf[FLOR_TAG_LEN], sig_buf[FLOR_TAG_LEN];
 } header_t;
 
 static const char *
@@ -465,18 +486,26 @@ section_at(const header_t *h, uint64_t end)
 }
 
 /* Map `path` and check its header and the checksums of its metadata and
- * table.  Returns a new Mapping, or NULL with FormatError/OSError set. */
+ * table.  Returns a new Mapping, or NULL with FormatError/OSError set.
+ *
+ * The mapping shows later writes to the file, so everything that decides
+ * how to read the file is checked and used on private copies: the header,
+ * and (when meta_out / table_out are given) the metadata and the table. */
 static FlorMapping *
-map_checked(flor_state *st, const char *path, header_t *h)
+map_checked(flor_state *st, const char *path, header_t *h, PyObject **meta_out,
+            unsigned char **table_out)
 {
     FlorMapping *m = NULL, *res = NULL;
     struct stat sb;
     int fd;
     const unsigned char *b;
+    unsigned char hb[HEADER_SIZE];
+    PyObject *meta = NULL;
+    unsigned char *table = NULL;
 
     memset(h, 0, sizeof(*h));
     Py_BEGIN_ALLOW_THREADS
-    fd = open(path, O_RDONLY | O_CLOEXEC);
+    fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO must not block */
     Py_END_ALLOW_THREADS
     if (fd < 0 || fstat(fd, &sb) < 0) {
         PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
@@ -504,7 +533,9 @@ map_checked(flor_state *st, const char *path, header_t *h)
         PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
         goto cleanup;
     }
-    b = (const unsigned char *)m->base;
+    memset(hb, 0, sizeof(hb));
+    memcpy(hb, m->base, m->len < HEADER_SIZE ? m->len : HEADER_SIZE);
+    b = hb;
     if (memcmp(b, MAGIC, 8) != 0) {
         flor_format_error(st, path, "header", "bad magic number: not a flor checkpoint");
         goto cleanup;
@@ -553,8 +584,10 @@ map_checked(flor_state *st, const char *path, header_t *h)
     if (h->version >= 2) {
         h->flags = get32(b + 88);
         h->n_sources = get32(b + 92);
-        h->tag = (h->flags & FLOR_FILE_TAGGED) ? b + 96 : NULL;
-        h->sig = (h->flags & FLOR_FILE_SIGNED) ? b + 128 : NULL;
+        memcpy(h->tag_buf, b + 96, FLOR_TAG_LEN);
+        memcpy(h->sig_buf, b + 128, FLOR_TAG_LEN);
+        h->tag = (h->flags & FLOR_FILE_TAGGED) ? h->tag_buf : NULL;
+        h->sig = (h->flags & FLOR_FILE_SIGNED) ? h->sig_buf : NULL;
     }
     /* Overflow-safe: each section lies inside file_size, in order. */
     if (h->meta_off != h->header_size || h->meta_len > h->file_size ||
@@ -578,13 +611,32 @@ map_checked(flor_state *st, const char *path, header_t *h)
                           (long long)sb.st_size - (long long)h->file_size);
         goto cleanup;
     }
-    if (flor_crc32c(0, b + h->meta_off, (size_t)h->meta_len) != h->meta_crc) {
+    if (meta_out != NULL) {
+        meta = PyBytes_FromStringAndSize(m->base + h->meta_off, (Py_ssize_t)h->meta_len);
+        table = malloc(h->table_len ? (size_t)h->table_len : 1);
+        if (meta == NULL || table == NULL) {
+            if (table == NULL) {
+                PyErr_NoMemory();
+            }
+            goto cleanup;
+        }
+        memcpy(table, m->base + h->table_off, (size_t)h->table_len);
+    }
+    if (flor_crc32c(0, meta != NULL ? PyBytes_AS_STRING(meta) : m->base + h->meta_off,
+                    (size_t)h->meta_len) != h->meta_crc) {
         flor_format_error(st, path, "metadata", "checksum mismatch");
         goto cleanup;
     }
-    if (flor_crc32c(0, b + h->table_off, (size_t)h->table_len) != h->table_crc) {
+    if (flor_crc32c(0, table != NULL ? table : (unsigned char *)m->base + h->table_off,
+                    (size_t)h->table_len) != h->table_crc) {
         flor_format_error(st, path, "tensor table", "checksum mismatch");
         goto cleanup;
+    }
+    if (meta_out != NULL) {
+        *meta_out = meta;
+        *table_out = table;
+        meta = NULL;
+        table = NULL;
     }
     res = m;
     m = NULL;
@@ -593,24 +645,9 @@ cleanup:
         close(fd);
     }
     Py_XDECREF(m);
+    Py_XDECREF(meta);
+    free(table);
     return res;
-}
-
-/* A source name is a plain file name in the checkpoint's own directory. */
-static int
-valid_source_name(const unsigned char *p, size_t len)
-{
-    size_t i;
-    if (len == 0 || len > 255 || (len == 1 && p[0] == '.') ||
-        (len == 2 && p[0] == '.' && p[1] == '.')) {
-        return 0;
-    }
-    for (i = 0; i < len; i++) {
-        if (p[i] <= ' ' || p[i] >= 0x7f || p[i] == '/' || p[i] == '\\') {
-            return 0;
-        }
-    }
-    return 1;
 }
 
 /* Names in the table are ASCII letters, digits and a few marks. */
@@ -824,7 +861,7 @@ map_sources(flor_state *st, const char *path, const header_t *h, char **sources,
         }
         memcpy(full, path, dirlen);
         strcpy(full + dirlen, sources[k]);
-        maps[k + 1] = (PyObject *)map_checked(st, full, &sh);
+        maps[k + 1] = (PyObject *)map_checked(st, full, &sh, NULL, NULL);
         if (maps[k + 1] == NULL) {
             PyObject *t, *v, *tb, *msg;
             PyErr_Fetch(&t, &v, &tb);
@@ -984,6 +1021,7 @@ static PyObject *
 load_file(flor_state *st, PyObject *path_obj, PyObject *hook, PyObject *policy)
 {
     PyObject *pathb = NULL, *res = NULL, *meta = NULL, *loads = NULL;
+    unsigned char *table = NULL;
     PyObject **maps = NULL;
     FlorMapping *m = NULL;
     flor_entry *entries = NULL;
@@ -1002,12 +1040,12 @@ load_file(flor_state *st, PyObject *path_obj, PyObject *hook, PyObject *policy)
         return NULL;
     }
     path = PyBytes_AS_STRING(pathb);
-    m = map_checked(st, path, &h);
+    m = map_checked(st, path, &h, &meta, &table);
     if (m == NULL) {
         goto cleanup;
     }
-    b = (const unsigned char *)m->base;
-    if (parse_table(st, path, b + h.table_off, &h, &entries, &blobs, &sources) < 0) {
+    b = (const unsigned char *)PyBytes_AS_STRING(meta);
+    if (parse_table(st, path, table, &h, &entries, &blobs, &sources) < 0) {
         goto cleanup;
     }
     maps = calloc((size_t)h.n_sources + 1, sizeof(PyObject *));
@@ -1020,13 +1058,9 @@ load_file(flor_state *st, PyObject *path_obj, PyObject *hook, PyObject *policy)
     maps[0] = Py_NewRef((PyObject *)m);
     data_offs[0] = h.data_off;
     data_lens[0] = h.data_len;
-    if (scan_pickle(st, path, b + h.meta_off, h.meta_len) < 0 ||
+    if (scan_pickle(st, path, b, h.meta_len) < 0 ||
         mark_shared_regions(blobs, h.n_blobs) < 0 ||
         map_sources(st, path, &h, sources, blobs, maps, data_offs, data_lens) < 0) {
-        goto cleanup;
-    }
-    meta = PyMemoryView_FromMemory(m->base + h.meta_off, (Py_ssize_t)h.meta_len, PyBUF_READ);
-    if (meta == NULL) {
         goto cleanup;
     }
     /* The caller decides how to unpickle, from what is not pickled. */
@@ -1050,6 +1084,7 @@ load_file(flor_state *st, PyObject *path_obj, PyObject *hook, PyObject *policy)
 cleanup:
     Py_XDECREF(loads);
     Py_XDECREF(meta);
+    free(table);
     Py_XDECREF(m);
     if (maps != NULL) {
         for (k = 0; k <= h.n_sources; k++) {

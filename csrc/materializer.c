@@ -100,6 +100,7 @@ typedef struct {
     PyObject *failures; /* [(path, errno, step, message)] */
     PyObject *signer;   /* signs each file's metadata, or NULL */
     flor_dedup *dedup;  /* incremental: blobs made durable so far */
+    flor_dedup *submitted_index; /* and those of the last checkpoints submitted */
     uint64_t bytes_referenced;
     uint64_t submitted, written, failed, bytes_written, forks, fork_fallbacks;
     double block_seconds, max_block_seconds, write_seconds;
@@ -721,28 +722,48 @@ PyDoc_STRVAR(mat_submit_doc,
              "those not found in earlier files. Waits first if the bytes held would\n"
              "pass max_buffer_bytes.");
 
-/* The bytes of a snapshot that no durable file of the run holds. */
+/* The bytes of a snapshot that neither a durable file of the run nor a
+ * checkpoint submitted lately (still being written) holds: what its file
+ * will hold.  Blobs not hashed while copied (CUDA, strided buffers) count
+ * as new.  The snapshot's blobs then join the submitted ones. */
 static uint64_t
 new_bytes(FlorMaterializer *m, const FlorSnapshot *s)
 {
     uint64_t n = 0;
-    uint32_t i, k;
+    uint32_t i;
+    const char **dtypes;
     if (m->dedup == NULL) {
         return s->nbytes;
     }
+    dtypes = calloc(s->n_blobs ? s->n_blobs : 1, sizeof(char *));
+    if (dtypes == NULL) {
+        return s->nbytes;
+    }
+    for (i = 0; i < s->n_blobs; i++) {
+        dtypes[i] = "";
+    }
+    for (i = s->n_entries; i-- > 0;) {
+        if (s->entries[i].blob < s->n_blobs) {
+            dtypes[s->entries[i].blob] = s->entries[i].dtype;
+        }
+    }
     for (i = 0; i < s->n_blobs; i++) {
         const flor_blob *b = &s->blobs[i];
-        const char *dtype = "";
-        for (k = 0; k < s->n_entries; k++) {
-            if (s->entries[k].blob == i) {
-                dtype = s->entries[k].dtype;
-                break;
-            }
-        }
-        if (!b->hashed || !flor_dedup_find(m->dedup, b->hash, b->nbytes, dtype, NULL, NULL, NULL)) {
+        if (!b->hashed ||
+            (!flor_dedup_find(m->dedup, b->hash, b->nbytes, dtypes[i], NULL, NULL, NULL) &&
+             !flor_dedup_find(m->submitted_index, b->hash, b->nbytes, dtypes[i], NULL, NULL,
+                              NULL))) {
             n += b->nbytes;
         }
     }
+    for (i = 0; i < s->n_blobs; i++) {
+        if (s->blobs[i].hashed && s->blobs[i].nbytes > 0) {
+            (void)flor_dedup_add(m->submitted_index, s->blobs[i].hash, s->blobs[i].nbytes,
+                                 dtypes[i], "submitted", 0, 0);
+        }
+    }
+    flor_dedup_next_generation(m->submitted_index);
+    free(dtypes);
     return n;
 }
 
@@ -1073,8 +1094,10 @@ mat_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     /* Fork children cannot tell the parent what they made durable: fork
      * mode writes every blob. */
     m->dedup = incremental && mode != MODE_FORK ? flor_dedup_new() : NULL;
+    m->submitted_index = m->dedup != NULL ? flor_dedup_new() : NULL;
     if (m->failures == NULL || m->children == NULL ||
-        (incremental && mode != MODE_FORK && m->dedup == NULL)) {
+        (incremental && mode != MODE_FORK &&
+         (m->dedup == NULL || m->submitted_index == NULL))) {
         int nomem = m->failures != NULL;
         Py_DECREF(m);
         return nomem ? PyErr_NoMemory() : NULL;
@@ -1137,6 +1160,7 @@ mat_dealloc(FlorMaterializer *m)
     Py_XDECREF(m->signer);
     if (m->owner == getpid()) {
         flor_dedup_free(m->dedup); /* the writer thread has stopped */
+        flor_dedup_free(m->submitted_index);
     }
     tp->tp_free(m);
     Py_DECREF(tp);

@@ -695,13 +695,18 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (kind == FLOR_REF_NAMED) {
             /* Only a dtype, layout or memory format: never any other
              * attribute of torch. */
-            res = PyUnicode_Check(payload) ? PyObject_GetAttr(torch, payload) : NULL;
-            if (res != NULL && !PyObject_TypeCheck(res, (PyTypeObject *)st->dtype_t) &&
-                !PyObject_TypeCheck(res, (PyTypeObject *)st->layout_t) &&
-                !PyObject_TypeCheck(res, (PyTypeObject *)st->memfmt_t)) {
-                Py_CLEAR(res);
+            Py_ssize_t pos = 0;
+            PyObject *k, *v;
+            while (PyUnicode_Check(payload) && PyDict_Next(st->atom_names, &pos, &k, &v)) {
+                int eq = PyUnicode_Compare(v, payload) == 0;
+                if (PyErr_Occurred()) {
+                    PyErr_Clear();
+                }
+                if (eq) {
+                    res = Py_NewRef(k);
+                    break;
+                }
             }
-            PyErr_Clear();
         }
         else if (kind == FLOR_REF_DEVICE) {
             res = PyUnicode_Check(payload) ? PyObject_CallMethod(torch, "device", "(O)", payload)

@@ -22,7 +22,7 @@ def save(obj, path) -> None:
     complete new one under ``path``, never a partial one.  The file is signed
     with the user's key (see :mod:`flor.trust`)."""
     path = os.fspath(path)
-    _nbytes, err, step = _core.save(obj, path, None, trust.signer())
+    _nbytes, err, step = _core.save(obj, path, None, trust.signer(strict=False))
     if err:
         raise CheckpointWriteError([(path, err, step, "")])
 
@@ -76,7 +76,15 @@ def _location_hook(map_location, path=""):
                 f"the checkpoint holds tensors from {recorded} but CUDA is not available "
                 "here; pass map_location='cpu' to load them on the CPU"
             )
-        return storage.to(device=device)
+        try:
+            return storage.to(device=device)
+        except Exception as e:
+            if target != recorded:
+                raise
+            # A device type this torch cannot reach, named by the file itself.
+            raise _core.FormatError(
+                path, "tensor table", f"the recorded device {recorded!r} cannot be used here "
+                f"({type(e).__name__}: {e}); pass map_location='cpu'") from None
 
     return move
 

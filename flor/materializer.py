@@ -153,10 +153,13 @@ class Materializer:
         self.mode = mode
         self._engine = _core.Materializer(
             MODES[mode], max_buffer_bytes, max_children, batch_bytes, batch_count,
-            incremental, trust.signer() if signed else None
+            incremental, trust.signer(strict=False) if signed else None
         )
         # One caller at a time: the engine's fork bookkeeping is not shared.
         self._lock = threading.Lock()
+        # Incremental files refer to earlier ones: a name written twice would
+        # replace bytes that later files refer to.
+        self._names = set() if incremental and mode != "fork" else None
         _live.add(self)
 
     def path_for(self, name: str) -> str:
@@ -170,6 +173,14 @@ class Materializer:
         ``incremental``, those no earlier file holds)."""
         path = self.path_for(name)
         with self._lock:
+            if self._names is not None:
+                if name in self._names:
+                    raise ValueError(
+                        f"checkpoint {name!r} was written already: with incremental=True, later "
+                        "checkpoints may refer to its bytes, so a name cannot be written twice. "
+                        "Give each checkpoint its own name, or use incremental=False for a file "
+                        "that is replaced each time")
+                self._names.add(name)
             return self._engine.submit(path, obj, tag)
 
     def flush(self) -> None:

@@ -6,8 +6,10 @@ flor unpickles a file in one of two ways:
 - **safe** (the default of :func:`flor.load`): a restricted unpickler that
   admits only what flor itself writes for tensors and state dicts:
   containers, numbers, strings, flor's placeholders for tensors and arrays,
-  torch dtypes, devices and sizes, and a few plain classes (``OrderedDict``,
-  numpy scalars and dtypes).  Anything else raises :class:`UnsafeCheckpoint`.
+  torch dtypes, devices and sizes, and ``OrderedDict``/``defaultdict``.
+  Anything else (numpy scalars included) raises :class:`UnsafeCheckpoint`.
+  Every admitted callable builds its result from concrete arguments the
+  pickle holds, so nothing it admits allocates beyond the file's size.
 - **trusted**: the full unpickler.  ``flor.load(path, trusted=True)`` asks for
   it, and replay uses it for files whose signature verifies: every file flor
   writes carries an HMAC-SHA256 of its tag and metadata under a per-user key
@@ -24,6 +26,7 @@ import os
 import pickle
 import stat
 import threading
+import warnings
 
 from .errors import FlorError
 
@@ -111,9 +114,17 @@ def signing_key(create: bool = False):
         return hit[1]
 
 
-def signer(create: bool = True):
-    """sign(tag, meta) -> 32 bytes with the user's key, or None without one."""
-    key = signing_key(create)
+def signer(create: bool = True, strict: bool = True):
+    """sign(tag, meta) -> 32 bytes with the user's key, or None without one.
+    A key that cannot be made or used raises, unless strict is False: then
+    a warning says why, and files are written unsigned."""
+    try:
+        key = signing_key(create)
+    except (OSError, FlorError) as e:
+        if strict:
+            raise
+        warnings.warn(f"flor writes this checkpoint unsigned: {e}", stacklevel=3)
+        return None
     if key is None:
         return None
 
@@ -135,24 +146,19 @@ def verifies(tag: bytes, sig: bytes, meta) -> bool:
 
 # -- safe unpickling ---------------------------------------------------------
 
-_BUILTINS = frozenset({"set", "frozenset", "complex", "slice", "range", "bytearray", "bytes",
-                       "list", "dict", "tuple", "int", "float", "str", "bool"})
+# Types only (defaultdict factories, constructors of concrete arguments):
+# no bytes/bytearray/range, which build large objects from one integer.
 _SAFE = {
-    "builtins": _BUILTINS,
-    "collections": frozenset({"OrderedDict", "defaultdict", "Counter", "deque"}),
+    "builtins": frozenset({"set", "frozenset", "list", "dict", "tuple", "int", "float", "str",
+                           "bool"}),
+    "collections": frozenset({"OrderedDict", "defaultdict"}),
     "flor._core": frozenset({"_rebuild"}),
-    "numpy": frozenset({"dtype"}),
-    "numpy.core.multiarray": frozenset({"scalar"}),
-    "numpy._core.multiarray": frozenset({"scalar"}),
 }
-_SAFE_NUMPY_DTYPES = ("numpy.dtypes",)  # numpy 2's per-dtype classes (Float32DType, ...)
 MAX_META_BYTES = 1 << 30
 
 
 def _admitted(module: str, name: str) -> bool:
-    if name in _SAFE.get(module, ()):
-        return True
-    return module in _SAFE_NUMPY_DTYPES and name.endswith("DType") and name.isidentifier()
+    return name in _SAFE.get(module, ())
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -166,7 +172,7 @@ class _SafeUnpickler(pickle.Unpickler):
         raise UnsafeCheckpoint(
             f"flor.load refused {self.path}: its metadata names the global {module}.{name}, "
             "which safe loading does not admit. Safe loading admits containers, numbers, "
-            "strings, tensors, numpy arrays and scalars, and torch dtypes, devices and sizes. "
+            "strings, tensors, numpy arrays, and torch dtypes, devices and sizes. "
             "Loading it with flor.load(path, trusted=True) will likely succeed, but it runs "
             "whatever code the file names: do it only if you trust where the file came from.")
 

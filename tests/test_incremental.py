@@ -110,6 +110,30 @@ def test_equal_tensors_stay_apart_after_loading(tmp_path):
     assert float(loaded["b"].sum()) == 0.0
 
 
+def test_a_name_cannot_be_written_twice(tmp_path):
+    """Rewriting a file would pull bytes from under the files that refer to it."""
+    with flor.Materializer(tmp_path, incremental=True) as mat:
+        mat.submit("latest", {"w": torch.ones(10)})
+        with pytest.raises(ValueError, match="incremental=False"):
+            mat.submit("latest", {"w": torch.ones(10)})
+    with flor.Materializer(tmp_path) as mat:  # not incremental: replacing is fine
+        mat.submit("latest", {"w": torch.zeros(10)})
+        mat.submit("latest", {"w": torch.full((10,), 2.0)})
+    assert float(flor.load(tmp_path / "latest.flor")["w"][0]) == 2.0
+
+
+def test_names_a_reader_refuses_as_sources_are_never_referred_to(tmp_path):
+    """A file whose name has spaces or non-ASCII letters holds its own bytes."""
+    w = torch.arange(1000.0)
+    with flor.Materializer(tmp_path, incremental=True) as mat:
+        mat.submit("epoch 1", {"w": w})
+        mat.submit("époque-2", {"w": w})
+        mat.submit("epoch-3", {"w": w})
+    for name in ("epoch 1", "époque-2", "epoch-3"):
+        assert torch.equal(flor.load(tmp_path / f"{name}.flor")["w"], w)
+    assert os.path.getsize(tmp_path / "epoch-3.flor") > 4000  # nothing to refer to
+
+
 def test_views_and_shared_storage_survive_references(tmp_path):
     base = torch.arange(100.0)
     obj = {"base": base, "view": base[10:20], "t": base.view(10, 10).t()}

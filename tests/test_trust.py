@@ -56,7 +56,7 @@ def test_state_dicts_numpy_and_torch_constants_load_safely(tmp_path):
     opt.step()
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
     obj = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-           "np": np.arange(6.0).reshape(2, 3), "scalar": np.float32(1.5), "i": np.int64(3),
+           "np": np.arange(6.0).reshape(2, 3), "od": __import__("collections").OrderedDict(a=1),
            "dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2, 3]),
            "gen": torch.Generator().manual_seed(7), "set": {1, 2}, "bytes": b"x",
            "param": torch.nn.Parameter(torch.ones(2))}
@@ -65,12 +65,86 @@ def test_state_dicts_numpy_and_torch_constants_load_safely(tmp_path):
     assert torch.equal(got["model"]["1.running_mean"], model[1].running_mean)
     assert got["opt"]["param_groups"] == opt.state_dict()["param_groups"]
     assert got["sched"] == sched.state_dict()
-    assert got["scalar"] == np.float32(1.5) and type(got["i"]) is np.int64
+    assert got["od"] == {"a": 1} and np.array_equal(got["np"], obj["np"])
     assert got["dtype"] is torch.bfloat16 and got["size"] == torch.Size([2, 3])
     assert torch.equal(got["gen"].get_state(), obj["gen"].get_state())
     assert isinstance(got["param"], torch.nn.Parameter)
     model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
     model2.load_state_dict(got["model"])
+
+
+class _Global:
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+def test_admitted_globals_build_nothing_from_a_single_number(tmp_path):
+    """What safe mode refuses: constructors that allocate from one integer or
+    iterate lazily, and numpy's dtype and scalar (a crafted dtype state made a
+    scalar whose repr read a planted pointer)."""
+    import collections
+
+    cases = [_Global(bytearray, 3 << 30), _Global(bytes, 3 << 30),
+             _Global(collections.deque, [1], 0), _Global(np.dtype, "f8"),
+             _Global(np.float64, 1.5)]
+    for obj in cases:
+        path = tmp_path / "g.flor"
+        path.write_bytes(craft(pickle.dumps({"x": obj}, protocol=5)))
+        with pytest.raises(flor.UnsafeCheckpoint):
+            flor.load(path)
+
+
+def test_what_is_verified_is_what_is_unpickled(tmp_path, monkeypatch):
+    """The file may change while it is read (the mapping shows later writes):
+    the checksums, the scan, the signature and the unpickler all read one
+    private copy of the metadata."""
+    path = tmp_path / "s.flor"
+    flor.save({"x": "A" * 64}, path)
+    data = path.read_bytes()
+    at = data.index(b"A" * 64)
+    real = trust.verifies
+
+    def verify_then_change(tag, sig, meta):
+        ok = real(tag, sig, meta)
+        with open(path, "r+b") as f:  # same length, checksums now stale
+            f.seek(at)
+            f.write(b"B" * 64)
+        return ok
+    monkeypatch.setattr(trust, "verifies", verify_then_change)
+    seen = []
+    assert read(path, trusted="signed", seen=seen) == {"x": "A" * 64}
+    assert seen == ["signed"]
+
+
+def test_save_without_a_usable_key_writes_unsigned(tmp_path, monkeypatch):
+    (tmp_path / "cfg").write_text("not a directory")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    trust._cached.clear()
+    try:
+        with pytest.warns(UserWarning, match="unsigned"):
+            flor.save({"w": torch.ones(2)}, tmp_path / "u.flor")
+        seen = []
+        assert torch.equal(read(tmp_path / "u.flor", trusted="signed", seen=seen)["w"],
+                           torch.ones(2))
+        assert seen == ["safe"]
+    finally:
+        trust._cached.clear()
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe.flor"
+    os.mkfifo(fifo)
+    out = run_py(f"""
+        import flor
+        try:
+            flor.load({str(fifo)!r})
+        except OSError as e:
+            print("refused")
+    """, timeout=60)
+    assert out.stdout.strip() == "refused"
 
 
 def test_a_file_cannot_declare_itself_trusted(tmp_path):
