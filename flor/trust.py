@@ -214,10 +214,12 @@ def policy(path: str, trusted: bool, expect_tag=None, seen=None):
 
     trusted: True (full unpickler), False (safe), or "signed" (full where the
     signature verifies, safe otherwise).  expect_tag: refuse a file whose tag
-    differs (Mismatch).  seen: a list that receives "trusted", "signed" or
+    differs (Mismatch); a file without a tag is let through.  seen: a list that receives "trusted", "signed" or
     "safe", the way the file was read."""
     def decide(version, tag, sig, meta):
-        if expect_tag is not None and tag != expect_tag:
+        # An untagged file (format version 1, flor.save) is checked after
+        # unpickling instead; unsigned, it is unpickled in safe mode.
+        if expect_tag is not None and tag is not None and tag != expect_tag:
             raise Mismatch(f"{path} belongs to another block or iteration (its header tag "
                            "differs)")
         how = "safe"
