@@ -533,6 +533,12 @@ map_checked(flor_state *st, const char *path, header_t *h, PyObject **meta_out,
         PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
         goto cleanup;
     }
+    /* Blobs are read front to back (checksums, then the tensors): ask the
+     * kernel to read ahead, so a cold file streams instead of faulting in
+     * page by page.  Advice only: failure changes nothing. */
+    (void)posix_fadvise(fd, 0, (off_t)m->len, POSIX_FADV_SEQUENTIAL);
+    (void)posix_fadvise(fd, 0, (off_t)m->len, POSIX_FADV_WILLNEED);
+    (void)madvise(m->base, m->len, MADV_SEQUENTIAL);
     memset(hb, 0, sizeof(hb));
     memcpy(hb, m->base, m->len < HEADER_SIZE ? m->len : HEADER_SIZE);
     b = hb;
