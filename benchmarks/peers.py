@@ -251,10 +251,11 @@ def worker(conn, workload, size_mib, method, args):
     else:
         model, opt = build_state(int(size_mib * MiB))
         nbytes = state_nbytes(model, opt)[0]
-    tensors = [p for p in model.parameters()] + \
-        [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
-
     def step():
+        # The trained tensors, looked up each time: a load replaces the
+        # optimizer's state tensors with the loaded ones.
+        tensors = [p for p in model.parameters()] + \
+            [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
         with torch.no_grad():
             torch._foreach_add_(tensors, 1e-6)
 

@@ -452,6 +452,22 @@ build_tensor(flor_state *st, flor_loader *ld, Py_ssize_t index, PyObject *cls)
         goto cleanup;
     }
     rg = (e->flags & FLOR_ENTRY_REQUIRES_GRAD) != 0;
+    if (rg) {
+        /* Only floating and complex tensors can require gradients: say so
+         * before torch refuses (it throws through C++). */
+        PyObject *fl = PyObject_GetAttrString(dtype, "is_floating_point");
+        PyObject *cx = fl == NULL ? NULL : PyObject_GetAttrString(dtype, "is_complex");
+        int ok = cx != NULL && (PyObject_IsTrue(fl) == 1 || PyObject_IsTrue(cx) == 1);
+        Py_XDECREF(fl);
+        Py_XDECREF(cx);
+        if (!ok) {
+            if (!PyErr_Occurred()) {
+                flor_format_error(st, ld->path, "tensor table",
+                                  "entry %zd of dtype %s requires gradients", index, e->dtype);
+            }
+            goto cleanup;
+        }
+    }
     if (e->flags & FLOR_ENTRY_PARAMETER) {
         PyObject *pcls = cls != Py_None ? cls : st->Parameter;
         res = PyObject_CallFunction(pcls, "OO", t, rg ? Py_True : Py_False);
@@ -615,6 +631,47 @@ as_damage(flor_state *st, flor_loader *ld, const char *section, Py_ssize_t index
     return NULL;
 }
 
+/* A device name as torch spells one: a known type and an optional index.
+ * Checked before torch.device sees it (its parser throws through C++). */
+static int
+device_name(PyObject *o)
+{
+    static const char *const types[] = {"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl",
+                                        "opencl", "ideep", "hip", "ve", "fpga", "maia", "xla",
+                                        "lazy", "vulkan", "mps", "meta", "hpu", "mtia",
+                                        "privateuseone"};
+    const char *s, *colon;
+    size_t i, n;
+    if (!PyUnicode_Check(o) || (s = PyUnicode_AsUTF8(o)) == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    colon = strchr(s, ':');
+    n = colon != NULL ? (size_t)(colon - s) : strlen(s);
+    for (i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (strlen(types[i]) == n && strncmp(types[i], s, n) == 0) {
+            break;
+        }
+    }
+    if (i == sizeof(types) / sizeof(types[0])) {
+        return 0;
+    }
+    if (colon == NULL) {
+        return 1;
+    }
+    s = colon + 1;
+    n = strlen(s);
+    if (n == 0 || n > 4 || (s[0] == '0' && n > 1)) {
+        return 0;
+    }
+    for (i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static int
 int_tuple(PyObject *o)
 {
@@ -709,14 +766,14 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         else if (kind == FLOR_REF_DEVICE) {
-            res = PyUnicode_Check(payload) ? PyObject_CallMethod(torch, "device", "(O)", payload)
-                                           : NULL;
+            res = device_name(payload) ? PyObject_CallMethod(torch, "device", "(O)", payload)
+                                       : NULL;
         }
         else if (kind == FLOR_REF_SIZE) {
             res = int_tuple(payload) ? PyObject_CallMethod(torch, "Size", "(O)", payload) : NULL;
         }
         else if (PyTuple_Check(payload) && PyTuple_GET_SIZE(payload) == 2 &&
-                 PyUnicode_Check(PyTuple_GET_ITEM(payload, 0)) &&
+                 device_name(PyTuple_GET_ITEM(payload, 0)) &&
                  PyObject_TypeCheck(PyTuple_GET_ITEM(payload, 1), (PyTypeObject *)st->Tensor)) {
             PyObject *r;
             res = PyObject_CallMethod(torch, "Generator", "(O)", PyTuple_GET_ITEM(payload, 0));
