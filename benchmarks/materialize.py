@@ -472,11 +472,16 @@ def main():
         "summary": summary, "targets": verdicts, "gpu": gpu, "cold": cold,
         "samples": results,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
+    write_report(report, args.out, render)
+
+
+def write_report(report, out, render):
+    """Write OUT.json and OUT.md (render(report)), and print the markdown."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
         json.dump(report, f, indent=1)
     md = render(report)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(md)
     print(md)
 

@@ -36,7 +36,6 @@ dcp.load, and load_state_dict into the live model and optimizer.
 Writes bench-results/peers.json and .md (see --out).
 """
 import argparse
-import json
 import multiprocessing as mp
 import os
 import random
@@ -54,7 +53,8 @@ import flor
 from flor import _core
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from materialize import Sampler, build_state, machine, median, state_nbytes, warm_buffers  # noqa: E402
+from materialize import (Sampler, build_state, fsync_path, machine, median,  # noqa: E402
+                         state_nbytes, warm_buffers, write_report)
 
 MiB = 1 << 20
 METHODS = ["flor thread", "flor fork", "torch.save", "dcp.save", "dcp.async_save", "checkfreq",
@@ -76,14 +76,6 @@ def _evict(paths):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Method:
@@ -119,7 +111,7 @@ class Method:
             return path + ".flor", self.mat.flush
         if self.name == "torch.save":
             torch.save(plain, path)
-            _fsync(path)
+            fsync_path(path)
         elif self.name == "dcp.save":
             import torch.distributed.checkpoint as dcp
             dcp.save(plain, checkpoint_id=path)
@@ -137,7 +129,7 @@ class Method:
 
             def write():
                 torch.save(buf, path)
-                _fsync(path)
+                fsync_path(path)
             self.pending = threading.Thread(target=write)
             self.pending.start()
             return path, self.pending.join
@@ -366,7 +358,7 @@ def targets(res, finetune):
     out = {}
     ms = 1e-3
     for r in res:
-        s, S = r["samples"], r["state_bytes"]
+        s = r["samples"]
         tag = f"{r['size_mib']:g} MiB"
         out[f"blocking <= 1.5 x memcpy + 5 ms ({tag})"] = {
             "measured": paired(s["flor thread"], s["memcpy"], lambda f, m: f / (1.5 * m + 5 * ms)),
@@ -382,7 +374,6 @@ def targets(res, finetune):
         out[f"cold load + restore <= torch.load(mmap=True) + load_state_dict ({tag})"] = {
             "measured": paired(s["flor thread"], s["torch.save"], lambda f, t: f / t, key="load"),
             "limit": 1.0, "unit": "x"}
-        del S
     if finetune is not None:
         s = finetune["summary"]["flor thread"]
         changed = finetune["changed_bytes"]
@@ -422,13 +413,7 @@ def main():
     report = {"command": "python benchmarks/peers.py " + " ".join(sys.argv[1:]),
               "machine": machine(), "rounds": args.rounds, "results": results,
               "finetune": finetune, "targets": targets(results, finetune)}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    md = render(report)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    write_report(report, args.out, render)
 
 
 def render(rep):

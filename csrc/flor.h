@@ -166,6 +166,7 @@ PyObject *flor_format_error(flor_state *st, const char *path, const char *sectio
 double flor_now(void);
 int flor_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi);
 void flor_entries_free(flor_entry *e, uint32_t n);
+int flor_device_name(const char *s); /* "cpu", "cuda:0": a device torch can parse */
 
 /* dedup.c */
 typedef struct flor_dedup flor_dedup;

@@ -776,7 +776,7 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
         }
         memcpy(e->dtype, p + ENTRY_FIXED + 16 * (size_t)e->ndim, dl);
         memcpy(e->device, p + ENTRY_FIXED + 16 * (size_t)e->ndim + dl, vl);
-        if (!valid_name(e->dtype) || !valid_name(e->device)) {
+        if (!valid_name(e->dtype) || !flor_device_name(e->device)) {
             flor_format_error(st, path, "tensor table", "entry %u has a malformed dtype or device", i);
             goto error;
         }

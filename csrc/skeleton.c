@@ -631,45 +631,16 @@ as_damage(flor_state *st, flor_loader *ld, const char *section, Py_ssize_t index
     return NULL;
 }
 
-/* A device name as torch spells one: a known type and an optional index.
- * Checked before torch.device sees it (its parser throws through C++). */
+/* A str payload that names a device (flor_device_name). */
 static int
 device_name(PyObject *o)
 {
-    static const char *const types[] = {"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl",
-                                        "opencl", "ideep", "hip", "ve", "fpga", "maia", "xla",
-                                        "lazy", "vulkan", "mps", "meta", "hpu", "mtia",
-                                        "privateuseone"};
-    const char *s, *colon;
-    size_t i, n;
-    if (!PyUnicode_Check(o) || (s = PyUnicode_AsUTF8(o)) == NULL) {
+    const char *s = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+    if (s == NULL) {
         PyErr_Clear();
         return 0;
     }
-    colon = strchr(s, ':');
-    n = colon != NULL ? (size_t)(colon - s) : strlen(s);
-    for (i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
-        if (strlen(types[i]) == n && strncmp(types[i], s, n) == 0) {
-            break;
-        }
-    }
-    if (i == sizeof(types) / sizeof(types[0])) {
-        return 0;
-    }
-    if (colon == NULL) {
-        return 1;
-    }
-    s = colon + 1;
-    n = strlen(s);
-    if (n == 0 || n > 4 || (s[0] == '0' && n > 1)) {
-        return 0;
-    }
-    for (i = 0; i < n; i++) {
-        if (s[i] < '0' || s[i] > '9') {
-            return 0;
-        }
-    }
-    return 1;
+    return flor_device_name(s);
 }
 
 static int

@@ -199,3 +199,39 @@ flor_entries_free(flor_entry *e, uint32_t n)
     }
     free(e);
 }
+
+/* A device name as torch spells one: a known type and an optional index.
+ * Names read from a file are checked here before torch sees them (torch's
+ * parser refuses a bad one by throwing through C++). */
+int
+flor_device_name(const char *s)
+{
+    static const char *const types[] = {"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl",
+                                        "opencl", "ideep", "hip", "ve", "fpga", "maia", "xla",
+                                        "lazy", "vulkan", "mps", "meta", "hpu", "mtia",
+                                        "privateuseone"};
+    const char *colon = strchr(s, ':');
+    size_t i, n = colon != NULL ? (size_t)(colon - s) : strlen(s);
+    for (i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (strlen(types[i]) == n && strncmp(types[i], s, n) == 0) {
+            break;
+        }
+    }
+    if (i == sizeof(types) / sizeof(types[0])) {
+        return 0;
+    }
+    if (colon == NULL) {
+        return 1;
+    }
+    s = colon + 1;
+    n = strlen(s);
+    if (n == 0 || n > 4 || (s[0] == '0' && n > 1)) {
+        return 0;
+    }
+    for (i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') {
+            return 0;
+        }
+    }
+    return 1;
+}

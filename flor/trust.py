@@ -28,6 +28,7 @@ import stat
 import threading
 import warnings
 
+from . import _core
 from .errors import FlorError
 
 __all__ = ["UnsafeCheckpoint", "tag_of", "signer", "policy"]
@@ -37,7 +38,12 @@ _SIGN_CONTEXT = b"flor checkpoint v2\0"
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):
-    """Safe loading refused a global that the checkpoint's metadata names."""
+    """Safe loading refused a global that the checkpoint's metadata names
+    (``global_name``, e.g. ``"posix.system"``)."""
+
+    def __init__(self, message, global_name=""):
+        super().__init__(message)
+        self.global_name = global_name
 
 
 def tag_of(*parts) -> bytes:
@@ -174,29 +180,24 @@ class _SafeUnpickler(pickle.Unpickler):
             "which safe loading does not admit. Safe loading admits containers, numbers, "
             "strings, tensors, numpy arrays, and torch dtypes, devices and sizes. "
             "Loading it with flor.load(path, trusted=True) will likely succeed, but it runs "
-            "whatever code the file names: do it only if you trust where the file came from.")
+            "whatever code the file names: do it only if you trust where the file came from.",
+            f"{module}.{name}")
 
 
 def _safe_loads(path):
     def loads(meta):
         if len(meta) > MAX_META_BYTES:
-            raise _core_format_error()(path, "metadata",
-                                       f"{len(meta)} bytes of metadata exceed the "
-                                       f"{MAX_META_BYTES}-byte bound of safe loading")
+            raise _core.FormatError(path, "metadata", f"{len(meta)} bytes of metadata exceed "
+                                    f"the {MAX_META_BYTES}-byte bound of safe loading")
         try:
-            return _SafeUnpickler(bytes(meta), path).load()
-        except (UnsafeCheckpoint, _core_format_error(), MemoryError, KeyboardInterrupt,
+            return _SafeUnpickler(meta, path).load()
+        except (UnsafeCheckpoint, _core.FormatError, MemoryError, KeyboardInterrupt,
                 _HookFailed):
             raise
         except Exception as e:  # anything else is a malformed pickle
-            raise _core_format_error()(path, "metadata",
-                                       f"the pickle cannot be read: {e!r}") from None
+            raise _core.FormatError(path, "metadata",
+                                    f"the pickle cannot be read: {e!r}") from None
     return loads
-
-
-def _core_format_error():
-    from . import _core
-    return _core.FormatError
 
 
 class _HookFailed(Exception):
@@ -214,8 +215,8 @@ def policy(path: str, trusted: bool, expect_tag=None, seen=None):
 
     trusted: True (full unpickler), False (safe), or "signed" (full where the
     signature verifies, safe otherwise).  expect_tag: refuse a file whose tag
-    differs (Mismatch); a file without a tag is let through.  seen: a list that receives "trusted", "signed" or
-    "safe", the way the file was read."""
+    differs (Mismatch); a file without a tag is let through.  seen: a list
+    that receives "trusted", "signed" or "safe", the way the file was read."""
     def decide(version, tag, sig, meta):
         # An untagged file (format version 1, flor.save) is checked after
         # unpickling instead; unsigned, it is unpickled in safe mode.

@@ -19,6 +19,7 @@ import sys
 
 from .. import _core, trust
 from ..checkpoint import read, restore
+from ..errors import CheckpointCorrupt
 
 __all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state"]
 
@@ -148,6 +149,10 @@ def tag(key: str, ctx: str, occurrence: int) -> bytes:
 
 def payload_tag(saved: dict) -> bytes:
     return tag(saved["block"], saved["ctx"], saved["occurrence"])
+
+
+# What read_own raises for a file that cannot be restored from.
+UNREADABLE = (FileNotFoundError, CheckpointCorrupt, trust.Mismatch, trust.UnsafeCheckpoint)
 
 
 def read_own(path: str, expect: bytes):

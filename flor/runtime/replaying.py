@@ -135,8 +135,7 @@ class Replaying:
         try:
             saved, how = blockstate.read_own(os.path.join(self.plan.ckpt_dir, fname),
                                              carry.tag(frame[1], frame[2], start - 1))
-        except (FileNotFoundError, CheckpointCorrupt, trust.Mismatch,
-                trust.UnsafeCheckpoint) as e:
+        except blockstate.UNREADABLE as e:
             raise FlorReplayError(f"{where} cannot be read ({e})") from None
         self._how_read(fname, how)
         values = carry.restore(saved, carrier, frame[1], frame[2], start - 1, frame.scope, where)
@@ -201,8 +200,8 @@ class Replaying:
                  "of it was unpickled); re-executing it")
         except trust.UnsafeCheckpoint as e:
             note(f"checkpoint {fname} is not signed with this user's key "
-                 f"({trust.key_path()}), and safe loading refuses it: "
-                 f"{str(e).split(': ', 1)[-1].split('. ', 1)[0]}; re-executing {where}")
+                 f"({trust.key_path()}), and safe loading refuses it: it names the global "
+                 f"{e.global_name}; re-executing {where}")
         else:
             if blockstate.belongs(payload, key, ctx, occurrence):
                 self._how_read(fname, how)
@@ -217,7 +216,6 @@ class Replaying:
             note(f"checkpoint {fname} is not signed with this user's key "
                  f"({trust.key_path()}): it was loaded in safe mode (tensors, containers and "
                  "numbers only), as are any others like it")
-        return None
 
     def entered(self, session, key, ctx, occurrence, state):
         session.logbook.blockruns.append((self.run_id, self.part, session.phase, key, ctx,

@@ -17,9 +17,8 @@ import os
 from dataclasses import dataclass
 
 from ..context import top_key
-from ..errors import CheckpointCorrupt, FlorError, note
-from .. import trust
-from .blockstate import belongs, read_own, tag
+from ..errors import FlorError, note
+from .blockstate import UNREADABLE, belongs, read_own, tag
 
 __all__ = ["ResumePoint", "find"]
 
@@ -80,8 +79,7 @@ def _point(store, run) -> ResumePoint:
         path = os.path.join(store.ckpt_dir(rid), row["file"])
         try:
             saved, _ = read_own(path, tag(row["block"], row["ctx"], 0))
-        except (FileNotFoundError, CheckpointCorrupt, trust.Mismatch,
-                trust.UnsafeCheckpoint) as e:
+        except UNREADABLE as e:
             note(f"iteration checkpoint {row['file']} cannot be used ({e}); trying an earlier one")
             continue
         if not belongs(saved, row["block"], row["ctx"], 0):
