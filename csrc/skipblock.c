@@ -325,6 +325,65 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(Nsddd)", PyBool_FromLong(yes), reason, ratio, limit, M);
 }
 
+PyDoc_STRVAR(sm_overruled_doc,
+             "overruled($self, handle, checkpoint, write_s, nbytes, /)\n--\n\n"
+             "Record mode, after decide(): the ranks of a data-parallel group follow one\n"
+             "decision per execution, and it was `checkpoint`, not what decide() said.\n"
+             "Moves this execution's accounting (k, materialize time, bytes) to match.");
+
+static PyObject *
+sm_overruled(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t i;
+    int yes;
+    double write_s;
+    unsigned long long nbytes;
+    sb_block *b;
+
+    if (!flor_check_nargs("overruled", nargs, 4, 4)) {
+        return NULL;
+    }
+    i = PyLong_AsSsize_t(args[0]);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    yes = PyObject_IsTrue(args[1]);
+    if (yes < 0) {
+        return NULL;
+    }
+    write_s = PyFloat_AsDouble(args[2]);
+    if (write_s == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    nbytes = PyLong_AsUnsignedLongLong(args[3]);
+    if (nbytes == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (check_handle(m, i) < 0) {
+        return NULL;
+    }
+    if (!(write_s >= 0.0 && isfinite(write_s))) {
+        PyErr_SetString(PyExc_ValueError, "write_s must be finite seconds, at least 0");
+        return NULL;
+    }
+    b = &m->blocks[i];
+    if (yes) {
+        b->k++;
+        b->materialize += write_s;
+        b->nbytes = nbytes;
+    }
+    else {
+        if (b->k == 0) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "overruled(False) without a checkpoint that decide() allowed");
+            return NULL;
+        }
+        b->k--;
+        b->materialize = b->materialize > write_s ? b->materialize - write_s : 0.0;
+    }
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(sm_restored_doc,
              "restored($self, handle, seconds, /)\n--\n\n"
              "Account the time spent restoring a skipped block's checkpoint.");
@@ -516,6 +575,7 @@ static PyMethodDef sm_methods[] = {
     {"enter", FLOR_CFUNC(sm_enter), METH_FASTCALL, sm_enter_doc},
     {"leave", FLOR_CFUNC(sm_leave), METH_O, sm_leave_doc},
     {"decide", FLOR_CFUNC(sm_decide), METH_FASTCALL, sm_decide_doc},
+    {"overruled", FLOR_CFUNC(sm_overruled), METH_FASTCALL, sm_overruled_doc},
     {"restored", FLOR_CFUNC(sm_restored), METH_FASTCALL, sm_restored_doc},
     {"stats", FLOR_CFUNC(sm_stats), METH_NOARGS, sm_stats_doc},
     {NULL, NULL, 0, NULL},

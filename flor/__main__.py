@@ -130,10 +130,30 @@ def _threads(opts):
 
 
 def _cores():
+    """Cores for this replay's workers: FLOR_REPLAY_CORES, else those this
+    process may run on; a rank of a data-parallel replay shares them with
+    the other ranks that torchrun started on this machine."""
+    text = os.environ.get("FLOR_REPLAY_CORES")
+    if text is not None:
+        try:
+            cores = int(text)
+        except ValueError:
+            cores = 0
+        if cores < 1:
+            raise FlorError(f"FLOR_REPLAY_CORES takes a whole number of at least 1, not {text!r}")
+        return cores
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    from .runtime.ranks import world
+
+    if world() is not None:
+        try:
+            cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            pass
+    return max(1, cores)
 
 
 def _plan(store, script, args, jobs, opts, part=None):
@@ -229,8 +249,21 @@ def cmd_runs(rest) -> int:
         print(f"{r['run_id']:28} {kind:7} {(r['script_name'] or '-')[:18]:18} "
               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['started']))} "
               f"{secs:>8} {r['iterations'] or 0:>6} {ckpts.get(r['run_id'], 0):>6} "
-              f"{store.status(r)}" + (f" (of {r['parent']})" if r["parent"] else ""))
+              f"{store.status(r)}" + (f" (of {r['parent']})" if r["parent"] else "")
+              + _ranks_of(r))
     return 0
+
+
+def _ranks_of(run) -> str:
+    """Where a run is one rank of a data-parallel record, which."""
+    import json
+
+    info = json.loads(run["info"] or "{}")
+    if not info.get("world_size"):
+        return ""
+    if info.get("rank"):
+        return f" (rank {info['rank']} of {info['group']})"
+    return f" ({info['world_size']} ranks)"
 
 
 def cmd_worker(rest) -> int:

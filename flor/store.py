@@ -104,7 +104,7 @@ class Store(Layout):
                                    check_same_thread=False)
             try:
                 if self.db_file.endswith("flor.db"):
-                    conn.execute("PRAGMA journal_mode=WAL")
+                    _wal(conn)
                     conn.execute("PRAGMA synchronous=NORMAL")
                 with _Transaction(conn):
                     _check_schema(conn, self.db_file)
@@ -162,14 +162,16 @@ class Store(Layout):
         return [dict(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]
 
     def records(self, script) -> list[dict]:
-        """Record runs of this script (by path, else by name), newest first."""
+        """Record runs of this script (by path, else by name), newest first.
+        A data-parallel record is its rank 0's run (the others are its ranks)."""
         path = os.path.abspath(script)
         for key, value in (("script", path), ("script_name", os.path.basename(path))):
             rows = self.db.execute(
                 f"SELECT * FROM runs WHERE kind = 'record' AND {key} = ? ORDER BY started DESC",
                 (value,)).fetchall()
             if rows:
-                return [dict(r) for r in rows]
+                return [dict(r) for r in rows
+                        if not json.loads(r["info"] or "{}").get("rank")]
         return []
 
     def latest_record(self, script) -> dict | None:
@@ -304,6 +306,21 @@ class Store(Layout):
         return [dict(r) for r in self.db.execute(
             "SELECT stream, ctx, text FROM output WHERE run_id = ? AND top IS ? AND iter IS ? "
             "ORDER BY ord", (run_id, top, it))]
+
+
+def _wal(conn, timeout_s=120.0):
+    """Switch to write-ahead logging.  Processes that open a new store at
+    once (the ranks of a torchrun launch) race for it, and SQLite answers
+    the loser "locked" at once rather than waiting: try again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def process_start(pid) -> int | None:

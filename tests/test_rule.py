@@ -236,3 +236,24 @@ def test_a_block_is_charged_for_its_own_time_and_its_own_writes():
     assert c._open[-1].writer == "big"
     c.ended("rec", 0.3, None)
     assert not c._open
+
+def test_overruled_moves_the_accounting_to_the_group_decision():
+    m = _core.SkipMachine(_core.RECORD, EPS, C, False)  # decide() says yes
+    h = m.block("train")
+    m.enter(h, False, False)
+    m.leave(h)
+    ok = m.decide(h, 1000, 0.0, 0.25)[0]
+    assert ok and m.stats()[h]["k"] == 1
+    m.overruled(h, False, 0.25, 1000)  # another rank decided not to
+    st = m.stats()[h]
+    assert st["k"] == 0 and st["materialize_s"] == 0.0
+    m.overruled(h, True, 0.5, 2000)  # and later, that it does
+    st = m.stats()[h]
+    assert (st["k"], st["materialize_s"], st["nbytes"]) == (1, 0.5, 2000)
+    m.overruled(h, False, 0.5, 2000)
+    with pytest.raises(RuntimeError, match="without a checkpoint"):
+        m.overruled(h, False, 0.5, 2000)
+    with pytest.raises(ValueError):
+        m.overruled(h, True, float("nan"), 1)
+    with pytest.raises(IndexError):
+        m.overruled(7, True, 0.1, 1)

@@ -24,6 +24,7 @@ from ..errors import FlorError, note
 from ..program.instrument import instrument
 from ..program.probe import detect
 from ..program.source import Comparison, changed_functions, manual_blocks, map_files
+from ..runtime import ranks as ranking
 from ..store import Store, new_run_id
 
 __all__ = ["Plan", "plan_replay", "partition", "iteration_costs", "resume_points",
@@ -42,7 +43,8 @@ class Plan:
     probed: list  # blocks to step into
     changed_end: list  # blocks whose end() call changed: their checkpoints are not used
     files: dict  # {relpath: {"lines": {cur: rec}, "sites": {cur: rec}, "present": [rec]}}
-    checkpoints: list  # [[block, ctx, occurrence, file name], ...]
+    checkpoints: list  # [[block, ctx, occurrence, file name or None], ...]: None where
+    # the record checkpointed the execution but replay must run it on every rank
     ckpt_dir: str
     main_loop: str | None
     main_run: int | None
@@ -55,10 +57,12 @@ class Plan:
     workers: int | None = None  # local worker processes (segments may be more)
     resume: dict = dataclasses.field(default_factory=dict)  # {str(i): iteration checkpoint
     # file at the end of main-loop iteration i}: a segment starting at i + 1 starts there
+    ranks: dict | None = None  # a data-parallel record: {"rank", "size", "ckpt_dirs" (by
+    # rank), "ports" (by segment: its process group's)}; flor/runtime/ranks.py
 
     def save(self, path: str):
         data = dataclasses.asdict(self)
-        for optional in ("tolerance", "threads", "workers"):
+        for optional in ("tolerance", "threads", "workers", "ranks"):
             if data[optional] is None:
                 del data[optional]
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -219,6 +223,25 @@ def _pick_record(store: Store, script: str, run_id):
     return rec
 
 
+def _this_rank(store, script, rec):
+    """(the record of this process's rank, the runs of all ranks or None):
+    a data-parallel record is replayed under torchrun with its world size,
+    each rank replaying its own rank's record."""
+    runs = ranking.group_runs(store, rec)
+    w = ranking.world()
+    name = os.path.basename(script)
+    if runs is None:
+        if w is not None:
+            raise FlorError(f"run {rec['run_id']} of {name} was recorded by one process; "
+                            f"replay it without torchrun: python -m flor replay {script}")
+        return rec, None
+    if w is None or w[1] != len(runs):
+        raise FlorError(f"run {rec['run_id']} of {name} was recorded by {len(runs)} "
+                        f"data-parallel ranks; replay it under torchrun with as many: torchrun "
+                        f"--nproc_per_node {len(runs)} -m flor replay {script}")
+    return runs[w[0]], runs
+
+
 def _interrupted(store, rec):
     """A note when `rec` was interrupted: how far replay goes."""
     if store.status(rec) != "interrupted":
@@ -294,15 +317,28 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     if not os.path.isfile(script):
         raise FlorError(f"no such script: {script}")
     rec = _pick_record(store, script, run_id)
+    rec, group = _this_rank(store, script, rec)
+    if group is not None and part is not None:
+        raise FlorError("a data-parallel record is replayed by local workers under torchrun: "
+                        "--part, --parts and --backend ray do not replay it")
     threads, jobs, notes = worker_threads(rec, jobs, threads, cores)
     notes += _interrupted(store, rec)
     cmp, hands_free, new = _compare(store, script, rec)
     decisions = store.rows("decisions", rec["run_id"])
+    recorded = [d for d in decisions if not is_iteration(d["block"])]
+    if group is not None:  # skip an execution on every rank or on none
+        dropped = ranking.unusable(store, group)
+        for (block, ctx, occurrence), why in dropped.items():
+            notes.append(f"block {block} at {ctx}, occurrence {occurrence}: {why}; it runs on "
+                         "every rank")
+        decisions = [dict(d, checkpoint=0, file=None)
+                     if (d["block"], d["ctx"], d["occurrence"]) in dropped else d
+                     for d in decisions]
     iterations = [d for d in decisions if is_iteration(d["block"])]
     decisions = [d for d in decisions if not is_iteration(d["block"])]
     loops = store.rows("loops", rec["run_id"])
     main_top = top_key(rec["main_loop"], rec["main_run"])
-    total = rec["iterations"] or 0
+    total = min(r["iterations"] or 0 for r in group or [rec])
     restorable: dict = {}
     for d in decisions:
         if is_outermost(d["ctx"]):
@@ -313,6 +349,11 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     resume, restart = resume_points(store, rec, iterations, total)
     segments = partition(total, segments_for(jobs, work, rec) if part is None else jobs,
                          resumable, work, pseudo, restart)
+    group_plan = None
+    if group is not None:  # every rank replays rank 0's segments
+        segments, ports = ranking.share_plan(segments)
+        group_plan = {"rank": ranking.world()[0], "size": len(group), "ports": ports,
+                      "ckpt_dirs": [store.ckpt_dir(r["run_id"]) for r in group]}
     if part is not None and part >= 0:
         # Parts run on other machines must agree on one replay id.
         digest = hashlib.sha1(json.dumps(
@@ -327,12 +368,13 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         files={rel: {"lines": {str(k): v for k, v in f.lines.items()},
                      "sites": {str(k): v for k, v in f.sites.items()},
                      "present": sorted(f.present)} for rel, f in cmp.files.items()},
-        checkpoints=[[d["block"], d["ctx"], d["occurrence"], d["file"]]
-                     for d in decisions if d["checkpoint"] and d["file"]],
+        checkpoints=[[d["block"], d["ctx"], d["occurrence"], usable["file"]]
+                     for d, usable in zip(recorded, decisions)
+                     if d["checkpoint"] and d["file"]],
         ckpt_dir=store.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
-        workers=jobs)
+        workers=jobs, ranks=group_plan)
     return plan, rec, cmp, new[os.path.basename(script)], notes
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
-from ..errors import note
+from ..errors import Interrupted, note
 from ..runtime.script import run_main
 from ..runtime.session import Session
 from ..store import Store
@@ -181,6 +182,12 @@ class _Queue:
         slot = min(set(range(self.slots)) - used)
         env = dict(os.environ, OMP_NUM_THREADS=self.threads, MKL_NUM_THREADS=self.threads,
                    FLOR_REPLAY_WORKER=str(slot))  # which of the --jobs workers runs it
+        if self.plan.ranks is not None:
+            # A data-parallel replay: this segment's workers of every rank make
+            # one process group, whose store rank 0's worker hosts on the port
+            # rank 0 chose for the segment.
+            env.update(MASTER_PORT=str(self.plan.ranks["ports"][part]),
+                       TORCHELASTIC_USE_AGENT_STORE="False")
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot % len(self.gpus)]
         self.running.append(_Attempt(self.store, self.plan, part, self.attempts[part], resume,
@@ -194,8 +201,8 @@ class _Queue:
     def _backup(self):
         """A copy of the running segment that would finish last, if a fresh
         worker is expected to finish it sooner."""
-        if not self.seconds_per_iter:
-            return None
+        if not self.seconds_per_iter or self.plan.ranks is not None:
+            return None  # (the ranks of a data-parallel replay run each segment once)
         per_iter = sorted(self.seconds_per_iter)[len(self.seconds_per_iter) // 2]
         copies = {a.part for a in self.running if a.copy}
         # A worker's first report comes after its start-up and one iteration.
@@ -235,7 +242,7 @@ class _Queue:
         if any(o.part == a.part for o in self.running):
             self.lost.append(a)  # its copy runs on
             return True
-        if self.attempts[a.part] >= MAX_ATTEMPTS:
+        if self.attempts[a.part] >= MAX_ATTEMPTS or self.plan.ranks is not None:
             self.failed.append(a)
             return False
         died = code < 0
@@ -284,6 +291,10 @@ class _Queue:
         return True
 
 
+def _stopped(signum, frame):
+    raise Interrupted()
+
+
 def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int:
     """Replay the plan's segments on the plan's number of local worker
     processes, then assemble."""
@@ -296,7 +307,17 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
     progress = _Progress(sum(e - s for s, e in plan.segments), slots)
     progress.show()
     queue = _Queue(store, plan, slots)
-    ok = queue.run(progress)
+    own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if own:  # torchrun stops the other ranks of a failed one with SIGTERM
+        signal.signal(signal.SIGTERM, _stopped)
+    try:
+        ok = queue.run(progress)
+    finally:
+        if own:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for a in list(queue.running):  # interrupted: no worker outlives replay
+            a.stop()
+            queue.running.remove(a)
     progress.show(final=True)
     for a in [*queue.won.values(), *queue.failed]:
         text = a.text()

@@ -4,6 +4,8 @@
      "sig": ["torch.nn.modules...Net", ...],         # what end() received
      "objs": [model, optimizer, ...],                # the objects (flor.snapshot)
      "modes": [{submodule: training flag}, ...],     # per nn.Module, else None
+     "ddp": [flag or None, ...],                     # per DistributedDataParallel: whether
+                                                     # its next forward syncs buffers
      "rng": {"random": ..., "numpy": ..., "torch": ..., "cuda": ...},
      "grads": [tensor or None, ...]}                 # only when they are read after
                                                      # the block: of parameters(objs)
@@ -79,6 +81,23 @@ def set_module_modes(objs, modes):
                     m.training = mode[name]
 
 
+def ddp_flags(objs):
+    """Whether each DistributedDataParallel among objs broadcasts rank 0's
+    buffers at its next forward: DDP sets it in a forward with gradients and
+    clears it in one without, so an evaluation after a skipped training
+    block would otherwise use this rank's own buffers."""
+    torch = sys.modules.get("torch")
+    ddp = torch.nn.parallel.DistributedDataParallel if torch is not None else ()
+    return [getattr(o, "require_forward_param_sync", None) if isinstance(o, ddp) else None
+            for o in objs]
+
+
+def set_ddp_flags(objs, flags):
+    for o, flag in zip(objs, flags or []):
+        if isinstance(flag, bool):
+            o.require_forward_param_sync = flag
+
+
 def signature(objs) -> list:
     """What end() received: the type of each object (or, hands-free, what
     each captured name and path is)."""
@@ -137,6 +156,9 @@ def gradients(owners) -> list:
 def payload(key: str, ctx: str, occurrence: int, sig: list, objs, grads=None) -> dict:
     out = {"block": key, "ctx": ctx, "occurrence": occurrence, "sig": sig,
            "objs": list(objs), "modes": module_modes(objs), "rng": rng_state()}
+    flags = ddp_flags(objs)
+    if any(f is not None for f in flags):
+        out["ddp"] = flags
     if grads is not None:
         out["grads"] = grads
     return out
@@ -190,6 +212,7 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
     out = [_rebind(live, s) if again else restore(live, s)
            for live, s, again in zip(objs, saved["objs"], rebind)]
     set_module_modes(out, saved.get("modes"))
+    set_ddp_flags(out, saved.get("ddp"))
     if "grads" in saved:
         params = parameters(state_owners(out, frame))
         if len(params) != len(saved["grads"]):

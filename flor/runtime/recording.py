@@ -24,8 +24,8 @@ from ..context import checkpoint_name, is_iteration, is_outermost, location
 from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
 from ..materializer import Materializer, mode_from_env
 from ..program.gradients import manual_gradients
-from ..store import process_start
-from . import blockstate
+from ..store import new_run_id, process_start
+from . import blockstate, ranks
 from .charge import Charges
 from .iterations import RecordIterations
 
@@ -71,6 +71,13 @@ class Recording(RecordIterations):
         if adaptive is None:
             adaptive = os.environ.get("FLOR_ADAPTIVE", "1") not in ("0", "false", "off")
         self.script = os.path.abspath(script) if script else None
+        # The ranks of a torchrun launch record one run (flor/runtime/ranks.py);
+        # rank r > 0 opens the store once rank 0 has made the run.
+        self.group = ranks.Group.from_env()
+        if self.group is not None and resume is not None:
+            raise FlorError("record --resume of a data-parallel record is not supported; "
+                            "record it again under torchrun")
+        leader = self.group.wait_leader() if self.group is not None else None
         if resume is not None:  # the interrupted run's rule goes on
             run = store.run(resume.run_id)
             eps, c = run["epsilon"], run["c"]
@@ -87,8 +94,15 @@ class Recording(RecordIterations):
         self.point = resume  # a flor.runtime.resume.ResumePoint
         self.restored = resume is None or resume.start == 0
         if resume is None:
+            run_id = None
+            if self.group is not None:
+                run_id = ranks.rank_run_id(leader or new_run_id(), self.group.rank)
+                info.update(self.group.info(run_id))
             self.run_id = store.new_run("record", self.script, argv, source, epsilon=eps, c=c,
-                                        versions=json.dumps(versions()), info=json.dumps(info))
+                                        versions=json.dumps(versions()), info=json.dumps(info),
+                                        run_id=run_id)
+            if self.group is not None and leader is None:
+                self.group.publish(self.run_id)
         else:
             self.run_id = resume.run_id
             info["resumed"] = json.loads(run["info"] or "{}").get("resumed", []) + [resume.start]
@@ -169,11 +183,22 @@ class Recording(RecordIterations):
         write_s = nbytes / bw
         M = self.charges.cost(key, nbytes, copy_bw, write_s)
         ok, reason, ratio, limit, M = self.machine.decide(handle, nbytes, M, write_s)
+        owner = None
+        if self.group is not None:  # every rank follows the first to get here
+            agreed, owner = self.group.agree(key, ctx, occurrence, ok)
+            if owner != self.group.rank:
+                reason = f"{'checkpoint' if agreed else 'no checkpoint'}, as rank {owner} " \
+                         f"decided (this rank's rule: {reason})"
+            if agreed != ok:
+                self.machine.overruled(handle, agreed, write_s, nbytes)
+                ok = agreed
         fname = None
         _, _, top, top_iter, indices = session.info
         if ok:
             fname = checkpoint_name(key, ctx, occurrence, json.loads(indices))
             payload = make()
+            if owner is not None:  # replicated state: written by the owner alone
+                payload = ranks.split(payload, self.group.rank, owner)
             mat = self._materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
             try:

@@ -22,7 +22,7 @@ import time
 from .. import _core, trust
 from ..context import block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
-from . import blockstate, carry
+from . import blockstate, carry, ranks
 
 __all__ = ["Replaying"]
 
@@ -133,8 +133,7 @@ class Replaying:
         t0 = time.perf_counter()
         where = f"iteration checkpoint {fname}"
         try:
-            saved, how = blockstate.read_own(os.path.join(self.plan.ckpt_dir, fname),
-                                             carry.tag(frame[1], frame[2], start - 1))
+            saved, how = self._read(fname, carry.tag(frame[1], frame[2], start - 1))
         except blockstate.UNREADABLE as e:
             raise FlorReplayError(f"{where} cannot be read ({e})") from None
         self._how_read(fname, how)
@@ -188,9 +187,8 @@ class Replaying:
         if fname is None:
             self.reexecuted += 1  # record did not checkpoint this execution
             return None
-        path = os.path.join(self.plan.ckpt_dir, fname)
         try:
-            payload, how = blockstate.read_own(path, blockstate.tag(key, ctx, occurrence))
+            payload, how = self._read(fname, blockstate.tag(key, ctx, occurrence))
         except FileNotFoundError:
             note(f"checkpoint {fname} is missing; re-executing {where}")
         except CheckpointCorrupt as e:
@@ -208,6 +206,20 @@ class Replaying:
                 return payload
             note(f"checkpoint {fname} does not belong to {where}; re-executing it")
         self.reexecuted += 1
+
+    def _read(self, fname, expect):
+        """A checkpoint of the record (blockstate.read_own); of a data-parallel
+        record, with the replicated objects it leaves to their owner rank's
+        file of the same name put back in."""
+        path = os.path.join(self.plan.ckpt_dir, fname)
+        saved, how = blockstate.read_own(path, expect)
+        group = self.plan.ranks
+        if group is not None:
+            def owner(rank):
+                return blockstate.read_own(os.path.join(group["ckpt_dirs"][rank], fname),
+                                           expect)[0]
+            saved = ranks.join(saved, owner, group["size"], path)
+        return saved, how
 
     def _how_read(self, fname, how):
         """Say, once, that checkpoints without a valid signature load in safe mode."""

@@ -1,0 +1,179 @@
+"""Data-parallel training under torchrun: 2 ranks of DistributedDataParallel
+on the gloo backend, on the CPU.  The ranks record one run; replicated
+state (the DDP model's parameters, its optimizer) is written by one rank per
+checkpoint; replay under torchrun with the same world size skips and
+restores on every rank, and --jobs splits the main loop into segments that
+each run on a full group of ranks.  Each rank's stdout must equal what a
+plain torchrun run of the edited script prints on that rank."""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, edit, store
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+SCRIPTS = os.path.join(ROOT, "tests", "scripts", "ddp")
+
+
+def torchrun(d, *argv, env=None, check=True):
+    """`torchrun --nproc_per_node 2 ARGV` in `d`; each rank's stdout goes
+    to a file.  Returns (process, [stdout of rank 0, of rank 1])."""
+    logs = os.path.join(d, "torchrun-logs")
+    shutil.rmtree(logs, ignore_errors=True)
+    full = dict(os.environ, FLOR_DIR=os.path.join(d, ".flor"), OMP_NUM_THREADS="1")
+    full.pop("FLOR_MODE", None)
+    full.update(env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--log-dir", logs, "--redirects", "1", *argv]
+    proc = subprocess.run(cmd, cwd=d, env=full, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        pytest.fail(f"torchrun {' '.join(argv)} exited {proc.returncode}\n{proc.stderr}")
+    outs = []
+    for rank in (0, 1):
+        found = glob.glob(os.path.join(logs, "*", "attempt_0", str(rank), "stdout.log"))
+        if found:
+            with open(found[0]) as f:
+                outs.append(f.read())
+        else:
+            outs.append(None)
+    return proc, outs
+
+
+def _checks_passed(stderr):
+    return stderr.count("flor: deferred checks passed") == 2 and "FAILED" not in stderr
+
+
+def _ckpt_files(st, run_id):
+    d = st.ckpt_dir(run_id)
+    return {f: os.path.join(d, f) for f in os.listdir(d)}
+
+
+@pytest.fixture
+def handsfree(tmp_path):
+    d = str(tmp_path)
+    shutil.copy(os.path.join(SCRIPTS, "ddp_digits.py"), os.path.join(d, "train.py"))
+    torchrun(d, "-m", "flor", "record", "train.py", "--epochs", "4",
+             env={"FLOR_ADAPTIVE": "0"})
+    return d
+
+
+def test_ranks_record_one_run_and_replicated_state_once(handsfree):
+    import flor
+
+    st = store(handsfree)
+    records = st.records(os.path.join(handsfree, "train.py"))
+    assert len(records) == 1  # one run: its rank 1 is not a record of its own
+    leader = records[0]
+    rank1 = st.run(leader["run_id"] + "-rank1")
+    assert rank1 is not None and rank1["status"] == leader["status"] == "finished"
+    mine, theirs = _ckpt_files(st, leader["run_id"]), _ckpt_files(st, rank1["run_id"])
+    assert mine.keys() == theirs.keys() and len(mine) == 8  # 4 blocks + 4 iterations
+    for name in mine:
+        a = flor.load(mine[name], trusted=True)
+        b = flor.load(theirs[name], trusted=True)
+        # Exactly one rank wrote the model and optimizer; the other names it.
+        owners = [p["replicated"]["owner"] for p in (a, b) if "replicated" in p]
+        assert len(owners) == 1, name
+        full, part = (b, a) if "replicated" in a else (a, b)
+        assert owners[0] == (1 if full is b else 0)
+        for i in part["replicated"]["index"]:
+            if isinstance(part["objs"][i], dict):  # a module: this rank's buffers only
+                assert set(part["objs"][i]) < set(full["objs"][i])
+                assert all("running" in k or "num_batches" in k for k in part["objs"][i])
+            else:  # an optimizer: nothing of it
+                assert part["objs"][i] is None
+        # Every rank keeps its own random state.
+        assert set(a["rng"]) == set(b["rng"])
+    runs = subprocess.run([sys.executable, "-m", "flor", "runs"], cwd=handsfree,
+                          env=dict(os.environ, FLOR_DIR=os.path.join(handsfree, ".flor")),
+                          capture_output=True, text=True).stdout
+    assert "(2 ranks)" in runs and f"(rank 1 of {leader['run_id']})" in runs
+
+
+def test_replay_steps_into_a_ddp_block_with_two_groups_of_ranks(handsfree):
+    d = handsfree
+    edit(os.path.join(d, "train.py"), "loss.backward()",
+         'print(f"gn {sum(float(p.grad.norm()) ** 2 for p in model.parameters()):.6f}")')
+    edit(os.path.join(d, "train.py"), "scheduler.step()",
+         'print(f"rank {rank} conv {model.module.conv.weight.norm().item():.6f}")')
+    _, plain = torchrun(d, "train.py", "--epochs", "4", env={"FLOR_MODE": "off"})
+    assert plain[0].count("gn ") == 76  # 19 batches a rank, 4 epochs
+    proc, replayed = torchrun(d, "-m", "flor", "replay", "--jobs", "2", "train.py",
+                              "--epochs", "4", env={"FLOR_REPLAY_CORES": "2"})
+    assert "in segments [0, 2), [2, 4)" in proc.stderr
+    assert replayed == plain
+    assert _checks_passed(proc.stderr), proc.stderr
+
+
+def test_replay_skips_on_every_rank_and_a_missing_file_runs_the_block_on_all(handsfree):
+    d = handsfree
+    edit(os.path.join(d, "train.py"), "scheduler.step()",
+         'print(f"rank {rank} conv {model.module.conv.weight.norm().item():.6f}")')
+    _, plain = torchrun(d, "train.py", "--epochs", "4", env={"FLOR_MODE": "off"})
+    st = store(d)
+    leader = st.records(os.path.join(d, "train.py"))[0]["run_id"]
+    # Rank 1 lost the checkpoint of epoch 2's training block: both ranks
+    # must run it (one alone would wait for the other in its all-reduce).
+    lost = [p for n, p in _ckpt_files(st, leader + "-rank1").items()
+            if n.startswith("train.py_68@2")]
+    assert len(lost) == 1
+    os.unlink(lost[0])
+    proc, replayed = torchrun(d, "-m", "flor", "replay", "train.py", "--epochs", "4")
+    assert replayed == plain
+    assert _checks_passed(proc.stderr), proc.stderr
+    for run_id in (leader, leader + "-rank1"):
+        replay = [r for r in st.runs() if r["parent"] == run_id]
+        states = {(r["block"], r["state"]) for r in st.rows("blockruns", replay[0]["run_id"])
+                  if r["block"] == "train.py:68"}
+        assert states == {("train.py:68", "step_into"), ("train.py:68", "skip")}
+
+
+def test_manual_api_record_and_replay(tmp_path):
+    d = str(tmp_path)
+    shutil.copy(os.path.join(SCRIPTS, "ddp_manual.py"), d)
+    torchrun(d, "ddp_manual.py", "4")  # the script imports flor: it records itself
+    edit(os.path.join(d, "ddp_manual.py"), 'flor.log("loss", total)',
+         'print(f"rank {rank} w {model.module[0].weight.norm().item():.6f}", flush=True)')
+    _, plain = torchrun(d, "ddp_manual.py", "4", env={"FLOR_MODE": "off"})
+    proc, replayed = torchrun(d, "-m", "flor", "replay", "ddp_manual.py", "4")
+    assert replayed == plain and plain[1].count(" w ") == 4
+    assert _checks_passed(proc.stderr), proc.stderr
+    # The edit is in train(), and the block calls model.train(): matched by
+    # name, the block is stepped into, so its DDP all-reduces run again.
+    assert "stepping into changed blocks: train" in proc.stderr
+
+
+def test_replay_of_ranks_needs_torchrun_with_their_number(handsfree):
+    env = dict(os.environ, FLOR_DIR=os.path.join(handsfree, ".flor"))
+    proc = subprocess.run([sys.executable, "-m", "flor", "replay", "train.py", "--epochs", "4"],
+                          cwd=handsfree, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "recorded by 2 data-parallel ranks" in proc.stderr
+    assert "torchrun --nproc_per_node 2 -m flor replay train.py" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_join_refuses_what_a_file_cannot_claim():
+    from flor.errors import CheckpointCorrupt
+    from flor.runtime import ranks
+
+    saved = {"objs": [1, 2], "replicated": {"owner": 5, "index": [0]}}
+    with pytest.raises(CheckpointCorrupt, match="not a rank"):
+        ranks.join(saved, lambda r: pytest.fail("read"), 2, "f.flor")
+    saved = {"objs": [1, 2], "replicated": {"owner": 1, "index": [7]}}
+    with pytest.raises(CheckpointCorrupt):
+        ranks.join(saved, lambda r: pytest.fail("read"), 2, "f.flor")
+    saved = {"objs": [None, 2], "replicated": {"owner": 1, "index": [0]}}
+    owner = {"objs": [None, 3], "replicated": {"owner": 0, "index": [0]}}
+    with pytest.raises(CheckpointCorrupt, match="does not hold"):
+        ranks.join(saved, lambda r: owner, 2, "f.flor")  # an owner that leaves them to another
+    owner = {"objs": [{"w": 1, "bn.running_mean": 0}, 3]}
+    saved = {"objs": [{"bn.running_mean": 9}, 2], "replicated": {"owner": 1, "index": [0]}}
+    joined = ranks.join(saved, lambda r: owner, 2, "f.flor")
+    assert joined["objs"] == [{"w": 1, "bn.running_mean": 9}, 2]
