@@ -80,8 +80,8 @@ def test_ranks_record_one_run_and_replicated_state_once(handsfree):
         # Exactly one rank wrote the model and optimizer; the other names it.
         owners = [p["replicated"]["owner"] for p in (a, b) if "replicated" in p]
         assert len(owners) == 1, name
-        full, part = (b, a) if "replicated" in a else (a, b)
-        assert owners[0] == (1 if full is b else 0)
+        assert owners == [0] and "replicated" not in a  # rank 0 writes them
+        full, part = a, b
         for i in part["replicated"]["index"]:
             if isinstance(part["objs"][i], dict):  # a module: this rank's buffers only
                 assert set(part["objs"][i]) < set(full["objs"][i])

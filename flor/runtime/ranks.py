@@ -17,15 +17,21 @@ of its own.  They record one run of N ranks:
   (`SkipMachine.overruled`).
 - What every rank holds alike, the parameters and optimizer state of a
   DistributedDataParallel model (DDP makes them equal on every rank), is
-  written once, by the deciding rank (the owner).  Every rank writes its own
-  random state, its module buffers (BatchNorm statistics differ per rank)
-  and whatever else the block changed.  A checkpoint that leaves replicated
-  objects to the owner says so in its payload::
+  written once, by rank 0 (the owner): always the same rank, so that its
+  incremental checkpoints refer to the unchanged blobs of its earlier ones
+  (an iteration checkpoint right after a block's holds the same bytes), and
+  so that an evaluation block that only rank 0 runs keeps its checkpoints.
+  Every rank writes its own random state, its module buffers (BatchNorm
+  statistics differ per rank) and whatever else the block changed.  A
+  checkpoint that leaves replicated objects to the owner says so in its
+  payload::
 
-      {"replicated": {"owner": r, "index": [i, ...]}}  # objs[i]: the owner's
+      {"replicated": {"owner": 0, "index": [i, ...]}}  # objs[i]: the owner's
 
   and `join` puts the owner's objects back in at replay.  A file never names
-  a path: the owner's file has the same name in the owner rank's run.
+  a path: the owner's file has the same name in the owner rank's run.  (An
+  execution that rank 0 does not run, a block under ``if rank == 1:``, has
+  no owner's file: replay re-executes it on the ranks that ran it.)
 
 Replay under torchrun with the record's world size replays rank r's record
 in rank r (flor/replay/plan.py picks it).  The plan uses only the executions
@@ -46,6 +52,7 @@ __all__ = ["Group", "world", "rank_run_id", "replicated", "split", "join", "unus
            "group_runs", "share_plan"]
 
 PREFIX = "flor/"
+OWNER = 0  # the rank that writes replicated state
 TIMEOUT_S = 600  # how long a rank waits for rank 0 to create the run
 
 
@@ -112,15 +119,15 @@ class Group:
         return {"group": self.leader or run_id, "rank": self.rank, "world_size": self.size}
 
     def agree(self, key: str, ctx: str, occurrence: int, mine: bool) -> tuple[bool, int]:
-        """(checkpoint?, owner): the decision of the first rank to reach this
-        execution, and that rank."""
+        """(checkpoint?, the rank that decided): the decision of the first
+        rank to reach this execution."""
         what = PREFIX + "d/" + hashlib.sha1(f"{key}\0{ctx}\0{occurrence}".encode()).hexdigest()
         got = self.store.compare_set(what, "", f"{int(mine)} {self.rank}")
         if self.store.add(what + "/n", 1) == self.size:  # the last rank to get here
             self.store.delete_key(what)
             self.store.delete_key(what + "/n")
-        yes, owner = got.decode().split()
-        return yes == "1", int(owner)
+        yes, decider = got.decode().split()
+        return yes == "1", int(decider)
 
 
 def _params(o, torch):
@@ -159,7 +166,7 @@ def _buffers(module) -> dict:
     return {k: v for k, v in module.state_dict().items() if k in names}
 
 
-def split(payload: dict, rank: int, owner: int) -> dict:
+def split(payload: dict, rank: int, owner: int = OWNER) -> dict:
     """The checkpoint rank `rank` writes of an execution that `owner`
     checkpoints in full: the replicated objects are left to the owner
     (a module keeps its buffers)."""

@@ -183,11 +183,10 @@ class Recording(RecordIterations):
         write_s = nbytes / bw
         M = self.charges.cost(key, nbytes, copy_bw, write_s)
         ok, reason, ratio, limit, M = self.machine.decide(handle, nbytes, M, write_s)
-        owner = None
         if self.group is not None:  # every rank follows the first to get here
-            agreed, owner = self.group.agree(key, ctx, occurrence, ok)
-            if owner != self.group.rank:
-                reason = f"{'checkpoint' if agreed else 'no checkpoint'}, as rank {owner} " \
+            agreed, decider = self.group.agree(key, ctx, occurrence, ok)
+            if decider != self.group.rank:
+                reason = f"{'checkpoint' if agreed else 'no checkpoint'}, as rank {decider} " \
                          f"decided (this rank's rule: {reason})"
             if agreed != ok:
                 self.machine.overruled(handle, agreed, write_s, nbytes)
@@ -197,8 +196,8 @@ class Recording(RecordIterations):
         if ok:
             fname = checkpoint_name(key, ctx, occurrence, json.loads(indices))
             payload = make()
-            if owner is not None:  # replicated state: written by the owner alone
-                payload = ranks.split(payload, self.group.rank, owner)
+            if self.group is not None:  # replicated state: written by rank 0 alone
+                payload = ranks.split(payload, self.group.rank)
             mat = self._materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
             try:
