@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import dataclass
 
 from ..context import is_iteration, is_outermost, location, top_key
@@ -223,22 +224,23 @@ def _pick_record(store: Store, script: str, run_id):
     return rec
 
 
-def _this_rank(store, script, rec):
+def _this_rank(store, script, args, rec):
     """(the record of this process's rank, the runs of all ranks or None):
     a data-parallel record is replayed under torchrun with its world size,
     each rank replaying its own rank's record."""
     runs = ranking.group_runs(store, rec)
     w = ranking.world()
     name = os.path.basename(script)
+    command = " ".join(shlex.quote(a) for a in [script, *args])
     if runs is None:
         if w is not None:
             raise FlorError(f"run {rec['run_id']} of {name} was recorded by one process; "
-                            f"replay it without torchrun: python -m flor replay {script}")
+                            f"replay it without torchrun: python -m flor replay {command}")
         return rec, None
     if w is None or w[1] != len(runs):
         raise FlorError(f"run {rec['run_id']} of {name} was recorded by {len(runs)} "
                         f"data-parallel ranks; replay it under torchrun with as many: torchrun "
-                        f"--nproc_per_node {len(runs)} -m flor replay {script}")
+                        f"--nproc_per_node {len(runs)} -m flor replay {command}")
     return runs[w[0]], runs
 
 
@@ -317,7 +319,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     if not os.path.isfile(script):
         raise FlorError(f"no such script: {script}")
     rec = _pick_record(store, script, run_id)
-    rec, group = _this_rank(store, script, rec)
+    rec, group = _this_rank(store, script, args, rec)
     if group is not None and part is not None:
         raise FlorError("a data-parallel record is replayed by local workers under torchrun: "
                         "--part, --parts and --backend ray do not replay it")

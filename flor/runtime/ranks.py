@@ -51,7 +51,13 @@ from ..errors import CheckpointCorrupt, FlorError
 __all__ = ["Group", "world", "rank_run_id", "replicated", "split", "join", "unusable",
            "group_runs", "share_plan"]
 
-PREFIX = "flor/"
+def _prefix() -> str:
+    """Keys of this launch and attempt: torchrun keeps its agent's store
+    across restarts (--max-restarts), and a restarted attempt is a new record."""
+    return (f"flor/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+
+
 OWNER = 0  # the rank that writes replicated state
 TIMEOUT_S = 600  # how long a rank waits for rank 0 to create the run
 
@@ -92,36 +98,68 @@ class Group:
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
         self.store = _agent_store()
-        self.leader: str | None = None
+        self.leader: str | None = None  # rank 0's run id
 
     @classmethod
-    def from_env(cls) -> "Group | None":
+    def join(cls, resuming=False) -> "Group | None":
+        """The group of this process, if torchrun started it among others.
+        Rank r > 0 waits for rank 0 to make the run before it opens the
+        store (SQLite would have two processes create it at once)."""
         w = world()
-        return cls(*w) if w is not None else None
-
-    def wait_leader(self) -> str | None:
-        """Rank r > 0: the run id of rank 0, once rank 0 has made its run.
-        Rank 0: None (it makes the run, then `publish`es it)."""
-        if self.rank == 0:
+        if w is None:
             return None
-        try:
-            self.leader = self.store.get(PREFIX + "run").decode()
-        except RuntimeError as e:
-            raise FlorError(f"rank {self.rank} waited {TIMEOUT_S} s for rank 0 to start "
-                            f"recording ({e})") from None
-        return self.leader
+        if resuming:
+            raise FlorError("record --resume of a data-parallel record is not supported; "
+                            "record it again under torchrun")
+        group = cls(*w)
+        if group.rank != 0:
+            try:
+                group.leader = group.store.get(_prefix() + "run").decode()
+            except RuntimeError as e:
+                raise FlorError(f"rank {group.rank} waited {TIMEOUT_S} s for rank 0 to start "
+                                f"recording ({e})") from None
+        return group
 
     def publish(self, run_id: str):
-        self.leader = run_id
-        self.store.set(PREFIX + "run", run_id)
+        """Rank 0: the run is made; the other ranks may go on."""
+        if self.rank == 0:
+            self.leader = run_id
+            self.store.set(_prefix() + "run", run_id)
 
-    def info(self, run_id) -> dict:
-        return {"group": self.leader or run_id, "rank": self.rank, "world_size": self.size}
+    @property
+    def owner(self) -> bool:
+        """Whether this rank writes the replicated state."""
+        return self.rank == OWNER
+
+    def follow(self, machine, handle, key, ctx, occurrence, decided, write_s, nbytes):
+        """(checkpoint?, reason): the group's decision on this execution,
+        given this rank's (`decided`: decide()'s result); the C rule's
+        accounting follows it."""
+        ok, reason = decided[0], decided[1]
+        agreed, decider = self.agree(key, ctx, occurrence, ok)
+        if decider != self.rank:
+            reason = f"{'checkpoint' if agreed else 'no checkpoint'}, as rank {decider} " \
+                     f"decided (this rank's rule: {reason})"
+        if agreed != ok:
+            machine.overruled(handle, agreed, write_s, nbytes)
+        return agreed, reason
+
+    def new_run_id(self, store, make, info: dict) -> str:
+        """This rank's run id: rank 0's is new (`make()`), rank r's follows
+        it; one that is already in the store is refused.  `info` (the run's)
+        gets the group, this rank and the world size."""
+        run_id = rank_run_id(self.leader or make(), self.rank)
+        if store.run(run_id) is not None:
+            raise FlorError(f"rank {self.rank}: run {run_id} is already in {store.root}; "
+                            "record it again")
+        info.update(group=self.leader or run_id, rank=self.rank, world_size=self.size)
+        return run_id
 
     def agree(self, key: str, ctx: str, occurrence: int, mine: bool) -> tuple[bool, int]:
         """(checkpoint?, the rank that decided): the decision of the first
         rank to reach this execution."""
-        what = PREFIX + "d/" + hashlib.sha1(f"{key}\0{ctx}\0{occurrence}".encode()).hexdigest()
+        digest = hashlib.sha1(f"{key}\0{ctx}\0{occurrence}".encode()).hexdigest()
+        what = _prefix() + "d/" + digest
         got = self.store.compare_set(what, "", f"{int(mine)} {self.rank}")
         if self.store.add(what + "/n", 1) == self.size:  # the last rank to get here
             self.store.delete_key(what)
@@ -146,7 +184,10 @@ def replicated(objs) -> list[int]:
     if torch is None:
         return []
     ddp = torch.nn.parallel.DistributedDataParallel
-    shared = {id(p) for o in objs if isinstance(o, ddp) for p in o.parameters()}
+    # (Parameters DDP is told to ignore are not synchronized: such a model
+    # is written by every rank.)
+    shared = {id(p) for o in objs if isinstance(o, ddp) and not getattr(
+        o, "parameters_to_ignore", None) for p in o.parameters()}
     if not shared:
         return []
     zero = getattr(getattr(torch.distributed, "optim", None), "ZeroRedundancyOptimizer", ())
@@ -219,6 +260,21 @@ def join(saved: dict, read_owner, size: int | None, path: str) -> dict:
     return out
 
 
+def read(ckpt_dir: str, fname: str, expect: bytes, group: dict | None):
+    """A checkpoint of the record (blockstate.read_own): (payload, how); of
+    a data-parallel record (`group`: the plan's ranks), with the replicated
+    objects it leaves to the owner rank's file of the same name put back."""
+    from .blockstate import read_own
+
+    path = os.path.join(ckpt_dir, fname)
+    saved, how = read_own(path, expect)
+    if group is not None:
+        def owner(rank):
+            return read_own(os.path.join(group["ckpt_dirs"][rank], fname), expect)[0]
+        saved = join(saved, owner, group["size"], path)
+    return saved, how
+
+
 def group_runs(store, rec) -> list[dict] | None:
     """The runs of every rank of a data-parallel record, by rank; None
     for a record of one process."""
@@ -235,6 +291,52 @@ def group_runs(store, rec) -> list[dict] | None:
     return runs
 
 
+MAGIC = b"\x89FLR\r\n\x1a\n"
+
+
+def sources(path: str) -> list[str]:
+    """The earlier files whose blobs a checkpoint refers to (docs/FORMAT.md:
+    the header's n_sources and table_off, the table's source names); raises
+    ValueError for a file that is not a readable flor checkpoint."""
+    with open(path, "rb") as f:
+        head = f.read(192)
+        if len(head) < 96 or head[:8] != MAGIC:
+            raise ValueError(f"{path} is not a flor checkpoint")
+        version, n = int.from_bytes(head[8:12], "little"), int.from_bytes(head[92:96], "little")
+        if version < 2 or n == 0:
+            return []
+        table_off = int.from_bytes(head[40:48], "little")
+        table_len = int.from_bytes(head[48:56], "little")
+        f.seek(table_off)
+        table = f.read(min(table_len, 16 + n * (8 + 256)))
+    out, p = [], 16
+    for _ in range(n):
+        if p + 2 > len(table):
+            raise ValueError(f"{path}: its table is truncated")
+        size = table[p] | table[p + 1] << 8
+        name = table[p + 2:p + 2 + size].decode("ascii", "replace")
+        if len(name) != size or "/" in name or not name:
+            raise ValueError(f"{path}: source {len(out)} is malformed")
+        out.append(name)
+        p += (2 + size + 7) // 8 * 8
+    return out
+
+
+def _missing(ckpt: str, name: str | None) -> str | None:
+    """What of checkpoint `name` in directory `ckpt` is missing, or None."""
+    if not name:
+        return "no file"
+    path = os.path.join(ckpt, name)
+    try:
+        refs = sources(path)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except (OSError, ValueError) as e:
+        return str(e)
+    gone = [r for r in refs if not os.path.isfile(os.path.join(ckpt, r))]
+    return f"{name} refers to {gone[0]}, which is missing" if gone else None
+
+
 def unusable(store, runs) -> dict:
     """{(block, ctx, occurrence): why} of the executions that replay must run
     on every rank: one that some rank ran checkpointed on another rank but
@@ -248,10 +350,9 @@ def unusable(store, runs) -> dict:
             what = (d["block"], d["ctx"], d["occurrence"])
             if not d["checkpoint"]:
                 why = f"rank {rank} did not checkpoint it"
-            elif not d["file"] or not os.path.isfile(os.path.join(ckpt, d["file"])):
-                why = f"the checkpoint of rank {rank} ({d['file']}) is missing"
             else:
-                why = None
+                gone = _missing(ckpt, d["file"])
+                why = f"the checkpoint of rank {rank}: {gone}" if gone else None
             seen.setdefault(what, []).append(why)
     out = {}
     for what, whys in seen.items():
@@ -267,7 +368,7 @@ def share_plan(segments):
     import socket
 
     store = _agent_store()
-    key = PREFIX + "replay/" + os.environ.get("TORCHELASTIC_RUN_ID", "")
+    key = _prefix() + "replay"
     if int(os.environ["RANK"]) == 0:
         chosen = []
         socks = []

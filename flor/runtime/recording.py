@@ -71,13 +71,8 @@ class Recording(RecordIterations):
         if adaptive is None:
             adaptive = os.environ.get("FLOR_ADAPTIVE", "1") not in ("0", "false", "off")
         self.script = os.path.abspath(script) if script else None
-        # The ranks of a torchrun launch record one run (flor/runtime/ranks.py);
-        # rank r > 0 opens the store once rank 0 has made the run.
-        self.group = ranks.Group.from_env()
-        if self.group is not None and resume is not None:
-            raise FlorError("record --resume of a data-parallel record is not supported; "
-                            "record it again under torchrun")
-        leader = self.group.wait_leader() if self.group is not None else None
+        # The ranks of a torchrun launch record one run (flor/runtime/ranks.py).
+        self.group = ranks.Group.join(resuming=resume is not None)
         if resume is not None:  # the interrupted run's rule goes on
             run = store.run(resume.run_id)
             eps, c = run["epsilon"], run["c"]
@@ -94,14 +89,11 @@ class Recording(RecordIterations):
         self.point = resume  # a flor.runtime.resume.ResumePoint
         self.restored = resume is None or resume.start == 0
         if resume is None:
-            run_id = None
-            if self.group is not None:
-                run_id = ranks.rank_run_id(leader or new_run_id(), self.group.rank)
-                info.update(self.group.info(run_id))
+            run_id = self.group.new_run_id(store, new_run_id, info) if self.group else None
             self.run_id = store.new_run("record", self.script, argv, source, epsilon=eps, c=c,
                                         versions=json.dumps(versions()), info=json.dumps(info),
                                         run_id=run_id)
-            if self.group is not None and leader is None:
+            if self.group is not None:
                 self.group.publish(self.run_id)
         else:
             self.run_id = resume.run_id
@@ -176,7 +168,11 @@ class Recording(RecordIterations):
         self.charges.ended(key, seconds, self._writer())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
-        nbytes = self.last_bytes.get(key)
+        # A rank that leaves the replicated state to rank 0 weighs what rank 0
+        # pays (all the bytes, a copy of them), never its own small writes:
+        # whichever rank decides, the rule holds for the rank that writes.
+        stand_in = self.group is not None and not self.group.owner
+        nbytes = None if stand_in else self.last_bytes.get(key)
         if nbytes is None:
             nbytes = _core.measure(objs)
         bw, copy_bw = self.bandwidth()
@@ -184,13 +180,8 @@ class Recording(RecordIterations):
         M = self.charges.cost(key, nbytes, copy_bw, write_s)
         ok, reason, ratio, limit, M = self.machine.decide(handle, nbytes, M, write_s)
         if self.group is not None:  # every rank follows the first to get here
-            agreed, decider = self.group.agree(key, ctx, occurrence, ok)
-            if decider != self.group.rank:
-                reason = f"{'checkpoint' if agreed else 'no checkpoint'}, as rank {decider} " \
-                         f"decided (this rank's rule: {reason})"
-            if agreed != ok:
-                self.machine.overruled(handle, agreed, write_s, nbytes)
-                ok = agreed
+            ok, reason = self.group.follow(self.machine, handle, key, ctx, occurrence,
+                                           (ok, reason), write_s, nbytes)
         fname = None
         _, _, top, top_iter, indices = session.info
         if ok:
@@ -203,7 +194,8 @@ class Recording(RecordIterations):
             try:
                 self.last_bytes[key] = mat.submit(fname, payload,
                                                   blockstate.payload_tag(payload))
-                self.charges.charged(key, time.perf_counter() - t0)
+                self.charges.charged(key, nbytes / copy_bw if stand_in and "replicated" in
+                                     payload else time.perf_counter() - t0)
                 self._submitted.append(key)
             except CheckpointWriteError as e:
                 note(f"checkpoint of block {key!r} failed: {e}")

@@ -208,18 +208,7 @@ class Replaying:
         self.reexecuted += 1
 
     def _read(self, fname, expect):
-        """A checkpoint of the record (blockstate.read_own); of a data-parallel
-        record, with the replicated objects it leaves to their owner rank's
-        file of the same name put back in."""
-        path = os.path.join(self.plan.ckpt_dir, fname)
-        saved, how = blockstate.read_own(path, expect)
-        group = self.plan.ranks
-        if group is not None:
-            def owner(rank):
-                return blockstate.read_own(os.path.join(group["ckpt_dirs"][rank], fname),
-                                           expect)[0]
-            saved = ranks.join(saved, owner, group["size"], path)
-        return saved, how
+        return ranks.read(self.plan.ckpt_dir, fname, expect, self.plan.ranks)
 
     def _how_read(self, fname, how):
         """Say, once, that checkpoints without a valid signature load in safe mode."""
