@@ -34,9 +34,10 @@ of its own.  They record one run of N ranks:
   no owner's file: replay re-executes it on the ranks that ran it.)
 
 Replay under torchrun with the record's world size replays rank r's record
-in rank r (flor/replay/plan.py picks it).  The plan uses only the executions
-that every rank that ran them checkpointed and whose files exist
-(`consistent`), and rank 0's segments and worker ports (`share_plan`).
+in rank r (flor/replay/plan.py picks it).  The plan restores only the
+executions that every rank that ran them checkpointed and whose files (and
+the earlier files these refer to) exist (`unusable` lists the others), and
+uses rank 0's segments and worker ports (`share_plan`).
 """
 from __future__ import annotations
 
@@ -48,18 +49,18 @@ import sys
 
 from ..errors import CheckpointCorrupt, FlorError
 
-__all__ = ["Group", "world", "rank_run_id", "replicated", "split", "join", "unusable",
-           "group_runs", "share_plan"]
+__all__ = ["Group", "world", "rank_run_id", "replicated", "split", "join", "read", "sources",
+           "unusable", "group_runs", "share_plan"]
+
+OWNER = 0  # the rank that writes replicated state
+TIMEOUT_S = 600  # how long a rank waits for rank 0 to create the run
+
 
 def _prefix() -> str:
     """Keys of this launch and attempt: torchrun keeps its agent's store
     across restarts (--max-restarts), and a restarted attempt is a new record."""
     return (f"flor/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
             f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
-
-
-OWNER = 0  # the rank that writes replicated state
-TIMEOUT_S = 600  # how long a rank waits for rank 0 to create the run
 
 
 def world() -> tuple[int, int] | None:
