@@ -200,10 +200,10 @@ def test_each_attempt_of_a_launch_has_its_own_keys(monkeypatch, tmp_path):
     zero.publish("run-a")
     assert zero.agree("train.py:9", "[]", 0, True) == (True, 0)  # then rank 1 died
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(ranks, "TIMEOUT_S", 1)
-    with pytest.raises(FlorError, match="waited 1 s for rank 0"):
-        ranks.Group.join()  # the new attempt's rank 0 has not made its run
+    # The new attempt's rank 1 would wait: its rank 0 has not made its run.
+    # (Asked without waiting: a store timeout is a C++ exception, which a
+    # sanitizer build of this process does not survive.)
+    assert not zero.store.check([ranks._prefix() + "run"])
     monkeypatch.setenv("RANK", "0")
     ranks.Group.join().publish("run-b")
     monkeypatch.setenv("RANK", "1")
