@@ -326,16 +326,14 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     threads, jobs, notes = worker_threads(rec, jobs, threads, cores)
     notes += _interrupted(store, rec)
     cmp, hands_free, new = _compare(store, script, rec)
-    decisions = store.rows("decisions", rec["run_id"])
-    recorded = [d for d in decisions if not is_iteration(d["block"])]
-    if group is not None:  # skip an execution on every rank or on none
-        dropped = ranking.unusable(store, group)
-        for (block, ctx, occurrence), why in dropped.items():
-            notes.append(f"block {block} at {ctx}, occurrence {occurrence}: {why}; it runs on "
-                         "every rank")
-        decisions = [dict(d, checkpoint=0, file=None)
-                     if (d["block"], d["ctx"], d["occurrence"]) in dropped else d
-                     for d in decisions]
+    recorded = store.rows("decisions", rec["run_id"])
+    # A data-parallel replay skips an execution on every rank or on none.
+    dropped = ranking.unusable(store, group) if group is not None else {}
+    for (block, ctx, occurrence), why in dropped.items():
+        notes.append(f"block {block} at {ctx}, occurrence {occurrence}: {why}; it runs on "
+                     "every rank")
+    decisions = [dict(d, checkpoint=0, file=None)
+                 if (d["block"], d["ctx"], d["occurrence"]) in dropped else d for d in recorded]
     iterations = [d for d in decisions if is_iteration(d["block"])]
     decisions = [d for d in decisions if not is_iteration(d["block"])]
     loops = store.rows("loops", rec["run_id"])
@@ -370,9 +368,10 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         files={rel: {"lines": {str(k): v for k, v in f.lines.items()},
                      "sites": {str(k): v for k, v in f.sites.items()},
                      "present": sorted(f.present)} for rel, f in cmp.files.items()},
-        checkpoints=[[d["block"], d["ctx"], d["occurrence"], usable["file"]]
-                     for d, usable in zip(recorded, decisions)
-                     if d["checkpoint"] and d["file"]],
+        checkpoints=[[d["block"], d["ctx"], d["occurrence"],
+                      None if (d["block"], d["ctx"], d["occurrence"]) in dropped else d["file"]]
+                     for d in recorded if d["checkpoint"] and d["file"]
+                     and not is_iteration(d["block"])],
         ckpt_dir=store.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
