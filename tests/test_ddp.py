@@ -128,13 +128,21 @@ def test_replay_steps_into_a_ddp_block_with_two_groups_of_ranks(handsfree):
     assert _checks_passed(proc.stderr), proc.stderr
 
 
-def test_replay_skips_on_every_rank_and_a_missing_file_runs_the_block_on_all(handsfree):
-    d = handsfree
-    edit(os.path.join(d, "train.py"), "scheduler.step()",
-         'print(f"rank {rank} conv {model.module.conv.weight.norm().item():.6f}")')
+def _probe(d, anchor, line):
+    """Add a hindsight statement to the recorded train.py, after `anchor`;
+    returns what a plain torchrun run of the edited script prints on each
+    rank, the store, and the record's run id (rank 0's)."""
+    edit(os.path.join(d, "train.py"), anchor, line)
     _, plain = torchrun(d, "train.py", "--epochs", "4", env={"FLOR_MODE": "off"})
     st = store(d)
-    leader = st.records(os.path.join(d, "train.py"))[0]["run_id"]
+    return plain, st, st.records(os.path.join(d, "train.py"))[0]["run_id"]
+
+
+def test_replay_skips_on_every_rank_and_a_missing_file_runs_the_block_on_all(handsfree):
+    d = handsfree
+    plain, st, leader = _probe(
+        d, "scheduler.step()",
+        'print(f"rank {rank} conv {model.module.conv.weight.norm().item():.6f}")')
     # Rank 1 lost the checkpoint of epoch 2's training block: both ranks
     # must run it (one alone would wait for the other in its all-reduce).
     lost = [p for n, p in _ckpt_files(st, leader + "-rank1").items()
@@ -153,11 +161,9 @@ def test_replay_skips_on_every_rank_and_a_missing_file_runs_the_block_on_all(han
 
 def test_a_missing_file_that_a_later_checkpoint_refers_to(handsfree):
     d = handsfree
-    edit(os.path.join(d, "train.py"), "loss.backward()",
-         'print(f"gn {sum(float(p.grad.norm()) ** 2 for p in model.parameters()):.6f}")')
-    _, plain = torchrun(d, "train.py", "--epochs", "4", env={"FLOR_MODE": "off"})
-    st = store(d)
-    leader = st.records(os.path.join(d, "train.py"))[0]["run_id"]
+    plain, st, leader = _probe(
+        d, "loss.backward()",
+        'print(f"gn {sum(float(p.grad.norm()) ** 2 for p in model.parameters()):.6f}")')
     files = _ckpt_files(st, leader)
     # Rank 0's iteration checkpoint of epoch 1 holds the bytes of its training
     # block's checkpoint of epoch 1 by reference: with that file gone, the
