@@ -77,3 +77,122 @@ def test_cpu_only_snapshot_leaves_cuda_uninitialised():
         """
     )
     assert out.stdout.strip() == "False"
+
+
+# --- isolation, sharing and devices -------------------------------------------
+
+def test_an_in_place_update_after_the_snapshot_does_not_reach_it():
+    w = torch.randn(1 << 16, device="cuda")
+    expected = w.cpu()
+    snap = flor.snapshot({"w": w})
+    for _ in range(20):  # kernels queued behind the copy on the same stream
+        w.mul_(3.0).add_(1.0)
+    assert torch.equal(snap.restore()["w"], expected)
+
+
+def test_tied_cuda_weights_stay_tied():
+    emb = torch.nn.Embedding(50, 16).cuda()
+    head = torch.nn.Linear(16, 50, bias=False).cuda()
+    head.weight = emb.weight
+    out = flor.snapshot({"emb": emb, "head": head}).restore()
+    assert out["emb"].weight is out["head"].weight
+    assert torch.equal(out["emb"].weight.detach(), emb.weight.detach().cpu())
+
+
+def test_mixed_cpu_and_cuda_state(tmp_path):
+    state = {"gpu": torch.randn(8, device="cuda"), "cpu": torch.randn(8), "n": 3}
+    flor.save(state, tmp_path / "m.flor")
+    back = flor.load(tmp_path / "m.flor")
+    assert back["gpu"].device.type == "cuda" and back["cpu"].device.type == "cpu"
+    assert torch.equal(back["gpu"], state["gpu"]) and torch.equal(back["cpu"], state["cpu"])
+    assert back["n"] == 3
+
+
+def test_load_onto_the_device_with_map_location(tmp_path):
+    t = torch.randn(10)
+    flor.save({"t": t}, tmp_path / "c.flor")
+    on_gpu = flor.load(tmp_path / "c.flor", map_location="cuda")["t"]
+    assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), t)
+
+
+# --- record and replay on the GPU ---------------------------------------------
+
+TRAIN = """
+import argparse
+import torch
+from torch import nn
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=4)
+    args = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    x = torch.randn(512, 32, device="cuda")
+    y = (x.sum(1) > 0).long()
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 2)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for epoch in range(args.epochs):
+        model.train()
+        for i in range(0, 512, 64):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[i:i + 64]), y[i:i + 64])
+            loss.backward()
+            opt.step()
+        noise = torch.rand(1, device="cuda").item()
+        print(f"epoch {epoch}: loss {loss.item():.6f} noise {noise:.6f}")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_hands_free_record_and_replay_on_the_gpu(tmp_path, jobs):
+    from conftest import edit, flor as flor_cli, plain, write_script
+
+    d = str(tmp_path)
+    write_script(d, "train.py", TRAIN)
+    flor_cli(d, "record", "--no-adaptive", "train.py", env=ENV)
+    edit(f"{d}/train.py", "model.train()",
+         'print(f"w {model[0].weight.norm().item():.6f}")', after=False)
+    proc = flor_cli(d, "replay", "--jobs", jobs, "train.py", env=ENV)
+    assert proc.stdout == plain(d, "train.py", env=ENV).stdout
+    assert "w " in proc.stdout
+
+
+MANUAL = """
+import torch
+from torch import nn
+import flor
+
+torch.use_deterministic_algorithms(True)
+torch.manual_seed(0)
+x = torch.randn(256, 16, device="cuda")
+y = x @ torch.randn(16, 1, device="cuda")
+model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 1)).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for epoch in flor.generator(range(3)):
+    if flor.SkipBlock.step_into("train"):
+        for i in range(0, 256, 32):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[i:i + 32]), y[i:i + 32]).backward()
+            opt.step()
+    model, opt = flor.SkipBlock.end(model, opt)
+    flor.log("after", torch.rand(1, device="cuda").item())
+    print(epoch, round(model[0].weight.sum().item(), 6))
+"""
+
+
+def test_manual_api_record_and_replay_on_the_gpu(tmp_path):
+    from conftest import flor as flor_cli, plain, write_script
+
+    d = str(tmp_path)
+    write_script(d, "manual.py", MANUAL)
+    rec = flor_cli(d, "record", "--no-adaptive", "manual.py", env=ENV)
+    proc = flor_cli(d, "replay", "manual.py", env=ENV)
+    assert proc.stdout == rec.stdout == plain(d, "manual.py", env=ENV).stdout
