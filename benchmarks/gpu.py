@@ -79,10 +79,12 @@ def measure(gib, rounds, work):
     mat = flor.Materializer(os.path.join(work, "m"), mode="thread", max_buffer_bytes=2 * nbytes + MiB)
     state = {"model": model, "opt": opt}
     count = [0]
+    last = []
 
     def submit():
         count[0] += 1
-        mat.submit(f"c{count[0]}", state)
+        last.append(f"c{count[0]}")
+        mat.submit(last[-1], state)
 
     configs = {"pinned": pinned, "snapshot": lambda: flor.snapshot(state), "submit": submit}
     try:
@@ -116,7 +118,7 @@ def measure(gib, rounds, work):
                     f.result()
                 dcp_save.pending.clear()
     mat.close()
-    name = os.path.join(work, "m", f"c{count[0]}.flor")
+    name = os.path.join(work, "m", last[-1] + ".flor")
     loads = []
     for _ in range(3):
         torch.cuda.synchronize()
