@@ -22,6 +22,7 @@ running session is a `Context`.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -244,3 +245,53 @@ class Context:
                     self.on_change()
                 return f
         return None
+
+
+def printed_lines(output: list[dict]) -> list[dict]:
+    """Log rows of the lines printed on stdout by statements of the user's
+    program, from output rows in order.  A line is a value of the statement
+    that printed it; one that a statement leaves unended is a value of its
+    own when another statement (or the same one in another context) writes
+    next, or when output not of the user's program does."""
+    out, counts, indices = [], {}, {}
+    pending = None  # (row where a line not yet ended began, its text so far)
+
+    def emit(row, text):
+        ctx = row["ctx"]
+        key = (row["loc"], ctx)
+        seq = counts.get(key, 0)
+        counts[key] = seq + 1
+        if ctx not in indices:  # lines share contexts by the thousand
+            indices[ctx] = _indices(ctx)
+        out.append({"run_id": row["run_id"], "part": row["part"], "ord": row["ord"],
+                    "phase": row["phase"], "top": row["top"], "ctx": ctx,
+                    "name": f"stdout@{row['loc']}", "iter": indices[ctx], "seq": seq,
+                    "value": json.dumps(text), "loc": row["loc"]})
+
+    for row in output:
+        if row["stream"] != "stdout":
+            continue
+        if pending is not None and (row["loc"], row["ctx"]) != (pending[0]["loc"],
+                                                                pending[0]["ctx"]):
+            emit(*pending)
+            pending = None
+        if row["loc"] is None:
+            continue
+        lines = row["text"].split("\n")
+        for i, line in enumerate(lines[:-1]):
+            if i == 0 and pending is not None:
+                emit(pending[0], pending[1] + line)
+                pending = None
+            else:
+                emit(row, line)
+        if lines[-1]:
+            pending = (pending[0], pending[1] + lines[-1]) if pending else (row, lines[-1])
+    if pending is not None:
+        emit(*pending)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _indices(ctx):
+    """The `iter` column of a context: the indices of its loops."""
+    return json.dumps([f[3] for f in json.loads(ctx or "[]") if f[0] == "L"])

@@ -10,7 +10,7 @@ import secrets
 import socket
 import time
 
-__all__ = ["Layout", "store_root", "new_run_id"]
+__all__ = ["Layout", "store_root", "new_run_id", "process_start", "process_alive"]
 
 
 def store_root() -> str:
@@ -89,14 +89,17 @@ class Layout:
             return load(os.path.join(self.run_dir(run_id), value["$array"]), map_location="cpu")
         return value
 
-    def latest_plan(self) -> str | None:
-        """The replay whose plan was written last (merge's default)."""
+    def part_replays(self) -> list[str]:
+        """Replays run in --part pieces (a part's own database is there),
+        the one whose plan was written last first."""
         runs_dir = os.path.join(self.root, "runs")
         if not os.path.isdir(runs_dir):
-            return None
-        plans = sorted((os.path.getmtime(self.plan_path(d)), d) for d in os.listdir(runs_dir)
-                       if os.path.isfile(self.plan_path(d)))
-        return plans[-1][1] if plans else None
+            return []
+        plans = sorted(((os.path.getmtime(self.plan_path(d)), d) for d in os.listdir(runs_dir)
+                        if os.path.isfile(self.plan_path(d))), reverse=True)
+        return [d for _, d in plans if any(
+            f.startswith("part-") and f.endswith(".db") and ".a" not in f
+            for f in os.listdir(self.run_dir(d)))]
 
     def calibration(self, **measures) -> dict:
         """This machine's measured speeds (bytes/s), each measured once per
@@ -123,3 +126,33 @@ class Layout:
                 json.dump(cal, f)
             os.replace(tmp, path)
         return {k: float(mine[k]) for k in measures}
+
+
+def process_start(pid) -> int | None:
+    """When process `pid` started (clock ticks after boot), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def process_alive(pid, start=None) -> bool:
+    """Whether process `pid` (started at `start`, when known) still runs:
+    not a zombie, and not another process that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0] != "Z" and (start is None or int(fields[19]) == start)

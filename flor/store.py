@@ -21,7 +21,6 @@ on each other for milliseconds.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -29,9 +28,11 @@ import sqlite3
 import time
 
 from .errors import StoreError
-from .layout import Layout, new_run_id, store_root
+from .context import printed_lines
+from .layout import Layout, new_run_id, process_alive, process_start, store_root
 
-__all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION"]
+__all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION", "unusable",
+           "printed_lines", "process_start", "process_alive"]
 
 SCHEMA_VERSION = 2
 # What turns a store of version v into version v + 1.
@@ -83,33 +84,54 @@ _RUN_COLUMNS = {"run_id", "kind", "parent", "script", "script_name", "argv", "st
                 "main_loop", "main_run", "iterations", "info"}
 
 
-class Store(Layout):
-    """The run store.  `db_file` points a replay part at a database of its
-    own (merge copies it into flor.db): one writer per file, which is safe
-    where SQLite's write-ahead log is not, on network file systems."""
+class _Database(Layout):
+    """The store's SQLite connection, one per process: opened (and, with
+    `create`, made) on first use, flor's schema checked before anything is
+    written, refusals of the file system turned into StoreErrors."""
 
-    def __init__(self, root: str | None = None, db_file: str | None = None):
+    def __init__(self, root: str | None = None, db_file: str | None = None,
+                 create: bool = True):
         super().__init__(root)
         self.db_file = db_file or os.path.join(self.root, "flor.db")
+        self.create = create  # False: a store that does not exist is an error, not made
         self._conn = None
         self._pid = None
+
+    def exists(self) -> bool:
+        """Whether the store's database exists (a store path that is a file is
+        a StoreError)."""
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise unusable(self.db_file, NotADirectoryError(20, "Not a directory"))
+        return os.path.isfile(self.db_file)
 
     # -- connection ---------------------------------------------------------
 
     @property
     def db(self) -> sqlite3.Connection:
         if self._conn is None or self._pid != os.getpid():
-            os.makedirs(os.path.dirname(self.db_file), exist_ok=True)
-            conn = sqlite3.connect(self.db_file, timeout=120, isolation_level=None,
-                                   check_same_thread=False)
+            if not self.create and not self.exists():
+                raise StoreError(f"no flor run store at {self.root} (FLOR_DIR, default "
+                                 "./.flor): run the command where the script was recorded, "
+                                 "or point FLOR_DIR at the store that holds its runs")
+            conn = None
             try:
+                os.makedirs(os.path.dirname(self.db_file), exist_ok=True)
+                conn = sqlite3.connect(self.db_file, timeout=120, isolation_level=None,
+                                       check_same_thread=False)
+                # flor's own tables are checked before anything is written:
+                # another program's database is left as it was.
+                with _Transaction(conn):
+                    _check_schema(conn, self.db_file)
                 if self.db_file.endswith("flor.db"):
                     _wal(conn)
                     conn.execute("PRAGMA synchronous=NORMAL")
-                with _Transaction(conn):
-                    _check_schema(conn, self.db_file)
+            except (OSError, sqlite3.Error) as e:
+                if conn is not None:
+                    conn.close()
+                raise unusable(self.db_file, e) from None
             except BaseException:
-                conn.close()
+                if conn is not None:
+                    conn.close()
                 raise
             conn.row_factory = sqlite3.Row
             self._conn, self._pid = conn, os.getpid()
@@ -121,12 +143,23 @@ class Store(Layout):
         self._conn = None
 
     def transaction(self):
-        return _Transaction(self.db)
+        return _Transaction(self.db, self.db_file)
 
     def _many(self, sql, rows):
         if rows:
             with self.transaction():
                 self.db.executemany(sql, rows)
+
+    def _insert(self, table, rows):
+        if rows:
+            marks = ", ".join("?" for _ in rows[0])
+            self._many(f"INSERT INTO {table} VALUES ({marks})", rows)
+
+
+class Store(_Database):
+    """The run store.  `db_file` points a replay part at a database of its
+    own (merge copies it into flor.db): one writer per file, which is safe
+    where SQLite's write-ahead log is not, on network file systems."""
 
     # -- runs ---------------------------------------------------------------
 
@@ -209,10 +242,22 @@ class Store(Layout):
                             (run_id, decisions))
 
     def checkpoint_counts(self) -> dict[str, int]:
-        """{run id: checkpoints its record decided to take}."""
-        return dict(self.db.execute(
-            "SELECT run_id, COUNT(*) FROM decisions WHERE checkpoint = 1 GROUP BY run_id"
-        ).fetchall())
+        """{run id: its record's checkpoints whose files exist}: a write that
+        failed (a full disk) or a file deleted since is not counted."""
+        counts: dict[str, int] = {}
+        for run_id, name in self.db.execute(
+                "SELECT run_id, file FROM decisions WHERE checkpoint = 1 AND file IS NOT NULL"):
+            if os.path.exists(os.path.join(self.ckpt_dir(run_id), name)):
+                counts[run_id] = counts.get(run_id, 0) + 1
+        return counts
+
+    def delete_runs(self, run_ids):
+        """Delete every row of these runs, in one transaction (their files
+        are deleted by the caller, after)."""
+        keys = [(r,) for r in run_ids]
+        with self.transaction():
+            for table in ("runs", *PART_TABLES, "decisions"):
+                self.db.executemany(f"DELETE FROM {table} WHERE run_id = ?", keys)
 
     def restore_ratios(self, script_name) -> list[float]:
         """For each block of each earlier replay of this script that restored
@@ -228,11 +273,6 @@ class Store(Layout):
         return [r["r"] / r["w"] for r in rows if r["w"] > 0]
 
     # -- per-run data -------------------------------------------------------
-
-    def _insert(self, table, rows):
-        if rows:
-            marks = ", ".join("?" for _ in rows[0])
-            self._many(f"INSERT INTO {table} VALUES ({marks})", rows)
 
     def add_logs(self, rows):
         self._insert("logs", rows)
@@ -308,6 +348,23 @@ class Store(Layout):
             "ORDER BY ord", (run_id, top, it))]
 
 
+def unusable(db_file, error) -> StoreError:
+    """The StoreError for an OSError or SQLite error met opening or writing
+    the store at `db_file`: what is wrong, and the way out."""
+    root = os.path.dirname(db_file)
+    text = str(error) if isinstance(error, sqlite3.Error) else (error.strerror or str(error))
+    if isinstance(error, sqlite3.DatabaseError) and any(
+            m in text for m in ("not a database", "malformed", "encrypted")):
+        return StoreError(f"{db_file} is damaged or is not a database ({text}); flor leaves it "
+                          "untouched. Move it away to start a new store there, or point "
+                          "FLOR_DIR at another directory")
+    if isinstance(error, OSError) and os.path.exists(root) and not os.path.isdir(root):
+        return StoreError(f"cannot use {root} as flor's run store: it is a file, not a "
+                          "directory. Point FLOR_DIR at a directory")
+    return StoreError(f"cannot write flor's run store at {root} ({text}). Make it writable, "
+                      "free some space, or point FLOR_DIR at another directory")
+
+
 def _wal(conn, timeout_s=120.0):
     """Switch to write-ahead logging.  Processes that open a new store at
     once (the ranks of a torchrun launch) race for it, and SQLite answers
@@ -321,86 +378,6 @@ def _wal(conn, timeout_s=120.0):
             if "locked" not in str(e) or time.monotonic() > deadline:
                 raise
             time.sleep(0.005)
-
-
-def process_start(pid) -> int | None:
-    """When process `pid` started (clock ticks after boot), None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])
-
-
-def process_alive(pid, start=None) -> bool:
-    """Whether process `pid` (started at `start`, when known) still runs:
-    not a zombie, and not another process that reuses its pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-    fields = stat[stat.rindex(")") + 2:].split()
-    return fields[0] != "Z" and (start is None or int(fields[19]) == start)
-
-
-def printed_lines(output: list[dict]) -> list[dict]:
-    """Log rows of the lines printed on stdout by statements of the user's
-    program, from output rows in order.  A line is a value of the statement
-    that printed it; one that a statement leaves unended is a value of its
-    own when another statement (or the same one in another context) writes
-    next, or when output not of the user's program does."""
-    out, counts, indices = [], {}, {}
-    pending = None  # (row where a line not yet ended began, its text so far)
-
-    def emit(row, text):
-        ctx = row["ctx"]
-        key = (row["loc"], ctx)
-        seq = counts.get(key, 0)
-        counts[key] = seq + 1
-        if ctx not in indices:  # lines share contexts by the thousand
-            indices[ctx] = _indices(ctx)
-        out.append({"run_id": row["run_id"], "part": row["part"], "ord": row["ord"],
-                    "phase": row["phase"], "top": row["top"], "ctx": ctx,
-                    "name": f"stdout@{row['loc']}", "iter": indices[ctx], "seq": seq,
-                    "value": json.dumps(text), "loc": row["loc"]})
-
-    for row in output:
-        if row["stream"] != "stdout":
-            continue
-        if pending is not None and (row["loc"], row["ctx"]) != (pending[0]["loc"],
-                                                                pending[0]["ctx"]):
-            emit(*pending)
-            pending = None
-        if row["loc"] is None:
-            continue
-        lines = row["text"].split("\n")
-        for i, line in enumerate(lines[:-1]):
-            if i == 0 and pending is not None:
-                emit(pending[0], pending[1] + line)
-                pending = None
-            else:
-                emit(row, line)
-        if lines[-1]:
-            pending = (pending[0], pending[1] + lines[-1]) if pending else (row, lines[-1])
-    if pending is not None:
-        emit(*pending)
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _indices(ctx):
-    """The `iter` column of a context: the indices of its loops."""
-    return json.dumps([f[3] for f in json.loads(ctx or "[]") if f[0] == "L"])
 
 
 def _makes_up(row, nparts) -> bool:
@@ -450,14 +427,34 @@ def _check_schema(conn, db_file):
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT (or ROLLBACK) on an autocommit connection."""
+    """BEGIN IMMEDIATE ... COMMIT (or ROLLBACK) on an autocommit connection.
+    A write that the file system refuses (read-only, full) becomes a
+    StoreError naming the store (`db_file`)."""
 
-    def __init__(self, conn):
-        self.conn = conn
+    def __init__(self, conn, db_file=None):
+        self.conn, self.db_file = conn, db_file
 
     def __enter__(self):
         self.conn.execute("BEGIN IMMEDIATE")
         return self.conn
 
     def __exit__(self, exc_type, exc, tb):
-        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is None:
+            try:
+                self.conn.execute("COMMIT")
+            except sqlite3.OperationalError as e:
+                self.conn.execute("ROLLBACK")
+                if self.db_file is None or not _refused(e):
+                    raise
+                raise unusable(self.db_file, e) from None
+            return False
+        self.conn.execute("ROLLBACK")
+        if self.db_file is not None and isinstance(exc, sqlite3.OperationalError) and _refused(exc):
+            raise unusable(self.db_file, exc) from None
+        return False
+
+
+def _refused(error) -> bool:
+    """Whether an SQLite error is the file system refusing a write."""
+    return any(m in str(error) for m in ("readonly", "disk is full", "unable to open",
+                                         "disk I/O error"))

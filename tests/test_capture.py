@@ -1,12 +1,12 @@
 """Output capture (csrc/capture.c, flor/runtime/capture.py) and the printed
-lines the store reads back from it (flor/store.py printed_lines)."""
+lines the store reads back from it (flor/context.py printed_lines)."""
 import io
 import json
 
 import pytest
 
 from flor import _core
-from flor.store import printed_lines
+from flor.context import printed_lines
 
 
 def _journal(user=True):

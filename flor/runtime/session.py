@@ -26,6 +26,7 @@ import time
 
 from .. import _core
 from ..context import PLAIN, Context
+from ..errors import StoreError, note
 from ..store import Store
 from .blockstate import signature
 from .capture import Capture
@@ -101,8 +102,12 @@ class Session(Loops):
             cls._current = Inert()
         elif mode == "record":
             main = sys.modules.get("__main__")
-            cls._current = cls.record(getattr(main, "__file__", None), sys.argv,
-                                      watch_exceptions=True)
+            try:
+                cls._current = cls.record(getattr(main, "__file__", None), sys.argv,
+                                          watch_exceptions=True)
+            except StoreError as e:  # the script cannot record: say why, and stop it
+                note(str(e))
+                raise SystemExit(2) from None
         else:
             raise ValueError(f"FLOR_MODE must be record or off, not {mode!r}; replay runs "
                              "through `python -m flor replay`")
