@@ -35,6 +35,10 @@ __all__ = ["Recording", "record_script", "summary", "never_checkpointed", "DEFAU
 DEFAULT_EPSILON = 1 / 15
 DEFAULT_C = 1.38
 CALIBRATION_BYTES = 32 << 20
+# What the rule assumes where the store's calibration could not be measured:
+# a slow disk (so few checkpoints) and an ordinary memory copy.
+FALLBACK_WRITE_BPS = 20 << 20
+FALLBACK_COPY_BPS = 1 << 30
 
 
 def estimate_c(store, script_name) -> float:
@@ -241,9 +245,7 @@ class Recording(RecordIterations):
         run's own writes once there are some, else both by a one-time
         calibration of this machine."""
         if self._bw is None:
-            cal = self.store.calibration(write_bytes_per_s=self._calibrate_write,
-                                         copy_bytes_per_s=self._calibrate_copy)
-            self._bw = cal["write_bytes_per_s"], cal["copy_bytes_per_s"]
+            self._bw = calibration(self.store, self.machine.adaptive)
         write_bw, copy_bw = self._bw
         if self._mat is not None:
             st = self._mat.stats()
@@ -251,23 +253,6 @@ class Recording(RecordIterations):
             if st["written"] >= 2 and st["write_seconds"] > 0 and st["bytes_written"] > 0:
                 write_bw = st["bytes_written"] / st["write_seconds"]
         return write_bw, copy_bw
-
-    def _calibrate_write(self) -> float:
-        from ..checkpoint import save
-
-        path = os.path.join(self.store.root, f"calibrate.{os.getpid()}.flor")
-        t0 = time.perf_counter()
-        save({"bytes": bytearray(CALIBRATION_BYTES)}, path)
-        dt = time.perf_counter() - t0
-        os.unlink(path)
-        return CALIBRATION_BYTES / dt
-
-    @staticmethod
-    def _calibrate_copy() -> float:
-        """A snapshot's copy into a warm staging buffer (the second of two)."""
-        data = bytearray(CALIBRATION_BYTES)
-        _core.snapshot(data)
-        return CALIBRATION_BYTES / max(_core.snapshot(data).copy_seconds, 1e-9)
 
     # -- the end ------------------------------------------------------------
 
@@ -296,6 +281,9 @@ class Recording(RecordIterations):
         if self.point is not None and self.point.start:
             top = [row for row in top if row[:2] == (self.point.loop, self.point.loop_run)]
         main = max(top, key=lambda r: r[4]) if top else None
+        # A run that never reached a loop or block of flor's (a --help run, a
+        # crash or an exit before the main loop) has nothing to replay.
+        empty = main is None and not any(st["n"] for st in self.machine.stats())
         self.info.update({"failed_writes": [f[0] for f in failures],
                           "threads": torch.get_num_threads() if torch is not None else None,
                           "adaptive": self.machine.adaptive, "hands_free": self.hands_free,
@@ -303,10 +291,48 @@ class Recording(RecordIterations):
                           "captured": session.block_labels,
                           "error": repr(error) if failed else None})
         self.store.update_run(
-            self.run_id, finished=time.time(), status="failed" if failed else "finished",
+            self.run_id, finished=time.time(),
+            status="empty" if empty else "failed" if failed else "finished",
             main_loop=main[0] if main else None, main_run=main[1] if main else None,
             iterations=main[3] if main else 0, versions=json.dumps(versions()),
             info=json.dumps(self.info))
+
+
+def calibration(store, adaptive) -> tuple[float, float]:
+    """(write, copy) bytes per second of this machine, measured once per
+    store.  Without adaptivity nothing is measured: the rule decides
+    nothing, and the run's own writes measure it soon enough.  A calibration
+    that cannot write (a full disk, a read-only store) never stops the
+    training: the rule then assumes a slow disk, and says so."""
+    if not adaptive:
+        return FALLBACK_WRITE_BPS, FALLBACK_COPY_BPS
+    try:
+        cal = store.calibration(write_bytes_per_s=lambda: _calibrate_write(store.root),
+                                copy_bytes_per_s=_calibrate_copy)
+    except OSError as e:
+        note(f"could not measure how fast this machine writes checkpoints ({e}); the "
+             f"adaptive rule assumes {FALLBACK_WRITE_BPS / 2**20:.0f} MiB/s until this "
+             "run's own checkpoints measure it")
+        return FALLBACK_WRITE_BPS, FALLBACK_COPY_BPS
+    return cal["write_bytes_per_s"], cal["copy_bytes_per_s"]
+
+
+def _calibrate_write(root) -> float:
+    from ..checkpoint import save
+
+    path = os.path.join(root, f"calibrate.{os.getpid()}.flor")
+    t0 = time.perf_counter()
+    save({"bytes": bytearray(CALIBRATION_BYTES)}, path)
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return CALIBRATION_BYTES / dt
+
+
+def _calibrate_copy() -> float:
+    """A snapshot's copy into a warm staging buffer (the second of two)."""
+    data = bytearray(CALIBRATION_BYTES)
+    _core.snapshot(data)
+    return CALIBRATION_BYTES / max(_core.snapshot(data).copy_seconds, 1e-9)
 
 
 def _evicted(signum, frame):
@@ -370,14 +396,21 @@ def summary(store, run_id) -> list[str]:
     """What a finished record stored: iterations, checkpoints and bytes, and
     a note for each outermost block the adaptive rule never checkpointed."""
     run = store.run(run_id)
+    if run["status"] == "empty":
+        return [f"run {run_id} of {run['script_name']} ended before any loop of flor's ran "
+                f"(a --help run, or an exit before the main loop): replay never picks it; "
+                f"`flor rm {run_id}` deletes it"]
     decisions = store.rows("decisions", run_id, "ORDER BY rowid")
     ckpt_dir = store.ckpt_dir(run_id)
     def size(rows):
         return sum(os.path.getsize(os.path.join(ckpt_dir, d["file"])) for d in rows
                    if d["file"] and os.path.exists(os.path.join(ckpt_dir, d["file"]))) / 2**20
 
-    ckpts = [d for d in decisions if d["checkpoint"] and not is_iteration(d["block"])]
-    iters = [d for d in decisions if d["checkpoint"] and is_iteration(d["block"])]
+    # Checkpoints whose files exist: a write that failed (a full disk) is not one.
+    written = [d for d in decisions if d["checkpoint"] and d["file"]
+               and os.path.exists(os.path.join(ckpt_dir, d["file"]))]
+    ckpts = [d for d in written if not is_iteration(d["block"])]
+    iters = [d for d in written if is_iteration(d["block"])]
     more = f" and {len(iters)} iteration checkpoints ({size(iters):.1f} MiB)" if iters else ""
     return [f"recorded run {run_id} of {run['script_name']}: {run['iterations']} iterations of "
             f"the main loop, {len(ckpts)} checkpoints ({size(ckpts):.1f} MiB){more} in "
