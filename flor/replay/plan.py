@@ -206,17 +206,45 @@ def instrument_current(source, script, lines: dict):
                       lambda line: location(rel, line, lines.get(line), mapped=True))
 
 
+def _arguments(rec, script, args, differ_ok) -> list:
+    """The script's arguments for the replay: the recorded ones when none
+    are given; given ones that differ only with `differ_ok`."""
+    recorded = json.loads(rec["argv"])[1:]
+    if args is None:
+        return recorded
+    if list(args) != recorded and not differ_ok:
+        def show(a):
+            return " ".join(shlex.quote(x) for x in a) or "(none)"
+        raise FlorError(
+            f"run {rec['run_id']} recorded {os.path.basename(script)} with the arguments "
+            f"{show(recorded)}, and this replay gives {show(args)}. Replay with the recorded "
+            "ones (give none, or the same), or pass --args-differ-ok to replay with others "
+            "(values that depend on them will differ from the record's)")
+    return list(args)
+
+
 def _pick_record(store: Store, script: str, run_id):
     if run_id is not None:
         rec = store.run(run_id)
         if rec is None or rec["kind"] != "record":
             raise FlorError(f"no recorded run {run_id!r} in {store.root}; "
-                            "`python -m flor runs` lists them")
+                            "`flor runs` lists them")
         return rec
     rec = store.latest_record(script)
     if rec is None:
-        raise FlorError(f"no recorded run of {os.path.basename(script)} in {store.root}; "
-                        f"record it first: python -m flor record {script}")
+        name = os.path.basename(script)
+        others = store.records(script)
+        if others:
+            newest = others[0]
+            raise FlorError(
+                f"no record of {name} in {store.root} can be replayed: the latest, run "
+                f"{newest['run_id']}, is {store.status(newest)}" +
+                (" (it ended before its main loop)" if newest["status"] == "empty" else "")
+                + f". `flor show {newest['run_id']}` says more; replay it anyway with --run "
+                f"{newest['run_id']}, or record again: flor record {script}")
+        raise FlorError(f"no recorded run of {name} in {store.root} (FLOR_DIR, default "
+                        f"./.flor); record it first (flor record {script}), or point FLOR_DIR "
+                        "at the store that holds its record")
     newest = store.records(script)[0]
     if newest["run_id"] != rec["run_id"]:
         note(f"the latest record of {os.path.basename(script)}, run {newest['run_id']}, "
@@ -310,15 +338,18 @@ def worker_threads(rec, jobs: int, threads=None, cores=None):
 
 
 def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=None,
-                tolerance=None, threads=None, cores=None):
+                tolerance=None, threads=None, cores=None, args_differ_ok=False):
     """Plan the replay of the latest finished record of `script` (or `run_id`)
-    with `args` on up to `jobs` workers of `threads` torch threads each (the
-    record's by default; no more workers than `cores` allow).  `part`: the
-    part of a --part I/N replay, or -1 for Ray (one segment per worker).  Returns
-    (plan, record row, comparison, current source of the script, notes)."""
+    with `args` (None: the recorded ones) on up to `jobs` workers of
+    `threads` torch threads each (the record's by default; no more workers
+    than `cores` allow).  `part`: the part of a --part I/N replay, or -1 for
+    Ray (one segment per worker).  Arguments that differ from the recorded
+    ones are refused unless `args_differ_ok`.  Returns (plan, record row,
+    comparison, current source of the script, notes)."""
     if not os.path.isfile(script):
         raise FlorError(f"no such script: {script}")
     rec = _pick_record(store, script, run_id)
+    args = _arguments(rec, script, args, args_differ_ok)
     rec, group = _this_rank(store, script, args, rec)
     if group is not None and part is not None:
         raise FlorError("a data-parallel record is replayed by local workers under torchrun: "
@@ -382,7 +413,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
 def register(store: Store, plan: Plan, rec, source: str, mode: str):
     """Create the replay run (if new) and write its plan next to it."""
     if store.run(plan.replay_id) is None:
-        store.new_run("replay", plan.script, plan.argv[1:], source, parent=rec["run_id"],
+        store.new_run("replay", plan.script, plan.argv, source, parent=rec["run_id"],
                       run_id=plan.replay_id, main_loop=plan.main_loop,
                       main_run=plan.main_run, iterations=plan.iterations,
                       info=json.dumps({"nparts": len(plan.segments), "mode": mode,
@@ -415,7 +446,8 @@ def describe(plan: Plan, rec, cmp: Comparison, args) -> list[str]:
                          "\n".join(f"    line {line}: {text}" for line, text in hf["other"]))
     recorded_argv = json.loads(rec["argv"])
     if list(args) != recorded_argv[1:]:
-        notes.append(f"arguments differ from the record's {recorded_argv[1:]}")
+        notes.append(f"the script's arguments differ from the record's {recorded_argv[1:]} "
+                     "(--args-differ-ok)")
     segs = ", ".join(f"[{s}, {e})" for s, e in plan.segments)
     notes.append(f"replaying run {rec['run_id']}: {plan.iterations} iterations "
                  f"in segments {segs}")

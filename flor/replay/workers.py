@@ -9,6 +9,7 @@ iteration on a pipe, which drives the progress bar.
 """
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from ..errors import Interrupted, note
+from ..errors import FlorError, Interrupted, note
 from ..runtime.script import run_main
 from ..runtime.session import Session
 from ..store import Store
@@ -246,7 +247,7 @@ class _Queue:
             self.failed.append(a)
             return False
         died = code < 0
-        if not died and not a.resume:
+        if not died and (not a.resume or not _reached_main(self.plan, a)):
             self.failed.append(a)
             return False
         self.lost.append(a)
@@ -291,6 +292,35 @@ class _Queue:
         return True
 
 
+def _reached_main(plan, a) -> bool:
+    """Whether a failed attempt got to the main loop (a failure before it,
+    say of the script's argument parsing, would only happen again)."""
+    try:
+        rows = Store(plan.store, db_file=a.db, create=False).rows("parts", plan.replay_id)
+    except FlorError:
+        return False
+    return any(json.loads(r["info"] or "{}").get("main_seen") for r in rows)
+
+
+def _script_failure(plan, a, lines=20):
+    """Say how a segment's script failed: its exit status, and the last
+    lines it wrote to stderr (kept in the attempt's database)."""
+    code = a.proc.returncode
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    note(f"replay failed: the script {how} in segment {a.part} "
+         f"(iterations {plan.segments[a.part][0]}-{plan.segments[a.part][1] - 1})")
+    try:
+        rows = Store(plan.store, db_file=a.db, create=False).rows("output", plan.replay_id,
+                                                                   "ORDER BY ord")
+    except FlorError:
+        return
+    text = "".join(r["text"] for r in rows if r["stream"] == "stderr").rstrip("\n")
+    if text:
+        tail = text.split("\n")[-lines:]
+        print(f"--- the script's stderr (last {len(tail)} lines) ---\n" + "\n".join(tail),
+              file=sys.stderr, flush=True)
+
+
 def _stopped(signum, frame):
     raise Interrupted()
 
@@ -327,9 +357,9 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
         a.text()
     if not ok:
         store.update_run(plan.replay_id, finished=time.time(), status="failed")
-        note(f"replay failed in segment{'s' if len(queue.failed) > 1 else ''} "
-             f"{', '.join(str(a.part) for a in queue.failed)}")
-        return 1
+        for a in queue.failed:
+            _script_failure(plan, a)
+        return next((a.proc.returncode for a in queue.failed if a.proc.returncode > 0), 1)
     for part in range(nparts):
         store.import_part(queue.won[part].db)
     for a in [*queue.won.values(), *queue.lost]:
