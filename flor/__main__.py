@@ -1,131 +1,69 @@
-"""The flor command line.
+"""The flor command line: ``flor COMMAND`` (or ``python -m flor COMMAND``).
 
-    python -m flor record [--epsilon E] [--no-adaptive] [--resume [--force]] SCRIPT [ARGS...]
-    python -m flor replay [--jobs N] [--backend local|ray] [--threads T] [--run ID]
-                          [--part I/N | --parts N] [--check warn|strict]
-                          [--tolerance REL] [--strict] SCRIPT [ARGS...]
-    python -m flor merge [--check warn|strict] [REPLAY_ID]
-    python -m flor runs
+    flor record [options] SCRIPT [ARGS...]    run SCRIPT, recording it
+    flor replay [options] SCRIPT [ARGS...]    replay its record with the edited SCRIPT
+    flor merge [REPLAY]                       assemble a replay run in --part pieces
+    flor runs | show RUN | rm RUN... | prune  the runs of the store
+    flor plot NAME | export --tensorboard DIR the stored values
 
-flor's options go before SCRIPT.  When none do, options of flor's at the very
-end of the script's arguments are flor's (`replay train.py --epochs 20 --jobs 2`);
-write `SCRIPT -- ARGS` to pass everything after `--` to the script.  flor's
-own messages go to stderr; replay's stdout is what the edited script prints.
+``flor COMMAND --help`` describes each.  The exit status is 0 on success;
+the script's own status when it fails (1 for an uncaught exception); 1
+when ``replay --check strict`` finds values that differ; 2 when flor
+refuses (an argument, option, script or store it cannot use).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
-import time
 import traceback
 
+from .cli import build_parser, options_of, parse
 from .errors import FlorError, note
 from .materializer import mode_from_env
-from .store import Store
-
-USAGE = __doc__.split("\n\n")[1]
 
 
-def _split(rest, options, flags=(), trailing=False):
-    """(flor options, SCRIPT, script args) from the words after the command.
-    `options` take a value; `flags` do not (their value is True)."""
-    opts, i = {}, 0
-    while i < len(rest) and rest[i].startswith("-"):
-        name, eq, value = rest[i].partition("=")
-        if name in flags and not eq:
-            opts[name] = True
-            i += 1
-            continue
-        if name not in options:
-            raise FlorError(f"unknown option {name}\n{USAGE}")
-        if not eq:
-            i += 1
-            if i >= len(rest):
-                raise FlorError(f"{name} needs a value")
-            value = rest[i]
-        opts[name] = value
-        i += 1
-    if i >= len(rest):
-        raise FlorError(f"missing SCRIPT\n{USAGE}")
-    script, args = rest[i], list(rest[i + 1:])
-    if args[:1] == ["--"]:
-        args, trailing = args[1:], False
-    if opts:
-        trailing = False  # flor's options came first: the rest is the script's
-    while trailing and args:
-        if args[-1] in flags:
-            opts.setdefault(args.pop(), True)
-        elif len(args) >= 2 and args[-2] in options:
-            opts.setdefault(args[-2], args[-1])
-            del args[-2:]
-        elif args[-1].partition("=")[0] in options and "=" in args[-1]:
-            name, _, value = args.pop().partition("=")
-            opts.setdefault(name, value)
-        else:
-            break
-    if not os.path.isfile(script):
-        raise FlorError(f"no such script: {script}")
-    return opts, script, args
+# -- the commands ------------------------------------------------------------
 
-
-def cmd_record(rest) -> int:
+def cmd_record(o) -> int:
     from .runtime.recording import record_script
 
-    opts, script, args = _split(rest, {"--epsilon"}, flags={"--no-adaptive", "--resume",
-                                                            "--force"})
-    epsilon = float(opts["--epsilon"]) if "--epsilon" in opts else None
-    adaptive = False if opts.get("--no-adaptive") else None
-    if opts.get("--force") and not opts.get("--resume"):
+    if o.force and not o.resume:
         raise FlorError("--force goes with --resume")
     try:
         mode_from_env()
     except ValueError as e:
         raise FlorError(str(e)) from None
-    return record_script(script, args, epsilon=epsilon, adaptive=adaptive,
-                         resume=bool(opts.get("--resume")), force=bool(opts.get("--force")))
+    return record_script(o.script, o.args, epsilon=o.epsilon,
+                         adaptive=False if o.no_adaptive else None, resume=o.resume,
+                         force=o.force)
 
 
 def _parse_part(text):
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
-        raise FlorError(f"--part takes I/N, for example 0/4, not {text!r}") from None
+        raise FlorError(f"--part takes I/N counting from 0, for example 0/4, not {text!r}") \
+            from None
     if not (n >= 1 and 0 <= i < n):
-        raise FlorError(f"--part {text}: need 0 <= I < N")
+        raise FlorError(f"--part {text}: I counts from 0, so 0 <= I < N (0/{max(n, 1)} to "
+                        f"{max(n, 1) - 1}/{max(n, 1)})")
     return i, n
 
 
-def _strict(opts):
-    check = opts.get("--check", "warn")
-    if check not in ("warn", "strict"):
-        raise FlorError(f"--check takes warn or strict, not {check!r}")
-    return check == "strict"
-
-
-def _tolerance(opts):
-    if "--tolerance" not in opts:
-        return None
-    try:
-        tolerance = float(opts["--tolerance"])
-    except ValueError:
-        raise FlorError(f"--tolerance takes a number, not {opts['--tolerance']!r}") from None
-    if not tolerance >= 0:
-        raise FlorError("--tolerance must be at least 0")
-    return tolerance
-
-
-def _threads(opts):
+def _threads(o):
     """Torch threads per replay worker as told: --threads, else OMP_NUM_THREADS."""
-    text = opts.get("--threads", os.environ.get("OMP_NUM_THREADS"))
+    if o.threads is not None:
+        return o.threads
+    text = os.environ.get("OMP_NUM_THREADS")
     if text is None:
         return None
     try:
         threads = int(text)
     except ValueError:
-        raise FlorError(f"--threads (or OMP_NUM_THREADS) takes a whole number, not {text!r}") \
-            from None
+        threads = 0
     if threads < 1:
-        raise FlorError("--threads must be at least 1")
+        raise FlorError(f"OMP_NUM_THREADS takes a whole number of at least 1, not {text!r}")
     return threads
 
 
@@ -156,114 +94,176 @@ def _cores():
     return max(1, cores)
 
 
-def _plan(store, script, args, jobs, opts, part=None):
+def _plan(store, o, jobs, part=None):
     from .replay.plan import plan_replay
 
-    plan, rec, cmp, source, notes = plan_replay(
-        store, script, args, jobs, opts.get("--run"), part=part, tolerance=_tolerance(opts),
-        threads=_threads(opts), cores=None if part is not None else _cores())
+    try:
+        plan, rec, cmp, source, notes = plan_replay(
+            store, o.script, o.args if o.explicit_args else None, jobs, o.run, part=part,
+            tolerance=o.tolerance, threads=_threads(o),
+            cores=None if part is not None else _cores(), args_differ_ok=o.args_differ_ok)
+    except FlorError as e:
+        hint = _hint_options(o)
+        raise FlorError(f"{e}\n{hint}" if hint and "arguments" in str(e) else str(e)) from None
     for line in notes:
         note(line)
     hf = plan.hands_free
-    if opts.get("--strict") and hf and hf["other"]:
+    if o.strict and hf and hf["other"]:
         raise FlorError("--strict: the script changed in ways other than hindsight "
                         "statements:\n" + "\n".join(f"  line {ln}: {t}" for ln, t in hf["other"]))
     return plan, rec, cmp, source
 
 
-def cmd_replay(rest) -> int:
+def cmd_replay(o) -> int:
     from .replay.plan import describe
     from .replay.workers import run_local, run_part
+    from .store import Store
 
-    opts, script, args = _split(rest, {"--jobs", "--run", "--part", "--parts", "--check",
-                                       "--tolerance", "--threads", "--backend"},
-                                flags={"--strict"}, trailing=True)
-    strict = _strict(opts)
-    store = Store()
-    backend = opts.get("--backend", "local")
-    if backend not in ("local", "ray"):
-        raise FlorError(f"--backend takes local or ray, not {backend!r}")
-    if "--parts" in opts:
+    strict = o.check == "strict"
+    if o.backend == "ray":
+        from .replay.distributed import _ray
+
+        _ray()  # first: say how to install it
+    store = Store(create=False)
+    if not store.exists():
+        raise FlorError(f"no recorded run of {os.path.basename(o.script)}: there is no run "
+                        f"store at {store.root} (FLOR_DIR, default ./.flor). Record it first "
+                        f"(flor record {o.script}), or point FLOR_DIR at the store that holds "
+                        "its record")
+    if o.parts is not None:
         from .replay.distributed import array_index
 
-        if "--part" in opts:
-            raise FlorError("give --part I/N or --parts N, not both")
-        opts["--part"] = f"{array_index()}/{opts['--parts']}"
-    if "--part" in opts:
-        i, n = _parse_part(opts["--part"])
-        plan, rec, cmp, source = _plan(store, script, args, n, opts, part=i)
+        o.part = f"{array_index()}/{o.parts}"
+    if o.part is not None:
+        i, n = _parse_part(o.part)
+        plan, rec, cmp, source = _plan(store, o, n, part=i)
         nparts = len(plan.segments)
         if i >= nparts:
             note(f"the recorded checkpoints allow only {nparts} segments; "
                  f"part {i}/{n} has nothing to replay")
             return 0
-        for line in describe(plan, rec, cmp, args):
+        for line in describe(plan, rec, cmp, plan.argv[1:]):
             note(line)
         plan.save(store.plan_path(plan.replay_id))
         code = run_part(plan, i, tee=True, own_db=True)
         note(f"part {i}/{nparts} of replay {plan.replay_id} "
              f"{'finished' if code == 0 else 'failed'}; once every part has run: "
-             f"python -m flor merge {plan.replay_id}")
+             f"flor merge {plan.replay_id}")
         return code
-    jobs = int(opts.get("--jobs", 1))
-    if jobs < 1:
-        raise FlorError("--jobs must be at least 1")
-    if backend == "ray":
-        from .replay.distributed import _ray, run_ray
+    if o.backend == "ray":
+        from .replay.distributed import run_ray
 
-        _ray()  # before planning: say how to install it
-        plan, rec, cmp, source = _plan(store, script, args, jobs, opts, part=-1)
-        return run_ray(store, plan, rec, describe(plan, rec, cmp, args), source, strict=strict)
-    plan, rec, cmp, source = _plan(store, script, args, jobs, opts)
-    return run_local(store, plan, rec, describe(plan, rec, cmp, args), source, strict=strict)
+        plan, rec, cmp, source = _plan(store, o, o.jobs, part=-1)
+        return run_ray(store, plan, rec, describe(plan, rec, cmp, plan.argv[1:]), source,
+                       strict=strict)
+    plan, rec, cmp, source = _plan(store, o, o.jobs)
+    code = run_local(store, plan, rec, describe(plan, rec, cmp, plan.argv[1:]), source,
+                     strict=strict)
+    if code and _failed(store, plan.replay_id) and _hint_options(o):
+        note(_hint_options(o))
+    return code
 
 
-def cmd_merge(rest) -> int:
+def _failed(store, replay_id) -> bool:
+    run = store.run(replay_id)
+    return run is not None and run["status"] == "failed"
+
+
+def _hint_options(o) -> str | None:
+    """Options of flor's that went to the script as its arguments, if any."""
+    opts = options_of(build_parser()._subparsers._group_actions[0].choices[o.command])
+    mine = []
+    for i, a in enumerate(o.args):
+        name, eq, _ = a.partition("=")
+        if name in opts and name not in ("-h", "--help"):
+            mine += o.args[i:i + 2] if opts[name] and not eq else [a]
+    if mine:
+        return (f"{' '.join(mine)} went to the script as its arguments; flor's options go "
+                f"before SCRIPT (flor {o.command} {' '.join(mine)} {o.script} ...) or at the "
+                "very end")
+    return None
+
+
+def cmd_merge(o) -> int:
     from .replay.results import merge
+    from .store import Store
 
-    opts, i = {}, 0
-    while i < len(rest) and rest[i].startswith("--"):
-        name, eq, value = rest[i].partition("=")
-        if name != "--check":
-            raise FlorError(f"unknown option {name}\n{USAGE}")
-        if not eq:
-            i += 1
-            value = rest[i] if i < len(rest) else ""
-        opts[name] = value
-        i += 1
-    return merge(Store(), rest[i] if i < len(rest) else None, strict=_strict(opts))
+    return merge(Store(create=False), o.replay, strict=o.check == "strict")
 
 
-def cmd_runs(rest) -> int:
-    store = Store()
-    runs = store.runs()
-    if not runs:
-        print(f"no runs in {store.root}")
-        return 0
-    ckpts = store.checkpoint_counts()
-    print(f"{'run':28} {'kind':7} {'script':18} {'started':19} {'seconds':>8} "
-          f"{'iters':>6} {'ckpts':>6} status")
-    for r in runs:
-        secs = f"{r['finished'] - r['started']:.1f}" if r["finished"] else "-"
-        kind = r["kind"]
-        print(f"{r['run_id']:28} {kind:7} {(r['script_name'] or '-')[:18]:18} "
-              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['started']))} "
-              f"{secs:>8} {r['iterations'] or 0:>6} {ckpts.get(r['run_id'], 0):>6} "
-              f"{store.status(r)}" + (f" (of {r['parent']})" if r["parent"] else "")
-              + _ranks_of(r))
+def _store():
+    from .store import Store
+
+    return Store(create=False)
+
+
+def cmd_runs(o) -> int:
+    from . import runs
+
+    store = _store()
+    if not store.exists():
+        rows = []
+    else:
+        rows = runs.listing(store, o.script, o.status, o.kind)
+    if o.json:
+        print(json.dumps(rows, indent=1))
+    elif not rows:
+        print(f"no runs in {store.root}" + (" matching" if o.script or o.status or o.kind
+                                            else ""))
+    else:
+        runs.print_runs(rows)
     return 0
 
 
-def _ranks_of(run) -> str:
-    """Where a run is one rank of a data-parallel record, which."""
-    import json
+def cmd_show(o) -> int:
+    from . import runs
 
-    info = json.loads(run["info"] or "{}")
-    if not info.get("world_size"):
-        return ""
-    if info.get("rank"):
-        return f" (rank {info['rank']} of {info['group']})"
-    return f" ({info['world_size']} ranks)"
+    d = runs.show(_store(), o.run)
+    if o.json:
+        print(json.dumps(d, indent=1, default=str))
+    else:
+        runs.print_show(d)
+    return 0
+
+
+def _report_deleted(ids, dry_run):
+    for rid in ids:
+        print(("would delete " if dry_run else "deleted ") + rid)
+    if not ids:
+        print("nothing to delete")
+
+
+def cmd_rm(o) -> int:
+    from . import runs
+
+    _report_deleted(runs.remove(_store(), o.runs, o.dry_run), o.dry_run)
+    return 0
+
+
+def cmd_prune(o) -> int:
+    from . import runs
+
+    store = _store()
+    ids = runs.prune(store, o.keep, o.script, o.dry_run) if store.exists() else []
+    _report_deleted(ids, o.dry_run)
+    return 0
+
+
+def cmd_plot(o) -> int:
+    from .export import plot
+
+    path = plot(_store(), o.name, runs=o.runs, script=o.script, out=o.out)
+    print(path if isinstance(path, str) else path[0])
+    return 0
+
+
+def cmd_export(o) -> int:
+    from .export import export_tensorboard
+
+    files = export_tensorboard(_store(), o.tensorboard, runs=o.runs, script=o.script)
+    for f in files:
+        print(f)
+    return 0
 
 
 def cmd_worker(rest) -> int:
@@ -281,25 +281,30 @@ def cmd_worker(rest) -> int:
 
 
 COMMANDS = {"record": cmd_record, "replay": cmd_replay, "merge": cmd_merge, "runs": cmd_runs,
-            "_worker": cmd_worker}
+            "show": cmd_show, "rm": cmd_rm, "prune": cmd_prune, "plot": cmd_plot,
+            "export": cmd_export}
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0
-    cmd, rest = argv[0], argv[1:]
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if cmd not in COMMANDS:
-            raise FlorError(f"unknown command {cmd!r}\n{USAGE}")
-        return COMMANDS[cmd](rest)
+        if argv[:1] == ["_worker"]:
+            return cmd_worker(argv[1:])
+        parser = build_parser()
+        try:
+            o = parse(parser, argv)
+        except SystemExit as e:  # --help, --version, or a usage error already reported
+            return e.code if isinstance(e.code, int) else 2
+        return COMMANDS[o.command](o)
     except FlorError as e:
         note(str(e))
         return 2
     except SyntaxError as e:  # the script does not parse: as python would report it
         traceback.print_exception(e, limit=0)
         return 1
+    except KeyboardInterrupt:
+        note("interrupted")
+        return 130
 
 
 if __name__ == "__main__":

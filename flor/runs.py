@@ -1,0 +1,194 @@
+"""Managing the runs of a store: ``flor runs``, ``flor show``, ``flor rm``
+and ``flor prune``.
+
+A run is its rows in flor.db and its directory ``.flor/runs/<run>/``.
+Deleting one deletes both, rows first (in one transaction), so that an
+interrupted delete leaves at worst a directory that no row names, never a
+row whose files are gone.  Deleting a record deletes its replays and, for a
+data-parallel record, the runs of its other ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from .errors import FlorError
+from .store import Store
+
+__all__ = ["STATUSES", "listing", "print_runs", "show", "remove", "prune"]
+
+STATUSES = ("finished", "failed", "interrupted", "running", "empty")
+
+
+def seconds(run) -> float | None:
+    """How long a run took: a replay's own measure (a merged replay's parts
+    ran before the run row was made), else finished - started."""
+    info = json.loads(run["info"] or "{}")
+    if run["kind"] == "replay" and info.get("seconds") is not None:
+        return float(info["seconds"])
+    if run["finished"] and run["started"]:
+        return run["finished"] - run["started"]
+    return None
+
+
+def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
+    """The runs of the store, oldest first, as plain dicts for display and
+    JSON: filtered by script (path or file name), status and kind."""
+    ckpts = store.checkpoint_counts()
+    out = []
+    for r in store.runs():
+        st = store.status(r)
+        if script is not None and script not in (r["script"], r["script_name"]) \
+                and os.path.basename(script) != r["script_name"]:
+            continue
+        if (status is not None and st != status) or (kind is not None and r["kind"] != kind):
+            continue
+        info = json.loads(r["info"] or "{}")
+        row = {"run": r["run_id"], "kind": r["kind"], "script": r["script_name"],
+               "args": json.loads(r["argv"] or "[null]")[1:], "status": st,
+               "started": r["started"], "seconds": seconds(r),
+               "iterations": r["iterations"] or 0, "checkpoints": ckpts.get(r["run_id"], 0),
+               "parent": r["parent"]}
+        if info.get("world_size"):
+            row["rank"], row["world_size"] = info.get("rank", 0), info["world_size"]
+        if r["kind"] == "replay" and "checks_passed" in info:
+            row["checks_passed"] = info["checks_passed"]
+        out.append(row)
+    return out
+
+
+def print_runs(rows) -> None:
+    """A table of `rows` (from listing), its columns as wide as their values."""
+    table = [("run", "kind", "script", "started", "seconds", "iters", "ckpts", "status")]
+    for r in rows:
+        secs = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
+        status = r["status"]
+        if r["parent"]:
+            status += f" (of {r['parent']})"
+        if "world_size" in r:
+            status += (f" (rank {r['rank']})" if r["rank"] else f" ({r['world_size']} ranks)")
+        if r.get("checks_passed") is False:
+            status += ", checks failed"
+        table.append((r["run"], r["kind"], r["script"] or "-",
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"] or 0)),
+                      secs, str(r["iterations"]), str(r["checkpoints"]), status))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    right = {4, 5, 6}
+    for row in table:
+        cells = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells + [row[-1]]))
+
+
+def show(store: Store, run_id: str) -> dict:
+    """Everything flor knows of one run, for ``flor show``."""
+    run = _get(store, run_id)
+    info = json.loads(run["info"] or "{}")
+    (row,) = [r for r in listing(store) if r["run"] == run["run_id"]] or [None]
+    decisions = store.rows("decisions", run["run_id"])
+    written = [d for d in decisions if d["checkpoint"] and d["file"]]
+    present = [d for d in written
+               if os.path.exists(os.path.join(store.ckpt_dir(run["run_id"]), d["file"]))]
+    out = dict(row or {}, argv=json.loads(run["argv"] or "[]"), cwd=run["cwd"],
+               script_path=run["script"], main_loop=run["main_loop"],
+               versions=json.loads(run["versions"] or "{}"), info=info,
+               directory=store.run_dir(run["run_id"]),
+               checkpoints_decided=len(written), checkpoints_missing=len(written) - len(present),
+               checkpoint_bytes=sum(os.path.getsize(os.path.join(store.ckpt_dir(run["run_id"]),
+                                                                 d["file"])) for d in present),
+               replays=[r["run_id"] for r in store.runs() if r["parent"] == run["run_id"]],
+               names=sorted({r["name"] for r in store.logs(run["run_id"])
+                             if not r["name"].startswith("state@")}))
+    return out
+
+
+def print_show(d: dict) -> None:
+    keys = ("run", "kind", "script", "script_path", "argv", "cwd", "status", "started",
+            "seconds", "iterations", "main_loop", "checkpoints", "checkpoints_missing",
+            "checkpoint_bytes", "parent", "replays", "checks_passed", "directory")
+    for k in keys:
+        if k not in d or d[k] in (None, [], ""):
+            continue
+        v = d[k]
+        if k == "started":
+            v = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v))
+        elif k == "seconds":
+            v = f"{v:.1f}"
+        elif k == "checkpoint_bytes":
+            v = f"{v / 2**20:.1f} MiB"
+        elif isinstance(v, list):
+            v = " ".join(str(x) for x in v)
+        print(f"{k + ':':20} {v}")
+    error = d["info"].get("error")
+    if error:
+        print(f"{'error:':20} {error}")
+    if d["names"]:
+        print(f"{'logged:':20} " + ", ".join(d["names"]))
+
+
+def _get(store, run_id):
+    run = store.run(run_id)
+    if run is None:
+        raise FlorError(f"no run {run_id!r} in {store.root}; `flor runs` lists them")
+    return run
+
+
+def _with_dependents(store, run_ids) -> list[str]:
+    """The runs and what cannot outlive them: a record's replays and the
+    runs of its other data-parallel ranks."""
+    runs = store.runs()
+    out, todo = [], list(run_ids)
+    while todo:
+        rid = todo.pop(0)
+        if rid in out:
+            continue
+        out.append(rid)
+        todo += [r["run_id"] for r in runs if r["parent"] == rid
+                 or r["run_id"].startswith(rid + "-rank")]
+    return out
+
+
+def remove(store: Store, run_ids, dry_run=False) -> list[str]:
+    """Delete runs (rows, then files), with their replays and other ranks.
+    Refuses a record that is still running.  Returns the ids deleted."""
+    for rid in run_ids:
+        run = _get(store, rid)
+        if store.status(run) == "running" and run["kind"] == "record":
+            raise FlorError(f"run {rid} is still running; stop it before deleting it")
+    doomed = _with_dependents(store, run_ids)
+    if dry_run:
+        return doomed
+    store.delete_runs(doomed)
+    for rid in doomed:
+        shutil.rmtree(store.run_dir(rid), ignore_errors=True)
+    return doomed
+
+
+def prune(store: Store, keep: int, script=None, dry_run=False) -> list[str]:
+    """Per script, keep the newest `keep` records that can be replayed
+    (finished, or interrupted after committing an iteration) and delete the
+    other records of that script (older ones, failed ones, empty ones) with
+    their replays.  Returns the ids deleted."""
+    if keep < 0:
+        raise FlorError("--keep must be at least 0")
+    by_script: dict = {}
+    for r in reversed(store.runs()):  # newest first
+        if r["kind"] != "record" or json.loads(r["info"] or "{}").get("rank"):
+            continue
+        if script is not None and os.path.basename(script) != r["script_name"]:
+            continue
+        by_script.setdefault(r["script_name"], []).append(r)
+    doomed = []
+    for records in by_script.values():
+        kept = 0
+        for r in records:
+            st = store.status(r)
+            if st == "running":
+                continue
+            if kept < keep and (st == "finished" or (st == "interrupted" and r["iterations"])):
+                kept += 1
+                continue
+            doomed.append(r["run_id"])
+    return remove(store, doomed, dry_run) if doomed else []

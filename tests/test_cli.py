@@ -1,0 +1,293 @@
+"""The command line: help, where flor's options go, the script's failures,
+runs that replay must not pick, the recorded arguments, managing runs, and
+every kind of store flor cannot use.  Real processes, a real training
+script (examples/train_digits.py on scikit-learn's digits)."""
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, edit, flor, store
+
+EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
+ARGS = ["--epochs", "2", "--limit", "200", "--width", "4"]
+COMMANDS = ("record", "replay", "merge", "runs", "show", "rm", "prune", "plot", "export")
+
+
+@pytest.fixture
+def d(tmp_path):
+    shutil.copy(EXAMPLE, tmp_path / "train.py")
+    return str(tmp_path)
+
+
+def runs_json(d, *extra):
+    return json.loads(flor(d, "runs", "--json", *extra).stdout)
+
+
+def test_every_command_has_help_with_its_options_and_environment(tmp_path):
+    top = flor(str(tmp_path), "--help")
+    for cmd in COMMANDS:
+        assert cmd in top.stdout
+    for cmd, options in {"record": ["--epsilon", "--no-adaptive", "--resume", "--force"],
+                         "replay": ["--jobs", "--backend", "--threads", "--run", "--part",
+                                    "--parts", "--check", "--tolerance", "--strict",
+                                    "--args-differ-ok", "FLOR_REPLAY_CORES"],
+                         "runs": ["--script", "--status", "--json"], "rm": ["--dry-run"],
+                         "prune": ["--keep"], "plot": ["--out"], "export": ["--tensorboard"]
+                         }.items():
+        for flag in ("--help", "-h"):
+            proc = flor(str(tmp_path), cmd, flag)
+            assert proc.stdout.startswith(f"usage: flor {cmd}")
+            assert all(o in proc.stdout for o in options), (cmd, proc.stdout)
+            assert "FLOR_DIR" in proc.stdout
+    assert not os.path.exists(tmp_path / ".flor")
+    bad = flor(str(tmp_path), "replay", "--jobs", "zero", "train.py", check=False)
+    assert bad.returncode == 2 and "--jobs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_flor_console_script():
+    exe = os.path.join(os.path.dirname(sys.executable), "flor")
+    proc = subprocess.run([exe, "record", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: flor record")
+
+
+def test_flor_options_at_the_very_end_are_flor_s(d):
+    flor(d, "record", "train.py", *ARGS, "--no-adaptive")
+    (rec,) = runs_json(d)
+    assert rec["args"] == ARGS and rec["checkpoints"] == 2  # adaptivity off: every epoch
+    reasons = {r["reason"].split(":")[0] for r in store(d).rows("decisions", rec["run"])}
+    assert reasons == {"checkpoint"}
+    proc = flor(d, "replay", "train.py", *ARGS, "--jobs", "2", "--check=strict")
+    assert "deferred checks passed" in proc.stderr
+    # `SCRIPT -- ARGS`: everything after -- is the script's, flor's options too
+    failed = flor(d, "replay", "--args-differ-ok", "train.py", "--", *ARGS, "--jobs", "2",
+                  check=False)
+    assert failed.returncode == 2
+    assert "unrecognized arguments: --jobs 2" in failed.stderr
+
+
+def test_a_script_s_failure_is_shown_with_its_status(d):
+    flor(d, "record", "train.py", *ARGS)
+    proc = flor(d, "replay", "--args-differ-ok", "train.py", "--jobs", "2", *ARGS, check=False)
+    assert proc.returncode == 2  # argparse's status, passed on
+    assert "the script exited with status 2" in proc.stderr
+    assert "train.py: error: unrecognized arguments: --jobs 2" in proc.stderr
+    assert "flor replay --jobs 2 train.py" in proc.stderr  # where flor's options go
+    # a failure before the main loop is not retried
+    assert "running it again" not in proc.stderr
+
+
+def test_a_help_run_is_marked_empty_and_never_replayed(d):
+    flor(d, "record", "train.py", *ARGS)
+    helped = flor(d, "record", "train.py", "--help")
+    assert "usage: train.py" in helped.stdout and "replay never picks it" in helped.stderr
+    rec, empty = runs_json(d)
+    assert empty["status"] == "empty" and rec["status"] == "finished"
+    assert [r["run"] for r in runs_json(d, "--status", "empty")] == [empty["run"]]
+    proc = flor(d, "replay", "train.py")
+    assert f"replaying run {rec['run']}" in proc.stderr
+    flor(d, "rm", rec["run"])
+    only_empty = flor(d, "replay", "train.py", check=False)
+    assert only_empty.returncode == 2
+    assert empty["run"] in only_empty.stderr and "--run" in only_empty.stderr
+
+
+def test_replay_reuses_the_recorded_arguments_and_refuses_others(d):
+    rec = flor(d, "record", "train.py", *ARGS)
+    same = flor(d, "replay", "train.py")  # no ARGS: the recorded ones
+    assert same.stdout == rec.stdout and "deferred checks passed" in same.stderr
+    other = flor(d, "replay", "train.py", "--epochs", "3", "--limit", "200", "--width", "4",
+                 check=False)
+    assert other.returncode == 2
+    assert "--epochs 2 --limit 200 --width 4" in other.stderr  # the recorded ones
+    assert "--epochs 3 --limit 200 --width 4" in other.stderr  # and these
+    assert "--args-differ-ok" in other.stderr
+    assert len(runs_json(d, "--kind", "replay")) == 1  # nothing was replayed
+    ok = flor(d, "replay", "--args-differ-ok", "train.py", "--epochs", "3", "--limit", "200",
+              "--width", "4")
+    assert "arguments differ from the record's" in ok.stderr
+    assert runs_json(d, "--kind", "replay")[-1]["args"][:3] == ["--epochs", "3", "--limit"]
+
+
+def test_runs_filters_json_and_merged_durations(d):
+    flor(d, "record", "train.py", *ARGS)
+    edit(os.path.join(d, "train.py"), "loss.backward()", 'flor.log("loss", loss)')
+    flor(d, "replay", "--part", "0/2", "train.py")
+    flor(d, "replay", "--part", "1/2", "train.py")
+    flor(d, "merge")
+    rows = runs_json(d)
+    (merged,) = [r for r in rows if r["kind"] == "replay"]
+    assert merged["status"] == "finished" and merged["seconds"] > 0.2
+    assert merged["checks_passed"] is True and merged["parent"] == rows[0]["run"]
+    assert runs_json(d, "--script", "other.py") == []
+    assert [r["kind"] for r in runs_json(d, "--script", "train.py", "--kind", "record")] \
+        == ["record"]
+    header, *lines = flor(d, "runs").stdout.splitlines()
+    at = header.index("kind")
+    assert [line[at:at + 6] for line in lines] == ["record", "replay"]  # columns line up
+    shown = json.loads(flor(d, "show", merged["run"], "--json").stdout)
+    assert shown["run"] == merged["run"] and "loss" in shown["names"]
+    assert "status:" in flor(d, "show", rows[0]["run"]).stdout
+
+
+def test_rm_and_prune_delete_rows_and_files_together(d):
+    for _ in range(3):
+        flor(d, "record", "train.py", *ARGS)
+    flor(d, "record", "train.py", "--help")
+    first, second, third, empty = (r["run"] for r in runs_json(d))
+    flor(d, "replay", "--run", first, "train.py")
+    st = store(d)
+    dry = flor(d, "prune", "--keep", "1", "--dry-run")
+    assert all(r in dry.stdout for r in (first, second, empty)) and third not in dry.stdout
+    assert len(st.runs()) == 5  # a dry run deletes nothing
+    flor(d, "prune", "--keep", "1")
+    assert [r["run_id"] for r in store(d).runs()] == [third]
+    for rid in (first, second, empty):
+        assert not os.path.exists(st.run_dir(rid))
+        assert not store(d).rows("decisions", rid) and not store(d).rows("logs", rid)
+    assert sorted(os.listdir(os.path.join(d, ".flor", "runs"))) == [third]
+    flor(d, "rm", third)
+    assert store(d).runs() == [] and os.listdir(os.path.join(d, ".flor", "runs")) == []
+    missing = flor(d, "rm", "nope", check=False)
+    assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
+
+
+def test_checkpoint_counts_are_files_that_exist(d):
+    flor(d, "record", "--no-adaptive", "train.py", *ARGS)
+    (rec,) = runs_json(d)
+    ckpt = store(d).ckpt_dir(rec["run"])
+    assert rec["checkpoints"] == 2
+    os.unlink(os.path.join(ckpt, sorted(os.listdir(ckpt))[0]))
+    assert runs_json(d)[0]["checkpoints"] == 1
+    assert json.loads(flor(d, "show", rec["run"], "--json").stdout)["checkpoints_missing"] == 1
+
+
+# -- stores flor cannot use ------------------------------------------------------
+
+def clean_failure(proc, *words):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    for w in words:
+        assert w in proc.stderr, proc.stderr
+
+
+def test_a_store_path_that_is_a_file(d):
+    path = os.path.join(d, "notadir")
+    open(path, "w").close()
+    for cmd in (["runs"], ["record", "train.py", *ARGS], ["replay", "train.py"]):
+        proc = flor(d, *cmd, env={"FLOR_DIR": path}, check=False)
+        clean_failure(proc, path, "FLOR_DIR")
+    assert os.path.getsize(path) == 0
+
+
+def digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_a_damaged_store_is_named_and_left_alone(d):
+    root = os.path.join(d, ".flor")
+    os.makedirs(root)
+    db = os.path.join(root, "flor.db")
+    with open(db, "wb") as f:
+        f.write(b"these are not the bytes of a database" * 200)
+    before = digest(db)
+    for cmd in (["runs"], ["record", "train.py", *ARGS], ["replay", "train.py"]):
+        clean_failure(flor(d, *cmd, check=False), db, "damaged")
+    # the manual API, run as a plain script
+    proc = subprocess.run([sys.executable, "train.py", *ARGS], cwd=d, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, FLOR_DIR=root))
+    clean_failure(proc, db, "damaged")
+    assert digest(db) == before and sorted(os.listdir(root)) == ["flor.db"]
+
+
+def test_another_program_s_database_is_not_touched(d):
+    root = os.path.join(d, ".flor")
+    os.makedirs(root)
+    db = os.path.join(root, "flor.db")
+    with sqlite3.connect(db) as c:
+        c.execute("CREATE TABLE people (name TEXT)")
+        c.execute("INSERT INTO people VALUES ('ada')")
+    c.close()
+    before = digest(db)
+    for cmd in (["runs"], ["record", "train.py", *ARGS], ["replay", "train.py"]):
+        clean_failure(flor(d, *cmd, check=False), "not a flor store", "people")
+    assert digest(db) == before  # not even its journal mode
+    assert sorted(os.listdir(root)) == ["flor.db"]
+
+
+def read_only(root, argv):
+    """`argv` with `root` read-only: a read-only bind mount in a mount
+    namespace of its own for root (whom permission bits do not stop), the
+    permission bits for anyone else."""
+    if os.geteuid() != 0:
+        os.chmod(root, 0o555)
+        return argv
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"root here cannot make a mount namespace: {probe.stderr.decode()}")
+    script = 'mount --bind -o ro "$0" "$0" && exec "$@"'
+    return ["unshare", "-m", "sh", "-c", script, root, *argv]
+
+
+def test_a_read_only_store(d):
+    root = os.path.join(d, "store")
+    os.mkdir(root)
+    env = dict(os.environ, FLOR_DIR=root)
+    env.pop("FLOR_MODE", None)
+    for cmd in (["record", "train.py", *ARGS], ["runs"], ["replay", "train.py"]):
+        proc = subprocess.run(read_only(root, [sys.executable, "-m", "flor", *cmd]), cwd=d,
+                              env=env, capture_output=True, text=True, timeout=120)
+        if cmd[0] == "runs":
+            assert proc.returncode == 0 and "no runs" in proc.stdout, proc.stderr
+        else:
+            clean_failure(proc, root)
+    assert os.listdir(root) == []
+
+
+def test_read_only_commands_create_no_store(d):
+    for cmd in (["runs"], ["runs", "--json"], ["prune"], ["replay", "train.py"],
+                ["show", "x"], ["merge"], ["plot", "loss"]):
+        flor(d, *cmd, check=False)
+    assert not os.path.exists(os.path.join(d, ".flor"))
+
+
+def _small_files(limit):
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the child's own: writes fail EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_calibration_that_cannot_write_never_stops_training(d):
+    """Files over 1 MiB cannot be written (as on a nearly full disk): the
+    32 MiB calibration fails, and so do the checkpoints; training goes on."""
+    env = dict(os.environ, FLOR_DIR=os.path.join(d, ".flor"))
+    env.pop("FLOR_MODE", None)
+    proc = subprocess.run([sys.executable, "-m", "flor", "record", "train.py", *ARGS,
+                           "--width", "16"], cwd=d, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=_small_files(1 << 20))
+    assert proc.returncode == 0, proc.stderr
+    assert "final test accuracy" in proc.stdout
+    assert proc.stderr.count("could not measure how fast this machine writes") == 1
+    assert "0 checkpoints" in proc.stderr  # none of the failed writes is counted
+    (rec,) = runs_json(d)
+    assert rec["status"] == "finished" and rec["checkpoints"] == 0
+    assert not [f for f in os.listdir(os.path.join(d, ".flor")) if f.startswith("calibrat")]
+
+
+def test_an_adaptive_record_calibrates_once_per_store(d):
+    flor(d, "record", "train.py", *ARGS)
+    with open(os.path.join(d, ".flor", "calibration.json")) as f:
+        (cal,) = json.load(f).values()
+    assert cal["write_bytes_per_s"] > 0 and cal["copy_bytes_per_s"] > 0
+    (rec,) = runs_json(d)
+    first = store(d).rows("decisions", rec["run"], "ORDER BY rowid")[0]
+    assert first["bandwidth"] == cal["write_bytes_per_s"]
