@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 setup: $(BIN)/python
-	$(BIN)/$(PIP) $(TORCH) 'setuptools>=64' wheel
+	$(BIN)/$(PIP) $(TORCH) 'setuptools>=77' wheel
 	$(BIN)/$(PIP) --no-build-isolation -e '.[test,examples]'
 
 demo: setup
@@ -40,9 +40,10 @@ ASAN_ENV = LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
 
 test-asan:
 	test -x $(ASAN_VENV)/bin/python || $(PYTHON) -m venv $(ASAN_VENV)
-	$(ASAN_VENV)/bin/$(PIP) $(TORCH) 'setuptools>=64' wheel
+	$(ASAN_VENV)/bin/$(PIP) $(TORCH) 'setuptools>=77' wheel
 	# the test extra of pyproject.toml (flor itself is installed below, sanitized)
-	$(ASAN_VENV)/bin/$(PIP) pytest pytest-xdist cloudpickle numpy pandas scikit-learn
+	$(ASAN_VENV)/bin/$(PIP) pytest pytest-xdist cloudpickle numpy pandas scikit-learn \
+		matplotlib tensorboard tqdm
 	FLOR_SANITIZE=1 $(ASAN_VENV)/bin/$(PIP) --no-build-isolation --force-reinstall --no-deps .
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/python -c \
 		"import flor._core as c, sys; sys.exit(0 if '$(ASAN_VENV)' in c.__file__ else 'not the sanitizer build: ' + c.__file__)"

@@ -283,4 +283,4 @@ def test_ray_missing_says_how_to_install_it(tmp_path, torch):
     (blocker / "ray.py").write_text("raise ImportError('no ray here')\n")
     proc = flor(d, "replay", "--backend", "ray", "train.py", "4", check=False,
                 env={"PYTHONPATH": str(blocker)})
-    assert proc.returncode == 2 and "pip install 'flor[ray]'" in proc.stderr
+    assert proc.returncode == 2 and "pip install 'flor-hindsight[ray]'" in proc.stderr

@@ -8,7 +8,7 @@ worker's share of CPU cores.  Ray retries a task whose node or worker dies
 (an evicted machine), and this module re-raises a worker process killed by a
 signal as an error Ray retries too.  The driver imports each segment's
 database and assembles the replay as the local queue does.  Ray is an
-optional extra: ``pip install 'flor[ray]'``.
+optional extra: ``pip install 'flor-hindsight[ray]'``.
 
 ``--part I/N`` and ``--parts N`` (flor/__main__.py) are for schedulers that
 run arrays of jobs (SLURM, Kubernetes indexed jobs); ``merge`` assembles.
@@ -52,9 +52,9 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise FlorError("--backend ray needs Ray, an optional extra: pip install 'flor[ray]' "
-                        "(or pip install ray); without it, replay runs its workers on this "
-                        "machine (--jobs N)") from None
+        raise FlorError("--backend ray needs Ray, an optional extra: "
+                        "pip install 'flor-hindsight[ray]' (or pip install ray); without it, "
+                        "replay runs its workers on this machine (--jobs N)") from None
     return ray
 
 
