@@ -62,13 +62,20 @@ def select_runs(store, script=None, run=None, runs=None) -> list[dict]:
             raise LookupError(f"no runs in {store.root}")
         script = every[-1]["script"] or every[-1]["script_name"]
     mine = _current_record()
-    rows = [r for r in store.script_runs(script)
+    rows = [r for r in _of_script(store.runs(), script)
             if (r["status"] == "finished" or r["run_id"] == mine)
             and not json.loads(r["info"] or "{}").get("rank")]
     if not rows:
         raise LookupError(f"no finished run of {script} in {store.root}; "
                           "`python -m flor runs` lists the runs")
     return rows
+
+
+def _of_script(runs, script) -> list[dict]:
+    """The runs of `script`: by its path, else by its file name."""
+    path = os.path.abspath(script)
+    return ([r for r in runs if r["script"] == path]
+            or [r for r in runs if r["script_name"] == os.path.basename(path)])
 
 
 def _current_record():

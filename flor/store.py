@@ -227,37 +227,22 @@ class Store(Layout):
             (script_name,)).fetchall()
         return [r["r"] / r["w"] for r in rows if r["w"] > 0]
 
-    # -- results (flor/frames.py, flor/export.py) ---------------------------
-
-    def script_runs(self, script) -> list[dict]:
-        """Every run of this script, records and replays whatever their
-        status, oldest first: by path, else by file name."""
-        path = os.path.abspath(script)
-        for key, value in (("script", path), ("script_name", os.path.basename(path))):
-            rows = self.db.execute(f"SELECT * FROM runs WHERE {key} = ? ORDER BY started",
-                                   (value,)).fetchall()
-            if rows:
-                return [dict(r) for r in rows]
-        return []
+    # -- results (flor/frames.py) -------------------------------------------
 
     def logged(self, run_id, names=None, printed=True) -> list[dict]:
-        """The rows of ``logs(run_id)`` named in `names` (all when None),
-        in the order logged; printed lines only when `printed`, since
-        finding them reads the run's whole output."""
-        run = self.run(run_id)
-        nparts = None
-        if run is not None and run["kind"] == "replay":
-            nparts = json.loads(run["info"] or "{}").get("nparts", 1)
-        sql, args = "SELECT * FROM logs WHERE run_id = ?", [run_id]
-        if names is not None:
-            sql += f" AND name IN ({', '.join('?' for _ in names)})"
-            args += list(names)
-        rows = [dict(r) for r in self.db.execute(sql + " ORDER BY part, ord", args)]
+        """``logs(run_id)`` restricted to `names` (all when None); printed
+        lines only when `printed`, since finding them reads all output."""
+        run = self.run(run_id) or {}
+        nparts = (json.loads(run["info"] or "{}").get("nparts", 1)
+                  if run.get("kind") == "replay" else None)
+        where = "" if names is None else f" AND name IN ({', '.join('?' for _ in names)})"
+        rows = [dict(r) for r in self.db.execute(
+            "SELECT * FROM logs WHERE run_id = ?" + where, [run_id, *(names or ())])]
         if printed and (names is None or any(n.startswith("stdout@") for n in names)):
-            lines = printed_lines(self.run_rows("output", run_id))
-            rows += [r for r in lines if names is None or r["name"] in names]
-        rows = [r for r in rows if _makes_up(r, nparts)]
-        return sorted(rows, key=lambda r: (r["part"], r["ord"]))
+            rows += [r for r in printed_lines(self.run_rows("output", run_id))
+                     if names is None or r["name"] in names]
+        return sorted((r for r in rows if _makes_up(r, nparts)),
+                      key=lambda r: (r["part"], r["ord"]))
 
     # -- per-run data -------------------------------------------------------
 
