@@ -60,19 +60,23 @@ def select_runs(store, script=None, run=None, runs=None) -> list[dict]:
         every = store.runs()
         if not every:
             raise LookupError(f"no runs in {store.root}")
-        script = every[-1]["script"] or every[-1]["script_name"]
+        script = every[-1]["script"]
     mine = _current_record()
     rows = [r for r in _of_script(store.runs(), script)
             if (r["status"] == "finished" or r["run_id"] == mine)
             and not json.loads(r["info"] or "{}").get("rank")]
     if not rows:
-        raise LookupError(f"no finished run of {script} in {store.root}; "
+        raise LookupError(f"no finished run of {script or 'an interactive session'} in "
+                          f"{store.root}; "
                           "`python -m flor runs` lists the runs")
     return rows
 
 
 def _of_script(runs, script) -> list[dict]:
-    """The runs of `script`: by its path, else by its file name."""
+    """The runs of `script`: by its path, else by its file name (None: the
+    runs of no file, recorded in an interactive session)."""
+    if script is None:
+        return [r for r in runs if r["script"] is None]
     path = os.path.abspath(script)
     return ([r for r in runs if r["script"] == path]
             or [r for r in runs if r["script_name"] == os.path.basename(path)])
