@@ -237,7 +237,6 @@ def _frame(store, runs, values, names):
     seq = any(values.repeats(n) for n in names)
     index = ["iteration"] + [f"iteration_{i}" for i in range(1, depth)] if depth else []
     index += ["seq"] if seq else []
-    args, per_run = arg_columns(runs, {"run", "kind", "seq", *names})
     order = {r["run_id"]: i for i, r in enumerate(runs)}
     rows: dict = {}
     for name in names:
@@ -246,6 +245,8 @@ def _frame(store, runs, values, names):
             vec = vec + (None,) * (depth - len(vec))
             key = (order[run_id], vec, s if repeats else None)
             rows.setdefault(key, {})[name] = store.value(run_id, raw)
+    present = [runs[i] for i in sorted({key[0] for key in rows})]
+    args, per_run = arg_columns(present, {"run", "kind", "seq", *names})
     records = []
     for key in sorted(rows, key=lambda k: (k[0], [-1 if v is None else v for v in k[1]],
                                            -1 if k[2] is None else k[2])):
@@ -273,8 +274,9 @@ def dataframe(store, names=(), script=None, run=None, runs=None, level=None):
         if len(groups) > 1:
             where = "; ".join(f"level {lv}: {', '.join(group)}" for lv, group in groups.items())
             choices = " or ".join(f"level={lv}" for lv in groups)
-            raise ValueError(f"the names asked for are logged at different loop levels ({where}); "
-                             f"pass {choices}, ask for names of one level, or use "
+            asked = "the names asked for are" if names else "the runs' names are"
+            raise ValueError(f"{asked} logged at different loop levels ({where}); pass "
+                             f"{choices}, ask for names of one level, or use "
                              "flor.dataframes(...) for one frame per level")
         if not groups:
             pd = _pandas()

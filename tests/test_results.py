@@ -134,13 +134,13 @@ def test_frames_of_nested_generators_leave_out_other_ranks_and_unfinished_runs(t
     st = Store(str(tmp_path / ".flor"))
     script = str(tmp_path / "t.py")
 
-    def run(status="finished", rank=None, scale=1):
+    def run(status="finished", rank=None, scale=1, batches=3):
         info = json.dumps({"rank": rank} if rank is not None else {})
-        run_id = st.new_run("record", script, ["t.py", "--scale", str(scale)], "",
-                            status=status, info=info)
+        argv = ["t.py", "--scale", str(scale)] + ([] if batches else ["--no-batches"])
+        run_id = st.new_run("record", script, argv, "", status=status, info=info)
         rows, ord_ = [], 0
         for i in range(2):
-            for j in range(3):
+            for j in range(batches):
                 ord_ += 1
                 rows.append((run_id, 0, ord_, None, None, None, "loss", json.dumps([i, j]), 0,
                              json.dumps(scale * (i + j)), "t.py:9"))
@@ -151,13 +151,18 @@ def test_frames_of_nested_generators_leave_out_other_ranks_and_unfinished_runs(t
         return run_id
 
     a, _, _, _, b = run(), run(rank=1), run(status="failed"), run(status="running"), run(scale=2)
-    assert [x["run_id"] for x in select_runs(st, script)] == [a, b]
+    c = run(scale=3, batches=0)
+    assert [x["run_id"] for x in select_runs(st, script)] == [a, b, c]
     frames = dataframes(st, ("acc", "loss"), script=script)
-    assert list(frames[1].columns) == ["run", "kind", "scale", "iteration", "acc"]
+    # Argument columns are those of the runs in the frame.
+    assert list(frames[1].columns) == ["run", "kind", "scale", "no_batches", "iteration", "acc"]
+    assert list(frames[1]["no_batches"].isna()) == [True] * 4 + [False] * 2
     assert list(frames[2].columns) == ["run", "kind", "scale", "iteration", "iteration_1", "loss"]
     assert list(frames[2]["iteration_1"]) == [0, 1, 2] * 4
     assert list(frames[2]["loss"]) == [0, 1, 2, 1, 2, 3] + [0, 2, 4, 2, 4, 6]
-    assert list(frames[1]["scale"]) == [1, 1, 2, 2]
+    assert list(frames[1]["scale"]) == [1, 1, 2, 2, 3, 3] and list(frames[1]["acc"]) == [
+        0, 1, 0, 2, 0, 3]
+    assert list(frames[2]["run"]) == [a] * 6 + [b] * 6
 
 
 # --- names -----------------------------------------------------------------------
