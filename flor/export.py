@@ -68,7 +68,7 @@ def _by_run(values: Values, name) -> dict:
     return out
 
 
-def flat(values: Values, name) -> bool:
+def _flat(values: Values, name) -> bool:
     """Whether the name's steps are positions (True) or main-loop
     iterations (False, for a name logged once per iteration)."""
     return values.level(name) != 1 or values.depth(name) != 1
@@ -83,7 +83,7 @@ def series(store, name, runs=None, script=None) -> tuple[list[Series], bool]:
     if name not in values.rows:
         raise FlorError(f"no values named {name!r} in the runs "
                         f"{', '.join(r['run_id'] for r in selected)}; flor.names() lists them")
-    skip, by_run, is_flat = _replayed(values, name), _by_run(values, name), flat(values, name)
+    skip, by_run, is_flat = _replayed(values, name), _by_run(values, name), _flat(values, name)
     out = []
     for run in selected:
         rows = [r for r in by_run.get(run["run_id"], ()) if _number(r[3])]
@@ -171,7 +171,7 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     selected = select_runs(store, script, runs=runs)
     values = Values(store, selected, None, printed=False)
     names = [n for n in values.rows if not n.startswith((PRINTED, *INTERNAL))]
-    per_name = {n: (_by_run(values, n), _replayed(values, n), flat(values, n)) for n in names}
+    per_name = {n: (_by_run(values, n), _replayed(values, n), _flat(values, n)) for n in names}
     written, skipped = [], set()
     for run in selected:
         run_id = run["run_id"]
