@@ -5,7 +5,7 @@ touched only when a snapshot or load meets a tensor, and a run starts when a
 script first uses flor.generator, flor.SkipBlock or flor.log.
 """
 from ._core import Snapshot, snapshot
-from .api import SkipBlock, dataframe, generator, log
+from .api import SkipBlock, dataframe, dataframes, generator, log, names
 from .checkpoint import load, restore, save
 from .errors import CheckpointCorrupt, CheckpointWriteError, FlorReplayError
 from .materializer import Materializer
@@ -22,9 +22,11 @@ __all__ = [
     "Snapshot",
     "UnsafeCheckpoint",
     "dataframe",
+    "dataframes",
     "generator",
     "load",
     "log",
+    "names",
     "restore",
     "save",
     "snapshot",

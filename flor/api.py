@@ -1,4 +1,5 @@
-"""The manual API: flor.generator, flor.SkipBlock, flor.log, flor.dataframe.
+"""The manual API: flor.generator, flor.SkipBlock, flor.log; flor.dataframe,
+flor.dataframes and flor.names read the results (flor/frames.py).
 
     import flor
     for epoch in flor.generator(range(N)):
@@ -13,12 +14,11 @@ Run as ``python train.py`` (or ``python -m flor record train.py``) it records;
 """
 from __future__ import annotations
 
-import json
 import sys
 
 from .runtime.session import Session
 
-__all__ = ["generator", "SkipBlock", "log", "dataframe"]
+__all__ = ["generator", "SkipBlock", "log", "dataframe", "dataframes", "names"]
 
 
 def generator(iterable, name: str | None = None, state=None):
@@ -83,55 +83,57 @@ def log(name: str, value):
     return value
 
 
-def dataframe(*names: str, run: str | None = None):
-    """The logs of the latest run (or of `run`) as a pandas DataFrame: one
-    row per iteration, one column per log name (all names if none given).
+def dataframe(*names: str, script: str | None = None, run: str | None = None,
+              runs=None, level: int | None = None):
+    """The values logged by the runs of a script as a pandas DataFrame.
 
-    Iteration columns are ``iteration`` for the outermost flor.generator,
-    ``iteration_1`` for the next level, and so on; ``seq`` numbers repeated
-    values of a name within one iteration (for example per-batch values
-    logged in a loop that is not a flor.generator).
+    By default every finished run (records and replays) of `script` (a path
+    or a file name; default: the script of the latest run), oldest first;
+    `run` (an id) or `runs` (ids) picks runs instead.  Columns: ``run``,
+    ``kind`` ("record" or "replay": a replay holds the hindsight values),
+    the script's arguments (``--epochs 4`` makes a column ``epochs``),
+    ``iteration`` for the outermost flor.generator, ``iteration_1`` for the
+    next and so on, ``seq`` numbering the values of a name within one
+    iteration when it has several, then one column per name (every logged
+    name if none are given).  Ranks other than 0 of data-parallel records
+    are left out.
+
+    A name's *level* is the number of those index columns it needs: 1 for a
+    value logged once per main-loop iteration, 2 for one logged in every
+    batch (``seq``) or in a nested flor.generator, 0 for one logged outside
+    the main loop.  One frame holds one level: when the names span levels,
+    pass ``level=`` or use `flor.dataframes`, which returns every level's
+    frame; otherwise a ValueError says which names are where.
 
     Printed lines are stored too, one name per print statement:
     ``stdout@train.py:57`` (recorded line numbers; ``train.py:new:57`` for a
     statement that replay added at line 57).  They are returned only when
-    named."""
-    try:
-        import pandas as pd
-    except ImportError:
-        raise ImportError(
-            "flor.dataframe needs pandas, an optional dependency: pip install pandas"
-        ) from None
+    named.  `flor.names` lists what can be asked for."""
+    from . import frames
     from .store import Store
 
-    store = Store()
-    if run is None:
-        runs = store.runs()
-        if not runs:
-            raise LookupError(f"no runs in {store.root}")
-        run = runs[-1]["run_id"]
-    elif store.run(run) is None:
-        raise LookupError(f"no run {run!r} in {store.root}; `python -m flor runs` lists them")
-    rows = {}
-    counters: dict = {}
-    depth = 0
-    for r in store.logs(run):
-        if (r["name"] not in names) if names else r["name"].startswith(("stdout@", "state@")):
-            continue
-        vec = tuple(json.loads(r["iter"]))
-        depth = max(depth, len(vec))
-        seq = counters.get((r["name"], vec), 0)
-        counters[(r["name"], vec)] = seq + 1
-        rows.setdefault((vec, seq), {})[r["name"]] = store.value(run, json.loads(r["value"]))
-    levels = ["iteration"] + [f"iteration_{i}" for i in range(1, depth)]
-    records = []
-    for (vec, seq), values in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        rec = {lvl: (vec[i] if i < len(vec) else None) for i, lvl in enumerate(levels)}
-        rec["seq"] = seq
-        rec.update(values)
-        records.append(rec)
-    columns = levels + ["seq"] + (list(names) or sorted({k for v in rows.values() for k in v}))
-    df = pd.DataFrame.from_records(records, columns=columns)
-    if df.empty or (df["seq"] == 0).all():
-        df = df.drop(columns="seq")
-    return df
+    return frames.dataframe(Store(), names, script=script, run=run, runs=runs, level=level)
+
+
+def dataframes(*names: str, script: str | None = None, run: str | None = None,
+               runs=None) -> dict:
+    """{level: DataFrame}: one `flor.dataframe` per loop level of the names
+    (every logged name if none are given), so that per-epoch values are not
+    padded with NaN in rows of per-batch ones."""
+    from . import frames
+    from .store import Store
+
+    return frames.dataframes(Store(), names, script=script, run=run, runs=runs)
+
+
+def names(script: str | None = None, run: str | None = None, runs=None) -> list[dict]:
+    """What `flor.dataframe` can be asked for in the same runs (see there):
+    a list of dicts, by level, each with ``name``, ``level``, ``kind``
+    ("log" or "printed"), ``values`` (how many, in all the runs), ``runs``
+    (the ids of those that have it), ``where`` (``file:line`` of the
+    statement) and ``source`` (the statement's text, from the run's kept
+    source).  ``pandas.DataFrame(flor.names())`` tabulates it."""
+    from . import frames
+    from .store import Store
+
+    return frames.names(Store(), script=script, run=run, runs=runs)

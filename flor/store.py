@@ -272,6 +272,23 @@ class Store(_Database):
             (script_name,)).fetchall()
         return [r["r"] / r["w"] for r in rows if r["w"] > 0]
 
+    # -- results (flor/frames.py) -------------------------------------------
+
+    def logged(self, run_id, names=None, printed=True) -> list[dict]:
+        """``logs(run_id)`` restricted to `names` (all when None); printed
+        lines only when `printed`, since finding them reads all output."""
+        run = self.run(run_id) or {}
+        nparts = (json.loads(run["info"] or "{}").get("nparts", 1)
+                  if run.get("kind") == "replay" else None)
+        where = "" if names is None else f" AND name IN ({', '.join('?' for _ in names)})"
+        rows = [dict(r) for r in self.db.execute(
+            "SELECT * FROM logs WHERE run_id = ?" + where, [run_id, *(names or ())])]
+        if printed and (names is None or any(n.startswith("stdout@") for n in names)):
+            rows += [r for r in printed_lines(self.run_rows("output", run_id))
+                     if names is None or r["name"] in names]
+        return sorted((r for r in rows if _makes_up(r, nparts)),
+                      key=lambda r: (r["part"], r["ord"]))
+
     # -- per-run data -------------------------------------------------------
 
     def add_logs(self, rows):

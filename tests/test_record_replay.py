@@ -262,7 +262,8 @@ def test_dataframe(workdir):
     out = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['iteration', 'val_acc', 'val_loss'] 4"
+    assert out.stdout.strip() == ("['run', 'kind', 'epochs', 'limit', 'width', 'iteration', "
+                                  "'val_acc', 'val_loss'] 4")
 
 
 # --- scripts with nested and unnamed blocks, and a while loop -------------

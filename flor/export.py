@@ -1,0 +1,203 @@
+"""Results people look at: a plot of one value over the runs of a script,
+and TensorBoard event files of every value.
+
+Both take the runs that flor.dataframe reads (flor/frames.py) and draw or
+write numbers only: a value logged as a number (a one-element tensor is
+one), not a list, a large array or a printed line.  A replay logs again
+what its record logged, and its deferred checks compare the two: where
+the replayed record is among the runs and has the name too, the replay's
+values of it are left out, so a replay adds only its hindsight values.
+
+The step of a value is its iteration of the main loop when the name is
+logged once per iteration; for a name logged deeper (in every batch, in a
+nested flor.generator) it is the value's position in the run, in
+iteration order: 0, 1, 2, ... (a global step).
+
+matplotlib and tensorboard are optional: ``pip install matplotlib``,
+``pip install tensorboard``.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+
+from .errors import FlorError, note
+from .frames import INTERNAL, PRINTED, Values, script_args, select_runs
+
+__all__ = ["Series", "series", "plot_figure", "plot", "export_tensorboard"]
+
+
+@dataclass
+class Series:
+    """One run's numeric values of a name, by step."""
+
+    run: dict
+    steps: list
+    values: list
+    label: str = ""
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float))
+
+
+def _steps(rows, flat: bool) -> list:
+    """The step of each (run, vec, seq, value, loc) row of one run."""
+    if not flat:
+        return [vec[0] for _, vec, _, _, _ in rows]
+    order = sorted(range(len(rows)), key=lambda i: (rows[i][1], rows[i][2]))
+    steps = [0] * len(rows)
+    for step, i in enumerate(order):
+        steps[i] = step
+    return steps
+
+
+def _replayed(values: Values, name) -> set:
+    """Replays whose record is among the runs and has `name` too."""
+    has = {row[0] for row in values.rows.get(name, ())}
+    return {r["run_id"] for r in values.runs
+            if r["kind"] == "replay" and r["run_id"] in has and r["parent"] in has}
+
+
+def _by_run(values: Values, name) -> dict:
+    out: dict = {}
+    for row in values.rows.get(name, ()):
+        out.setdefault(row[0], []).append(row)
+    return out
+
+
+def _flat(values: Values, name) -> bool:
+    """Whether the name's steps are positions (True) or main-loop
+    iterations (False, for a name logged once per iteration)."""
+    return values.level(name) != 1 or values.depth(name) != 1
+
+
+def series(store, name, runs=None, script=None) -> tuple[list[Series], bool]:
+    """(the numeric values of `name`, one Series per run that has any,
+    labelled with the run id and the arguments that differ between them;
+    whether the steps are positions rather than main-loop iterations)."""
+    selected = select_runs(store, script, runs=runs)
+    values = Values(store, selected, [name], printed=True)
+    if name not in values.rows:
+        raise FlorError(f"no values named {name!r} in the runs "
+                        f"{', '.join(r['run_id'] for r in selected)}; flor.names() lists them")
+    skip, by_run, is_flat = _replayed(values, name), _by_run(values, name), _flat(values, name)
+    out = []
+    for run in selected:
+        rows = [r for r in by_run.get(run["run_id"], ()) if _number(r[3])]
+        if rows and run["run_id"] not in skip:
+            out.append(Series(run, _steps(rows, is_flat), [float(r[3]) for r in rows]))
+    if not out:
+        raise FlorError(f"{name!r} has no numeric values to draw (a number, or a tensor "
+                        "of one element, logged with flor.log)")
+    _label(out)
+    return out, is_flat
+
+
+def _label(out: list[Series]):
+    args = {s.run["run_id"]: script_args(s.run) for s in out}
+    keys = list(dict.fromkeys(k for a in args.values() for k in a))
+    differ = [k for k in keys if len({repr(a.get(k)) for a in args.values()}) > 1]
+    for s in out:
+        mine = args[s.run["run_id"]]
+        parts = [f"{k}={mine[k]}" if k in mine else f"{k}=(default)" for k in differ]
+        if s.run["kind"] != "record":
+            parts.append(s.run["kind"])
+        s.label = s.run["run_id"] + (f" ({', '.join(parts)})" if parts else "")
+
+
+# -- plot ---------------------------------------------------------------------
+
+def plot_figure(store, name, runs=None, script=None):
+    """A matplotlib Figure of `name` over its steps, one line per run (see
+    `plot`).  Drawn on the Agg canvas: no window, and pyplot's state and
+    backend are left alone."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise FlorError("plotting needs matplotlib, an optional dependency: "
+                        "pip install matplotlib") from None
+    out, is_flat = series(store, name, runs, script)
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for s in out:
+        ax.plot(s.steps, s.values, marker="o" if len(s.steps) <= 50 else None,
+                markersize=3, label=s.label)
+    ax.set_xlabel("step (values in iteration order)" if is_flat
+                  else "iteration of the main loop")
+    ax.set_ylabel(name)
+    script_name = out[0].run["script_name"] or ""
+    ax.set_title(f"{name} ({script_name})" if script_name else name)
+    ax.legend(fontsize="small")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    return fig
+
+
+def plot(store, name, runs=None, script=None, out=None) -> str:
+    """Write a PNG of `name` over the runs of `script` (default: the
+    script of the latest run; `runs`: run ids instead), one line per run
+    labelled with its id and the arguments that differ between the runs;
+    x is the main-loop iteration for a value logged once per iteration,
+    else the value's position in the run.  `out`: the file (default
+    ``NAME.png`` in the working directory).  Returns its path."""
+    fig = plot_figure(store, name, runs, script)
+    if out is None:
+        out = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") + ".png"
+    path = os.path.abspath(out)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+# -- TensorBoard --------------------------------------------------------------
+
+def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
+    """Write the numeric values of the runs (as in `plot`) as TensorBoard
+    event files, one directory per run under `out_dir` (named by run id),
+    tag = the name, step as in `plot`.  Event files already in a run's
+    directory are replaced.  Values that are not numbers (lists, large
+    arrays) are skipped, with a note naming them; printed lines are not
+    exported.  Returns the directories written."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise FlorError("exporting to TensorBoard needs torch and tensorboard: "
+                        "pip install tensorboard") from None
+    selected = select_runs(store, script, runs=runs)
+    values = Values(store, selected, None, printed=False)
+    names = [n for n in values.rows if not n.startswith((PRINTED, *INTERNAL))]
+    per_name = {n: (_by_run(values, n), _replayed(values, n), _flat(values, n)) for n in names}
+    written, skipped = [], set()
+    for run in selected:
+        run_id = run["run_id"]
+        scalars = []
+        for name, (by_run, replayed, is_flat) in per_name.items():
+            rows = by_run.get(run_id, ())
+            if not rows or run_id in replayed:
+                continue
+            numeric = [r for r in rows if _number(r[3])]
+            if len(numeric) < len(rows):
+                skipped.add(name)
+            scalars += [(name, step, float(r[3]))
+                        for step, r in zip(_steps(numeric, is_flat), numeric)]
+        if not scalars:
+            continue
+        directory = os.path.join(os.path.abspath(out_dir), run_id)
+        for old in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+            os.remove(old)
+        writer = SummaryWriter(log_dir=directory)
+        try:
+            for name, step, value in scalars:
+                writer.add_scalar(name, value, global_step=step)
+        finally:
+            writer.close()
+        written.append(directory)
+    if skipped:
+        note(f"TensorBoard export: values that are not numbers skipped: "
+             f"{', '.join(sorted(skipped))}")
+    return written

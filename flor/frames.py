@@ -1,0 +1,352 @@
+"""Results across runs: flor.dataframe, flor.dataframes and flor.names.
+
+The runs of a script are its finished records and replays (a replay holds
+the hindsight values; the ``kind`` column tells them apart), each with the
+arguments it ran with, parsed from its command line into columns.
+
+Every logged name (and every printed statement, ``stdout@file:line``) has
+a *level*: the number of index columns its values need.  A value logged
+in the main loop has iteration vector ``[i]``, one inside a nested
+flor.generator ``[i, j]``; a name that repeats within one iteration (a
+``flor.log`` in a batch loop that is not a flor.generator, a print of
+several lines) needs ``seq`` as well, one level deeper.  So per-epoch
+values are level 1 and per-batch values level 2, and each level gets a
+frame of its own: nothing is padded with NaN for rows of another level.
+Values logged before or after the main loop are level 0, one row per run.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+
+from .context import parse_location
+
+__all__ = ["select_runs", "script_args", "Values", "dataframes", "dataframe", "names",
+           "statement"]
+
+INTERNAL = ("state@",)  # fingerprints the deferred checks compare: never results
+PRINTED = "stdout@"
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+# -- which runs ---------------------------------------------------------------
+
+def select_runs(store, script=None, run=None, runs=None) -> list[dict]:
+    """The runs to read, oldest first.  `run` (one id) or `runs` (ids) are
+    taken as given; otherwise every finished run (records and replays) of
+    `script` (a path, else a file name; by default the script of the latest
+    run), less the ranks other than 0 of data-parallel records, and with
+    the record this process is making, if it is one of them."""
+    if run is not None and runs is not None:
+        raise ValueError("pass run= (one run) or runs= (several), not both")
+    if run is not None:
+        runs = [run]
+    if runs is not None:
+        if isinstance(runs, str):
+            runs = [runs]
+        rows = []
+        for run_id in runs:
+            row = store.run(run_id)
+            if row is None:
+                raise LookupError(f"no run {run_id!r} in {store.root}; "
+                                  "`python -m flor runs` lists them")
+            rows.append(row)
+        return sorted(rows, key=lambda r: r["started"] or 0)
+    if script is None:
+        every = store.runs()
+        if not every:
+            raise LookupError(f"no runs in {store.root}")
+        script = every[-1]["script"]
+    mine = _current_record()
+    rows = [r for r in _of_script(store.runs(), script)
+            if (r["status"] == "finished" or r["run_id"] == mine)
+            and not json.loads(r["info"] or "{}").get("rank")]
+    if not rows:
+        raise LookupError(f"no finished run of {script or 'an interactive session'} in "
+                          f"{store.root}; "
+                          "`python -m flor runs` lists the runs")
+    return rows
+
+
+def _of_script(runs, script) -> list[dict]:
+    """The runs of `script`: by its path, else by its file name (None: the
+    runs of no file, recorded in an interactive session)."""
+    if script is None:
+        return [r for r in runs if r["script"] is None]
+    path = os.path.abspath(script)
+    return ([r for r in runs if r["script"] == path]
+            or [r for r in runs if r["script_name"] == os.path.basename(path)])
+
+
+def _current_record():
+    """The run this process records, if it does (flor.dataframe called at
+    the end of a training script sees the run so far)."""
+    from .runtime.session import Session
+
+    s = Session._current
+    if s is not None and getattr(s, "pid", None) == os.getpid() and s.mode == "record":
+        return s.run_id
+    return None
+
+
+def script_args(run) -> dict:
+    """The arguments a run's script ran with, as {column: value}:
+    ``--epochs 4`` and ``--epochs=4`` give epochs = 4 (numbers converted),
+    ``--batch-size 8`` batch_size = 8, an option followed by another option
+    or by nothing True, other words arg0, arg1, ... (all words after
+    ``--`` too).  An option given twice keeps its values in a tuple."""
+    argv = json.loads(run["argv"] or "[]")
+    # A record stores [script, *args]; a replay its arguments only.
+    if argv and (run["kind"] == "record"
+                 or os.path.basename(argv[0]) == (run["script_name"] or "")):
+        argv = argv[1:]
+    out, positional, rest, i = {}, [], False, 0
+    while i < len(argv):
+        word = argv[i]
+        if rest or not _is_option(word):
+            if word == "--" and not rest:
+                rest = True
+            else:
+                positional.append(_convert(word))
+            i += 1
+            continue
+        key, eq, text = word.lstrip("-").partition("=")
+        key = key.replace("-", "_")
+        if eq:
+            value = _convert(text)
+        elif i + 1 < len(argv) and not _is_option(argv[i + 1]) and argv[i + 1] != "--":
+            value = _convert(argv[i + 1])
+            i += 1
+        else:
+            value = True
+        if key in out:
+            old = out[key]
+            value = (*(old if isinstance(old, tuple) else (old,)), value)
+        out[key] = value
+        i += 1
+    out.update((f"arg{n}", v) for n, v in enumerate(positional))
+    return out
+
+
+def _is_option(word) -> bool:
+    return word.startswith("-") and word not in ("-", "--") and not _FLOAT.fullmatch(word)
+
+
+def _convert(text):
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
+    return text
+
+
+# -- what they logged ---------------------------------------------------------
+
+class Values:
+    """The values the runs logged (and printed, when `printed`), by name:
+    ``rows[name]`` is a list of (run id, iteration vector, seq, value as
+    stored (decoded JSON), location), in run order, then as logged."""
+
+    def __init__(self, store, runs, names=None, printed=False):
+        self.store, self.runs = store, runs
+        self.rows: dict[str, list] = {}
+        self._depth, self._repeats = {}, {}
+        for run in runs:
+            counts: dict = {}
+            for r in store.logged(run["run_id"], names, printed):
+                name = r["name"]
+                if names is None and name.startswith(INTERNAL):
+                    continue
+                vec = tuple(json.loads(r["iter"] or "[]"))
+                seq = counts.get((name, vec), 0)
+                counts[(name, vec)] = seq + 1
+                self.rows.setdefault(name, []).append(
+                    (run["run_id"], vec, seq, json.loads(r["value"]), r["loc"]))
+                self._depth[name] = max(self._depth.get(name, 0), len(vec))
+                if seq:
+                    self._repeats[name] = True
+
+    def depth(self, name) -> int:
+        """The length of the name's iteration vectors (the longest)."""
+        return self._depth[name]
+
+    def repeats(self, name) -> bool:
+        """Whether the name has several values in one iteration of some run."""
+        return self._repeats.get(name, False)
+
+    def level(self, name) -> int:
+        return self._depth[name] + self.repeats(name)
+
+    def by_level(self, names) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for name in names:
+            out.setdefault(self.level(name), []).append(name)
+        return dict(sorted(out.items()))
+
+
+# -- frames -------------------------------------------------------------------
+
+def _pandas():
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError("flor.dataframe needs pandas, an optional dependency: "
+                          "pip install pandas") from None
+    return pd
+
+
+def _read(store, names, script, run, runs):
+    """(runs, Values, the names asked for, or every name logged)."""
+    selected = select_runs(store, script, run, runs)
+    wanted = list(dict.fromkeys(names)) if names else None
+    values = Values(store, selected, wanted, printed=wanted is not None)
+    if wanted is None:
+        wanted = sorted(n for n in values.rows if not n.startswith(PRINTED))
+    missing = [n for n in wanted if n not in values.rows]
+    if missing:
+        ids = ", ".join(r["run_id"] for r in selected)
+        raise LookupError(f"no values named {', '.join(map(repr, missing))} in the runs "
+                          f"{ids}; flor.names() lists what they logged and printed")
+    return selected, values, wanted
+
+
+def arg_columns(runs, taken=()) -> tuple[list[str], dict]:
+    """(argument columns in order of first appearance, {run id: {column:
+    value}}).  An argument whose name is taken by another column is
+    prefixed ``arg_``."""
+    columns, per_run = [], {}
+    for run in runs:
+        args = {}
+        for key, value in script_args(run).items():
+            col = f"arg_{key}" if key in taken or re.fullmatch(r"iteration(_\d+)?", key) else key
+            args[col] = value
+            if col not in columns:
+                columns.append(col)
+        per_run[run["run_id"]] = args
+    return columns, per_run
+
+
+def _frame(store, runs, values, names):
+    """The frame of names that share a level."""
+    pd = _pandas()
+    depth = max(values.depth(n) for n in names)
+    seq = any(values.repeats(n) for n in names)
+    index = ["iteration"] + [f"iteration_{i}" for i in range(1, depth)] if depth else []
+    index += ["seq"] if seq else []
+    order = {r["run_id"]: i for i, r in enumerate(runs)}
+    rows: dict = {}
+    for name in names:
+        repeats = values.repeats(name)
+        for run_id, vec, s, raw, _ in values.rows[name]:
+            vec = vec + (None,) * (depth - len(vec))
+            key = (order[run_id], vec, s if repeats else None)
+            rows.setdefault(key, {})[name] = store.value(run_id, raw)
+    present = [runs[i] for i in sorted({key[0] for key in rows})]
+    args, per_run = arg_columns(present, {"run", "kind", "seq", *names})
+    records = []
+    for key in sorted(rows, key=lambda k: (k[0], [-1 if v is None else v for v in k[1]],
+                                           -1 if k[2] is None else k[2])):
+        run = runs[key[0]]
+        rec = {"run": run["run_id"], "kind": run["kind"], **per_run[run["run_id"]]}
+        rec.update(zip(index, key[1] + ((key[2],) if seq else ())))
+        rec.update(rows[key])
+        records.append(rec)
+    return pd.DataFrame.from_records(records, columns=["run", "kind", *args, *index, *names])
+
+
+def dataframes(store, names=(), script=None, run=None, runs=None) -> dict:
+    """{level: the frame of the names at that level}; see `dataframe`."""
+    selected, values, wanted = _read(store, names, script, run, runs)
+    return {level: _frame(store, selected, values, group)
+            for level, group in values.by_level(wanted).items()}
+
+
+def dataframe(store, names=(), script=None, run=None, runs=None, level=None):
+    """One frame: the names asked for (every logged name if none) at one
+    level, `level` when given; a ValueError when they span levels."""
+    selected, values, wanted = _read(store, names, script, run, runs)
+    groups = values.by_level(wanted)
+    if level is None:
+        if len(groups) > 1:
+            where = "; ".join(f"level {lv}: {', '.join(group)}" for lv, group in groups.items())
+            choices = " or ".join(f"level={lv}" for lv in groups)
+            asked = "the names asked for are" if names else "the runs' names are"
+            raise ValueError(f"{asked} logged at different loop levels ({where}); pass "
+                             f"{choices}, ask for names of one level, or use "
+                             "flor.dataframes(...) for one frame per level")
+        if not groups:
+            pd = _pandas()
+            args, _ = arg_columns(selected, {"run", "kind"})
+            return pd.DataFrame(columns=["run", "kind", *args])
+        level = next(iter(groups))
+    if level not in groups:
+        where = ", ".join(f"{lv} ({', '.join(g)})" for lv, g in groups.items())
+        raise ValueError(f"none of the names asked for is at level {level}; their levels: {where}")
+    return _frame(store, selected, values, groups[level])
+
+
+# -- what can be asked for ----------------------------------------------------
+
+def names(store, script=None, run=None, runs=None) -> list[dict]:
+    """What the runs logged and printed, one dict per name, by level:
+    name, level, kind ("log" or "printed"), values (how many, in all runs),
+    runs (the ids of those that have it), where (the statement's location)
+    and source (its text, from the run's kept source)."""
+    selected = select_runs(store, script, run, runs)
+    values = Values(store, selected, None, printed=True)
+    by_id = {r["run_id"]: r for r in selected}
+    cache: dict = {}
+    out = []
+    for name, rows in values.rows.items():
+        run_id, loc = rows[0][0], rows[0][4]
+        out.append({"name": name, "level": values.level(name),
+                    "kind": "printed" if name.startswith(PRINTED) else "log",
+                    "values": len(rows), "runs": list(dict.fromkeys(r[0] for r in rows)),
+                    "where": loc, "source": statement(store, by_id[run_id], loc, cache)})
+    return sorted(out, key=lambda d: (d["level"], d["kind"] == "printed", d["name"]))
+
+
+def statement(store, run, loc, cache=None) -> str | None:
+    """The text of the statement at location `loc` (``file:line``, or
+    ``file:new:line`` for a line that a replay added) of a run: recorded
+    lines are read from the record's kept source, added lines from the
+    replay's."""
+    if not loc:
+        return None
+    rel, line, new = parse_location(loc)
+    if line is None:
+        return None
+    source_run = run["run_id"] if new or run["kind"] == "record" else (run["parent"] or
+                                                                       run["run_id"])
+    cache = {} if cache is None else cache
+    key = (source_run, rel)
+    if key not in cache:
+        sources = store.module_sources(source_run)
+        owner = store.run(source_run) or run
+        text = sources.get(None) if rel == (owner["script_name"] or "") else sources.get(rel)
+        tree = None
+        if text is not None:
+            try:
+                tree = ast.parse(text)
+            except SyntaxError:
+                pass
+        cache[key] = (text, tree)
+    text, tree = cache[key]
+    if text is None:
+        return None
+    best = None
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.stmt) and node.lineno <= line <= node.end_lineno and (
+                best is None or node.end_lineno - node.lineno <= best.end_lineno - best.lineno):
+            best = node  # the innermost statement on the line
+    if best is not None and not hasattr(best, "body"):  # a simple statement
+        segment = ast.get_source_segment(text, best)
+        if segment:
+            return segment
+    lines = text.splitlines()
+    return lines[line - 1].strip() if 0 < line <= len(lines) else None
+

@@ -1,0 +1,240 @@
+"""Results across runs: flor.dataframe and flor.dataframes (one frame per
+loop level, the script's arguments as columns), flor.names, the plot and
+the TensorBoard export.
+
+The example is recorded twice with different learning rates, and the
+second record is replayed with a hindsight flor.log in the batch loop and
+a print added to the epoch loop, once for the module."""
+import json
+import os
+import shutil
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import flor
+from flor.errors import FlorError
+from flor.export import export_tensorboard, plot, plot_figure
+from flor.frames import dataframes, script_args, select_runs
+from flor.store import Store
+
+from conftest import ROOT, edit, flor as flor_cli, read, runs, store, values
+
+EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
+ARGS = ["--epochs", "2", "--limit", "200", "--width", "4"]
+GRAD = 'flor.log("grad_norm", torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))'
+PRINT = 'print("acc", val_acc)'
+EPOCH_PRINT = next(n for n, line in enumerate(read(EXAMPLE).splitlines(), 1)
+                   if 'print(f"epoch {epoch}' in line)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("results"))
+    script = os.path.join(d, "train.py")
+    shutil.copy(EXAMPLE, script)
+    flor_cli(d, "record", "--no-adaptive", "train.py", *ARGS)
+    flor_cli(d, "record", "--no-adaptive", "train.py", *ARGS, "--lr", "0.01")
+    edit(script, "loss.backward()", GRAD)
+    edit(script, 'flor.log("val_acc", val_acc)', PRINT)
+    flor_cli(d, "replay", "train.py", *ARGS, "--lr", "0.01")
+    st = store(d)
+    rec1, rec2 = (r["run_id"] for r in runs(st, "record"))
+    (rep,) = (r["run_id"] for r in runs(st, "replay"))
+    line = next(n for n, text in enumerate(read(script).splitlines(), 1) if PRINT in text)
+    return SimpleNamespace(dir=d, store=st, rec1=rec1, rec2=rec2, rep=rep,
+                           printed=f"stdout@train.py:new:{line}")
+
+
+@pytest.fixture
+def here(results, monkeypatch):
+    """flor's functions read the results' store, from their directory."""
+    monkeypatch.setenv("FLOR_DIR", os.path.join(results.dir, ".flor"))
+    monkeypatch.chdir(results.dir)
+    return results
+
+
+def stored(r, run_id, name):
+    return [v for _, _, v in values(r.store, run_id, name)]
+
+
+# --- arguments ---------------------------------------------------------------
+
+def test_the_command_line_becomes_columns():
+    record = {"kind": "record", "script_name": "train.py", "argv": json.dumps(
+        ["train.py", "--epochs", "4", "--lr=1e-3", "--batch-size", "8", "data.csv",
+         "--neg", "-1", "--tag", "a", "--tag", "b", "--name", "x1", "--verbose"])}
+    assert script_args(record) == {"epochs": 4, "lr": 1e-3, "batch_size": 8, "neg": -1,
+                                   "tag": ("a", "b"), "name": "x1", "verbose": True,
+                                   "arg0": "data.csv"}
+    # A replay stores its arguments without the script; `--` ends the options.
+    replay = {"kind": "replay", "script_name": "train.py",
+              "argv": json.dumps(["--fast", "--x", "0.5", "--", "--y"])}
+    assert script_args(replay) == {"fast": True, "x": 0.5, "arg0": "--y"}
+
+
+# --- frames --------------------------------------------------------------------
+
+def test_dataframe_has_every_finished_run_of_the_script_with_its_arguments(here):
+    r = here
+    df = flor.dataframe("val_acc")  # no script: the latest run's
+    assert list(df.columns) == ["run", "kind", "epochs", "limit", "width", "lr",
+                                "iteration", "val_acc"]
+    assert list(df["run"]) == [r.rec1] * 2 + [r.rec2] * 2 + [r.rep] * 2
+    assert list(df["kind"]) == ["record"] * 4 + ["replay"] * 2
+    assert list(df["epochs"]) == [2] * 6 and list(df["iteration"]) == [0, 1] * 3
+    assert np.isnan(df["lr"][0]) and list(df["lr"][2:]) == [0.01] * 4
+    for run_id in (r.rec1, r.rec2, r.rep):
+        assert list(df[df["run"] == run_id]["val_acc"]) == stored(r, run_id, "val_acc")
+    assert df.equals(flor.dataframe("val_acc", script="train.py"))
+    assert df.equals(flor.dataframe("val_acc", script=os.path.join(r.dir, "train.py")))
+    one = flor.dataframe("val_acc", run=r.rec1)
+    assert list(one["run"]) == [r.rec1] * 2 and "lr" not in one.columns
+    assert list(flor.dataframe("val_acc", runs=[r.rep, r.rec2])["run"]) == [r.rec2] * 2 + [r.rep] * 2
+    with pytest.raises(LookupError, match="flor.names"):
+        flor.dataframe("val_accuracy")
+
+
+def test_one_frame_per_loop_level(here):
+    r = here
+    frames = flor.dataframes("val_acc", "grad_norm")
+    assert sorted(frames) == [1, 2]
+    epochs, batches = frames[1], frames[2]
+    # Per-epoch values are not padded with NaN in rows of per-batch ones.
+    assert list(epochs.columns)[-2:] == ["iteration", "val_acc"] and len(epochs) == 6
+    assert epochs["val_acc"].notna().all()
+    # Per-batch values: only the replay has them; seq numbers them in an epoch.
+    assert list(batches.columns)[-3:] == ["iteration", "seq", "grad_norm"]
+    assert set(batches["run"]) == {r.rep} and set(batches["kind"]) == {"replay"}
+    assert list(batches["grad_norm"]) == stored(r, r.rep, "grad_norm")
+    assert len(batches) == 2 * 3  # 2 epochs of 3 batches (180 images, 64 a batch)
+    assert list(batches["seq"]) == [0, 1, 2] * 2 and list(batches["lr"]) == [0.01] * 6
+    with pytest.raises(ValueError, match=r"level 1: val_acc; level 2: grad_norm.*"
+                                         r"pass level=1 or level=2.*flor.dataframes"):
+        flor.dataframe("val_acc", "grad_norm")
+    with pytest.raises(ValueError, match="level=1 or level=2"):
+        flor.dataframe()  # every logged name
+    assert flor.dataframe("val_acc", "grad_norm", level=2).equals(batches)
+    assert list(flor.dataframe(level=1).columns)[-2:] == ["val_acc", "val_loss"]
+    with pytest.raises(ValueError, match="at level 0"):
+        flor.dataframe("val_acc", level=0)
+
+
+def test_printed_lines_are_values_when_named(here):
+    r = here
+    df = flor.dataframe(r.printed)
+    assert list(df["run"]) == [r.rep] * 2
+    assert [v.startswith("acc ") for v in df[r.printed]] == [True, True]
+    assert not [c for c in flor.dataframe(level=1).columns if c.startswith("stdout@")]
+
+
+def test_frames_of_nested_generators_leave_out_other_ranks_and_unfinished_runs(tmp_path):
+    st = Store(str(tmp_path / ".flor"))
+    script = str(tmp_path / "t.py")
+
+    def run(status="finished", rank=None, scale=1, batches=3):
+        info = json.dumps({"rank": rank} if rank is not None else {})
+        argv = ["t.py", "--scale", str(scale)] + ([] if batches else ["--no-batches"])
+        run_id = st.new_run("record", script, argv, "", status=status, info=info)
+        rows, ord_ = [], 0
+        for i in range(2):
+            for j in range(batches):
+                ord_ += 1
+                rows.append((run_id, 0, ord_, None, None, None, "loss", json.dumps([i, j]), 0,
+                             json.dumps(scale * (i + j)), "t.py:9"))
+            ord_ += 1
+            rows.append((run_id, 0, ord_, None, None, None, "acc", json.dumps([i]), 0,
+                         json.dumps(scale * i), "t.py:10"))
+        st.add_logs(rows)
+        return run_id
+
+    a, _, _, _, b = run(), run(rank=1), run(status="failed"), run(status="running"), run(scale=2)
+    c = run(scale=3, batches=0)
+    assert [x["run_id"] for x in select_runs(st, script)] == [a, b, c]
+    frames = dataframes(st, ("acc", "loss"), script=script)
+    # Argument columns are those of the runs in the frame.
+    assert list(frames[1].columns) == ["run", "kind", "scale", "no_batches", "iteration", "acc"]
+    assert list(frames[1]["no_batches"].isna()) == [True] * 4 + [False] * 2
+    assert list(frames[2].columns) == ["run", "kind", "scale", "iteration", "iteration_1", "loss"]
+    assert list(frames[2]["iteration_1"]) == [0, 1, 2] * 4
+    assert list(frames[2]["loss"]) == [0, 1, 2, 1, 2, 3] + [0, 2, 4, 2, 4, 6]
+    assert list(frames[1]["scale"]) == [1, 1, 2, 2, 3, 3] and list(frames[1]["acc"]) == [
+        0, 1, 0, 2, 0, 3]
+    assert list(frames[2]["run"]) == [a] * 6 + [b] * 6
+
+
+# --- names -----------------------------------------------------------------------
+
+def test_names_lists_levels_runs_and_statements(here):
+    r = here
+    by = {n["name"]: n for n in flor.names()}
+    assert by["val_acc"] == {"name": "val_acc", "level": 1, "kind": "log", "values": 6,
+                             "runs": [r.rec1, r.rec2, r.rep], "where": "train.py:106",
+                             "source": 'flor.log("val_acc", val_acc)'}
+    assert by["grad_norm"]["level"] == 2 and by["grad_norm"]["runs"] == [r.rep]
+    assert by["grad_norm"]["source"] == GRAD and by["grad_norm"]["values"] == 6
+    added = by[r.printed]
+    assert (added["kind"], added["level"], added["runs"], added["source"]) == (
+        "printed", 1, [r.rep], PRINT)
+    # A recorded statement of two lines, read from the record's kept source.
+    epoch = by[f"stdout@train.py:{EPOCH_PRINT}"]
+    assert epoch["source"].startswith('print(f"epoch {epoch}') and "\n" in epoch["source"]
+    assert not [n for n in by if n.startswith("state@")]
+    assert [n["level"] for n in flor.names()] == sorted(n["level"] for n in flor.names())
+    assert [n["name"] for n in flor.names(run=r.rec1) if n["level"] == 1] == [
+        "val_acc", "val_loss", f"stdout@train.py:{EPOCH_PRINT}"]
+
+
+# --- plot ----------------------------------------------------------------------
+
+def test_plot_draws_one_line_per_run(here, tmp_path, monkeypatch):
+    r = here
+    path = plot(r.store, "val_acc", out=str(tmp_path / "acc.png"))
+    assert path == str(tmp_path / "acc.png")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # The replay logged val_acc again, as its record did: one line per training run.
+    (ax,) = plot_figure(r.store, "val_acc").axes
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == [f"{r.rec1} (lr=(default))",
+                                                    f"{r.rec2} (lr=0.01)"]
+    assert [list(line.get_ydata()) for line in lines] == [stored(r, r.rec1, "val_acc"),
+                                                          stored(r, r.rec2, "val_acc")]
+    assert ax.get_xlabel() == "iteration of the main loop"
+    (ax,) = plot_figure(r.store, "grad_norm").axes
+    (line,) = ax.get_lines()
+    assert line.get_label() == f"{r.rep} (replay)" and list(line.get_xdata()) == list(range(6))
+    assert ax.get_xlabel() == "step (values in iteration order)"
+    monkeypatch.chdir(tmp_path)
+    assert plot(r.store, "grad_norm", runs=[r.rep]) == str(tmp_path / "grad_norm.png")
+    with pytest.raises(FlorError, match="no numeric values"):
+        plot(r.store, r.printed)
+    for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(FlorError, match="pip install matplotlib"):
+        plot(r.store, "val_acc")
+
+
+# --- TensorBoard -------------------------------------------------------------------
+
+def test_tensorboard_export_reads_back_as_stored(here, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r = here
+    out = str(tmp_path / "tb")
+    for _ in range(2):  # exporting again replaces the event files
+        dirs = export_tensorboard(r.store, out)
+    assert dirs == [os.path.join(out, run_id) for run_id in (r.rec1, r.rec2, r.rep)]
+    expected = {r.rec1: ("val_acc", "val_loss"), r.rec2: ("val_acc", "val_loss"),
+                r.rep: ("grad_norm",)}  # the replay adds its hindsight values only
+    for directory in dirs:
+        run_id = os.path.basename(directory)
+        assert len([f for f in os.listdir(directory) if f.startswith("events.")]) == 1
+        acc = EventAccumulator(directory)
+        acc.Reload()
+        assert sorted(acc.Tags()["scalars"]) == list(expected[run_id])
+        for tag in expected[run_id]:
+            want = [(i, float(np.float32(v))) for i, v in enumerate(stored(r, run_id, tag))]
+            assert [(e.step, e.value) for e in acc.Scalars(tag)] == want
