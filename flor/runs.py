@@ -46,8 +46,11 @@ def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
         if (status is not None and st != status) or (kind is not None and r["kind"] != kind):
             continue
         info = json.loads(r["info"] or "{}")
+        argv = json.loads(r["argv"] or "[]")
+        if argv and (r["kind"] == "record" or os.path.basename(argv[0]) == r["script_name"]):
+            argv = argv[1:]  # (replays of older stores kept their arguments alone)
         row = {"run": r["run_id"], "kind": r["kind"], "script": r["script_name"],
-               "args": json.loads(r["argv"] or "[null]")[1:], "status": st,
+               "args": argv, "status": st,
                "started": r["started"], "seconds": seconds(r),
                "iterations": r["iterations"] or 0, "checkpoints": ckpts.get(r["run_id"], 0),
                "parent": r["parent"]}

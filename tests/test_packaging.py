@@ -192,4 +192,4 @@ def test_the_wheel_metadata_has_the_flor_console_script(unpacked, tmp_path):
     bad = subprocess.run([sys.executable, "-c", launch, "no-such-command"], cwd=unpacked,
                          env=_env(PYTHONPATH=str(unpacked)), capture_output=True, text=True,
                          timeout=60)
-    assert bad.returncode == 2 and "unknown command 'no-such-command'" in bad.stderr
+    assert bad.returncode == 2 and "invalid choice: 'no-such-command'" in bad.stderr

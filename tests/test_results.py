@@ -238,3 +238,23 @@ def test_tensorboard_export_reads_back_as_stored(here, tmp_path):
         for tag in expected[run_id]:
             want = [(i, float(np.float32(v))) for i, v in enumerate(stored(r, run_id, tag))]
             assert [(e.step, e.value) for e in acc.Scalars(tag)] == want
+
+
+def test_plot_and_export_from_the_command_line(results, tmp_path):
+    import matplotlib.image
+
+    r = results
+    env = {"FLOR_DIR": os.path.join(r.dir, ".flor")}
+    png = str(tmp_path / "acc.png")
+    proc = flor_cli(str(tmp_path), "plot", "val_acc", "--script", "train.py", "--out", png,
+                    env=env)
+    assert proc.stdout.strip() == png
+    assert matplotlib.image.imread(png).ndim == 3  # a readable image
+    one = flor_cli(str(tmp_path), "plot", "grad_norm", "--run", r.rep, env=env)
+    assert os.path.isfile(one.stdout.strip())
+    out = str(tmp_path / "tb")
+    proc = flor_cli(str(tmp_path), "export", "--tensorboard", out, "--run", r.rec1, "--run",
+                    r.rep, env=env)
+    assert proc.stdout.split() == [os.path.join(out, r.rec1), os.path.join(out, r.rep)]
+    bad = flor_cli(str(tmp_path), "plot", "no_such_value", env=env, check=False)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
