@@ -112,7 +112,8 @@ def dataframe(*names: str, script: str | None = None, run: str | None = None,
     from . import frames
     from .store import Store
 
-    return frames.dataframe(Store(), names, script=script, run=run, runs=runs, level=level)
+    return frames.dataframe(Store(create=False), names, script=script, run=run, runs=runs,
+                            level=level)
 
 
 def dataframes(*names: str, script: str | None = None, run: str | None = None,
@@ -123,7 +124,7 @@ def dataframes(*names: str, script: str | None = None, run: str | None = None,
     from . import frames
     from .store import Store
 
-    return frames.dataframes(Store(), names, script=script, run=run, runs=runs)
+    return frames.dataframes(Store(create=False), names, script=script, run=run, runs=runs)
 
 
 def names(script: str | None = None, run: str | None = None, runs=None) -> list[dict]:
@@ -136,4 +137,4 @@ def names(script: str | None = None, run: str | None = None, runs=None) -> list[
     from . import frames
     from .store import Store
 
-    return frames.names(Store(), script=script, run=run, runs=runs)
+    return frames.names(Store(create=False), script=script, run=run, runs=runs)
