@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import sys
 import traceback
 
 from .cli import build_parser, options_of, parse
-from .errors import FlorError, note
+from .errors import FlorError, note, unusable
 from .materializer import mode_from_env
 
 
@@ -34,9 +35,12 @@ def cmd_record(o) -> int:
         mode_from_env()
     except ValueError as e:
         raise FlorError(str(e)) from None
-    return record_script(o.script, o.args, epsilon=o.epsilon,
-                         adaptive=False if o.no_adaptive else None, resume=o.resume,
-                         force=o.force)
+    code = record_script(o.script, o.args if o.explicit_args or not o.resume else None,
+                         epsilon=o.epsilon, adaptive=False if o.no_adaptive else None,
+                         resume=o.resume, force=o.force)
+    if code and _hint_options(o):
+        note(_hint_options(o))
+    return code
 
 
 def _parse_part(text):
@@ -45,7 +49,9 @@ def _parse_part(text):
     except ValueError:
         raise FlorError(f"--part takes I/N counting from 0, for example 0/4, not {text!r}") \
             from None
-    if not (n >= 1 and 0 <= i < n):
+    if n < 1:
+        raise FlorError(f"--part {text}: N, the number of parts, must be at least 1")
+    if not 0 <= i < n:
         raise FlorError(f"--part {text}: I counts from 0, so 0 <= I < N (0/{max(n, 1)} to "
                         f"{max(n, 1) - 1}/{max(n, 1)})")
     return i, n
@@ -103,8 +109,11 @@ def _plan(store, o, jobs, part=None):
             tolerance=o.tolerance, threads=_threads(o),
             cores=None if part is not None else _cores(), args_differ_ok=o.args_differ_ok)
     except FlorError as e:
-        hint = _hint_options(o)
-        raise FlorError(f"{e}\n{hint}" if hint and "arguments" in str(e) else str(e)) from None
+        hint = _hint_options(o) if "arguments" in str(e) else None
+        if o.peeled and "arguments" in str(e):
+            hint = (f"flor took {' '.join(o.peeled)} at the end of ARGS as its own options; "
+                    f"`flor replay {o.script} -- ARGS...` gives all of ARGS to the script")
+        raise FlorError(f"{e}\n{hint}" if hint else str(e)) from None
     for line in notes:
         note(line)
     hf = plan.hands_free
@@ -139,8 +148,8 @@ def cmd_replay(o) -> int:
         plan, rec, cmp, source = _plan(store, o, n, part=i)
         nparts = len(plan.segments)
         if i >= nparts:
-            note(f"the recorded checkpoints allow only {nparts} segments; "
-                 f"part {i}/{n} has nothing to replay")
+            note(f"the recorded checkpoints allow only {nparts} segment"
+                 f"{'s' if nparts > 1 else ''}; part {i}/{n} has nothing to replay")
             return 0
         for line in describe(plan, rec, cmp, plan.argv[1:]):
             note(line)
@@ -188,13 +197,15 @@ def cmd_merge(o) -> int:
     from .replay.results import merge
     from .store import Store
 
-    return merge(Store(create=False), o.replay, strict=o.check == "strict")
+    store = Store(create=False)
+    store.db  # an unusable store says so first
+    return merge(store, o.replay, strict=o.check == "strict")
 
 
-def _store():
+def _store(readonly=True):
     from .store import Store
 
-    return Store(create=False)
+    return Store(create=False, readonly=readonly)
 
 
 def cmd_runs(o) -> int:
@@ -236,14 +247,14 @@ def _report_deleted(ids, dry_run):
 def cmd_rm(o) -> int:
     from . import runs
 
-    _report_deleted(runs.remove(_store(), o.runs, o.dry_run), o.dry_run)
+    _report_deleted(runs.remove(_store(readonly=o.dry_run), o.runs, o.dry_run), o.dry_run)
     return 0
 
 
 def cmd_prune(o) -> int:
     from . import runs
 
-    store = _store()
+    store = _store(readonly=o.dry_run)
     ids = runs.prune(store, o.keep, o.script, o.dry_run) if store.exists() else []
     _report_deleted(ids, o.dry_run)
     return 0
@@ -302,6 +313,14 @@ def main(argv=None) -> int:
     except SyntaxError as e:  # the script does not parse: as python would report it
         traceback.print_exception(e, limit=0)
         return 1
+    except sqlite3.Error as e:  # the store failed under a command (damaged, say)
+        from .layout import store_root
+
+        note(str(unusable(os.path.join(store_root(), "flor.db"), e)))
+        return 2
+    except BrokenPipeError:  # `flor runs | head`: the reader is gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         note("interrupted")
         return 130

@@ -61,7 +61,7 @@ def _formatter(prog):
 def _command(subs, name, help, description, env=None, epilog=""):
     text = textwrap.fill(epilog, 79) + (f"\n\nenvironment:\n{env}" if env else "")
     return subs.add_parser(name, help=help, description=textwrap.fill(description, 79),
-                           epilog=text.strip(), formatter_class=_formatter)
+                           epilog=text.strip(), formatter_class=_formatter, allow_abbrev=False)
 
 
 def _script_args(p):
@@ -82,6 +82,16 @@ def _positive(kind):
     return parse
 
 
+def _count(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
+    return value
+
+
 def _nonneg(text):
     try:
         value = float(text)
@@ -97,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = _Parser(prog="flor", description="Record-replay for PyTorch training: cheap "
                   "background checkpoints, hindsight logging.\n\n" + SUMMARY,
-                  epilog=textwrap.fill(EXIT_STATUS, 79), formatter_class=_formatter)
+                  epilog=textwrap.fill(EXIT_STATUS, 79), formatter_class=_formatter,
+                  allow_abbrev=False)
     top.add_argument("--version", action="version", version=f"flor {__version__}")
     subs = top.add_subparsers(dest="command", metavar="COMMAND", required=True,
                               parser_class=_Parser)
@@ -117,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _script_args(p)
 
     p = _command(subs, "replay", "replay a record with the edited script",
-                 "Replay the latest finished record of SCRIPT with the edited SCRIPT: blocks "
+                 "Replay the latest finished (or interrupted) record of SCRIPT with the edited SCRIPT: blocks "
                  "that hold no new statement are skipped by loading their checkpoints, and "
                  "the main loop is split among workers. With no ARGS, the recorded arguments "
                  "are used.", ENV_REPLAY, TRAILING)
@@ -128,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive(int), metavar="T",
                    help="torch threads per worker (default: the record's)")
     p.add_argument("--run", metavar="ID", help="replay this record (default: the latest "
-                   "finished one of SCRIPT)")
+                   "finished or interrupted one of SCRIPT)")
     parts = p.add_mutually_exclusive_group()
     parts.add_argument("--part", metavar="I/N", help="run only segment I of N, counting "
                        "from 0 (0/4 ... 3/4), for a scheduler; then `flor merge`")
@@ -176,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(subs, "prune", "delete all but the latest records of each script",
                  "Per script, keep the newest K records that replay can use and delete the "
                  "others (older, failed or empty records) with their replays.", ENV_STORE)
-    p.add_argument("--keep", type=int, default=3, metavar="K", help="records kept per "
+    p.add_argument("--keep", type=_count, default=3, metavar="K", help="records kept per "
                    "script (default 3)")
     p.add_argument("--script", metavar="SCRIPT", help="only this script's records")
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
@@ -211,6 +222,8 @@ def _trailing(parser, args) -> tuple[list, list]:
     """(flor options found at the very end of ARGS, the script's ARGS)."""
     opts = options_of(parser)
     found = []
+    if "--" in args:  # what follows a -- is the script's
+        return found, args
     while args:
         last = args[-1]
         name, eq, _ = last.partition("=")
@@ -236,10 +249,11 @@ def parse(parser, argv):
     explicit = argv[at - 1:at] == ["--"] and argv[at - 2:at - 1] == [top.script]
     if not explicit:
         found, args = _trailing(sub, args)
-        if found:
-            before = argv[1:argv.index(top.script, 1)] if top.script in argv[1:] else []
-            top = parser.parse_args([top.command, *found, *before, top.script])
+        if found:  # parsed after those before SCRIPT: the last one given wins
+            top = parser.parse_args([top.command, *argv[1:at - 1], *found, top.script])
+        top.peeled = found
     top.args, top.explicit_args = args, explicit or bool(args)
+    top.peeled = getattr(top, "peeled", [])
     if not os.path.isfile(top.script):
         raise FlorError(f"no such script: {top.script}")
     return top

@@ -6,7 +6,7 @@ import os
 import sys
 
 __all__ = ["CheckpointCorrupt", "CheckpointWriteError", "FlorReplayError", "FlorError",
-           "StoreError", "SegmentDone", "note"]
+           "StoreError", "SegmentDone", "note", "unusable"]
 
 
 def note(message: str) -> None:
@@ -94,3 +94,24 @@ class Interrupted(SystemExit):
 
     def __init__(self):
         super().__init__(143)
+
+
+def unusable(db_file, error) -> StoreError:
+    """The StoreError for an OSError or SQLite error met opening or writing
+    the store at `db_file`: what is wrong, and the way out."""
+    root = os.path.dirname(db_file)
+    text = str(error) if _is_sqlite(error) else (error.strerror or str(error))
+    if _is_sqlite(error) and any(
+            m in text for m in ("not a database", "malformed", "encrypted")):
+        return StoreError(f"{db_file} is damaged or is not a database ({text}); flor leaves it "
+                          "untouched. Move it away to start a new store there, or point "
+                          "FLOR_DIR at another directory")
+    if isinstance(error, OSError) and os.path.exists(root) and not os.path.isdir(root):
+        return StoreError(f"cannot use {root} as flor's run store: it is a file, not a "
+                          "directory. Point FLOR_DIR at a directory")
+    return StoreError(f"cannot write flor's run store at {root} ({text}). Make it writable, "
+                      "free some space, or point FLOR_DIR at another directory")
+
+
+def _is_sqlite(error) -> bool:
+    return type(error).__module__ == "sqlite3"

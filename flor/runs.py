@@ -112,7 +112,8 @@ def print_show(d: dict) -> None:
             "seconds", "iterations", "main_loop", "checkpoints", "checkpoints_missing",
             "checkpoint_bytes", "parent", "replays", "checks_passed", "directory")
     for k in keys:
-        if k not in d or d[k] in (None, [], ""):
+        if k not in d or d[k] in (None, [], "") or (d.get("kind") == "replay"
+                                                  and k.startswith("checkpoint")):
             continue
         v = d[k]
         if k == "started":
@@ -158,6 +159,11 @@ def remove(store: Store, run_ids, dry_run=False) -> list[str]:
     Refuses a record that is still running.  Returns the ids deleted."""
     for rid in run_ids:
         run = _get(store, rid)
+        rank = json.loads(run["info"] or "{}").get("rank")
+        if rank:
+            raise FlorError(f"run {rid} is rank {rank} of the data-parallel record "
+                            f"{json.loads(run['info'])['group']}; delete that record (flor rm "
+                            f"{json.loads(run['info'])['group']}) to delete all its ranks")
         if store.status(run) == "running" and run["kind"] == "record":
             raise FlorError(f"run {rid} is still running; stop it before deleting it")
     doomed = _with_dependents(store, run_ids)

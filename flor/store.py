@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sqlite3
 import time
 
-from .errors import StoreError
+from .errors import StoreError, unusable
 from .context import printed_lines
 from .layout import Layout, new_run_id, process_alive, process_start, store_root
 
@@ -90,10 +91,13 @@ class _Database(Layout):
     written, refusals of the file system turned into StoreErrors."""
 
     def __init__(self, root: str | None = None, db_file: str | None = None,
-                 create: bool = True):
+                 create: bool = True, readonly: bool = False):
         super().__init__(root)
         self.db_file = db_file or os.path.join(self.root, "flor.db")
-        self.create = create  # False: a store that does not exist is an error, not made
+        # create=False: a store that does not exist is an error, not made;
+        # readonly: nothing is written, not even the journal mode
+        self.create = create and not readonly
+        self.readonly = readonly
         self._conn = None
         self._pid = None
 
@@ -115,16 +119,20 @@ class _Database(Layout):
                                  "or point FLOR_DIR at the store that holds its runs")
             conn = None
             try:
-                os.makedirs(os.path.dirname(self.db_file), exist_ok=True)
-                conn = sqlite3.connect(self.db_file, timeout=120, isolation_level=None,
-                                       check_same_thread=False)
-                # flor's own tables are checked before anything is written:
-                # another program's database is left as it was.
-                with _Transaction(conn):
-                    _check_schema(conn, self.db_file)
-                if self.db_file.endswith("flor.db"):
-                    _wal(conn)
-                    conn.execute("PRAGMA synchronous=NORMAL")
+                if self.readonly:
+                    conn = _read_only(self.db_file)
+                    _check_schema(conn, self.db_file, create=False, migrate=False)
+                else:
+                    os.makedirs(os.path.dirname(self.db_file), exist_ok=True)
+                    conn = sqlite3.connect(self.db_file, timeout=120, isolation_level=None,
+                                           check_same_thread=False)
+                    # flor's own tables are checked before anything is written:
+                    # another program's database is left as it was.
+                    with _Transaction(conn):
+                        _check_schema(conn, self.db_file, create=self.create)
+                    if self.db_file.endswith("flor.db"):
+                        _wal(conn)
+                        conn.execute("PRAGMA synchronous=NORMAL")
             except (OSError, sqlite3.Error) as e:
                 if conn is not None:
                     conn.close()
@@ -165,10 +173,15 @@ class Store(_Database):
 
     def new_run(self, kind, script, argv, source, parent=None, run_id=None, **fields) -> str:
         run_id = run_id or new_run_id()
-        os.makedirs(self.run_dir(run_id), exist_ok=True)
-        if source is not None:
-            with open(os.path.join(self.run_dir(run_id), "source.py"), "w") as f:
-                f.write(source)
+        self.db  # a store that cannot be used says so before any file is made
+        try:
+            os.makedirs(self.run_dir(run_id), exist_ok=True)
+            if source is not None:
+                with open(os.path.join(self.run_dir(run_id), "source.py"), "w") as f:
+                    f.write(source)
+        except OSError as e:
+            shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
+            raise unusable(self.db_file, e) from None
         row = dict(run_id=run_id, kind=kind, parent=parent, script=script,
                    script_name=os.path.basename(script) if script else None,
                    argv=json.dumps(list(argv)), cwd=os.getcwd(), started=time.time(),
@@ -176,9 +189,13 @@ class Store(_Database):
         row.update(fields)
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
-        with self.transaction():
-            self.db.execute(f"INSERT OR REPLACE INTO runs ({cols}) VALUES ({marks})",
-                            list(row.values()))
+        try:
+            with self.transaction():
+                self.db.execute(f"INSERT OR REPLACE INTO runs ({cols}) VALUES ({marks})",
+                                list(row.values()))
+        except StoreError:
+            shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
+            raise
         return run_id
 
     def update_run(self, run_id, **fields):
@@ -365,21 +382,17 @@ class Store(_Database):
             "ORDER BY ord", (run_id, top, it))]
 
 
-def unusable(db_file, error) -> StoreError:
-    """The StoreError for an OSError or SQLite error met opening or writing
-    the store at `db_file`: what is wrong, and the way out."""
-    root = os.path.dirname(db_file)
-    text = str(error) if isinstance(error, sqlite3.Error) else (error.strerror or str(error))
-    if isinstance(error, sqlite3.DatabaseError) and any(
-            m in text for m in ("not a database", "malformed", "encrypted")):
-        return StoreError(f"{db_file} is damaged or is not a database ({text}); flor leaves it "
-                          "untouched. Move it away to start a new store there, or point "
-                          "FLOR_DIR at another directory")
-    if isinstance(error, OSError) and os.path.exists(root) and not os.path.isdir(root):
-        return StoreError(f"cannot use {root} as flor's run store: it is a file, not a "
-                          "directory. Point FLOR_DIR at a directory")
-    return StoreError(f"cannot write flor's run store at {root} ({text}). Make it writable, "
-                      "free some space, or point FLOR_DIR at another directory")
+def _read_only(db_file) -> sqlite3.Connection:
+    """A connection that writes nothing.  In a directory this process cannot
+    write, SQLite reads a database in WAL mode only through its existing
+    -wal and -shm files, and one without them only as immutable."""
+    from urllib.parse import quote
+
+    immutable = not os.access(os.path.dirname(db_file), os.W_OK) and not (
+        os.path.exists(db_file + "-wal") and os.path.exists(db_file + "-shm"))
+    flags = "mode=ro" + ("&immutable=1" if immutable else "")
+    return sqlite3.connect(f"file:{quote(db_file)}?{flags}", uri=True, timeout=120,
+                           isolation_level=None, check_same_thread=False)
 
 
 def _wal(conn, timeout_s=120.0):
@@ -405,12 +418,14 @@ def _makes_up(row, nparts) -> bool:
     return row["part"] == nparts - 1
 
 
-def _check_schema(conn, db_file):
-    """Create flor's tables in a new database, and bring an older flor store
-    up to this schema; refuse a database of another program or of a newer
-    schema.  Runs inside a write transaction, so that two processes opening
-    a new store do not both create it."""
-    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+def _check_schema(conn, db_file, create=True, migrate=True):
+    """Create flor's tables in a new database (with `create`), and bring an
+    older flor store up to this schema (with `migrate`); refuse a database
+    of another program or of a newer schema.  Runs inside a write
+    transaction when it may write, so that two processes opening a new
+    store do not both create it."""
+    objects = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
+    tables = {name for kind, name in objects if kind == "table"}
     if "flor_schema" in tables:
         row = conn.execute("SELECT version FROM flor_schema").fetchone()
         if row is None or row[0] > SCHEMA_VERSION:
@@ -419,28 +434,32 @@ def _check_schema(conn, db_file):
                              f"{SCHEMA_VERSION} and older. Use the flor that wrote it, or point "
                              "FLOR_DIR at another directory")
         version = row[0]
-    elif tables:
+    elif objects or any(conn.execute(f"PRAGMA {p}").fetchone()[0]
+                        for p in ("user_version", "application_id")):
         columns = ({r[1] for r in conn.execute("PRAGMA table_info(runs)")}
                    if "runs" in tables else set())
         if not _RUN_COLUMNS <= columns:
-            raise StoreError(f"{db_file} is not a flor store (it holds the tables "
-                             f"{', '.join(sorted(tables))}); flor leaves it untouched. Point "
-                             "FLOR_DIR at another directory")
-        # Written by flor before the schema was versioned: the tables of version 1.
-        conn.execute("CREATE TABLE flor_schema (version INTEGER NOT NULL)")
-        conn.execute("INSERT INTO flor_schema (version) VALUES (1)")
-        version = 1
+            held = f"the tables {', '.join(sorted(tables))}" if tables else "no flor tables"
+            raise StoreError(f"{db_file} is not a flor store (it holds {held}); flor leaves "
+                             "it untouched. Point FLOR_DIR at another directory")
+        version = 1  # written by flor before the schema was versioned
+        if migrate:
+            conn.execute("CREATE TABLE flor_schema (version INTEGER NOT NULL)")
+            conn.execute("INSERT INTO flor_schema (version) VALUES (1)")
+    elif not create:  # an empty database: a store not made yet
+        raise StoreError(f"{db_file} is empty: no run was stored there yet")
     else:
         for statement in TABLES.split(";"):
             if statement.strip():
                 conn.execute(statement)
         conn.execute("INSERT INTO flor_schema (version) VALUES (?)", (SCHEMA_VERSION,))
         return
-    for v in range(version, SCHEMA_VERSION):
-        for statement in MIGRATIONS[v]:
-            conn.execute(statement)
-    if version != SCHEMA_VERSION:
-        conn.execute("UPDATE flor_schema SET version = ?", (SCHEMA_VERSION,))
+    if migrate:
+        for v in range(version, SCHEMA_VERSION):
+            for statement in MIGRATIONS[v]:
+                conn.execute(statement)
+        if version != SCHEMA_VERSION:
+            conn.execute("UPDATE flor_schema SET version = ?", (SCHEMA_VERSION,))
 
 
 class _Transaction:
@@ -459,19 +478,21 @@ class _Transaction:
         if exc_type is None:
             try:
                 self.conn.execute("COMMIT")
-            except sqlite3.OperationalError as e:
-                self.conn.execute("ROLLBACK")
-                if self.db_file is None or not _refused(e):
-                    raise
-                raise unusable(self.db_file, e) from None
-            return False
-        self.conn.execute("ROLLBACK")
-        if self.db_file is not None and isinstance(exc, sqlite3.OperationalError) and _refused(exc):
+                return False
+            except sqlite3.DatabaseError as e:
+                exc = e
+        if self.conn.in_transaction:  # (SQLite ends it itself on some errors)
+            self.conn.execute("ROLLBACK")
+        if self.db_file is not None and _refused(exc):
             raise unusable(self.db_file, exc) from None
+        if exc_type is None:
+            raise exc
         return False
 
 
 def _refused(error) -> bool:
-    """Whether an SQLite error is the file system refusing a write."""
-    return any(m in str(error) for m in ("readonly", "disk is full", "unable to open",
-                                         "disk I/O error"))
+    """Whether an SQLite error is the file system refusing a write, or a
+    damaged database."""
+    return isinstance(error, sqlite3.DatabaseError) and any(
+        m in str(error) for m in ("readonly", "disk is full", "unable to open", "disk I/O error",
+                                  "malformed", "not a database"))

@@ -73,6 +73,24 @@ def test_flor_options_at_the_very_end_are_flor_s(d):
     assert "unrecognized arguments: --jobs 2" in failed.stderr
 
 
+def test_where_flor_options_end_and_the_script_s_begin(d, monkeypatch):
+    from flor.cli import build_parser, parse
+
+    monkeypatch.chdir(d)
+    parser = build_parser()
+    o = parse(parser, ["replay", "train.py", "--epochs", "2", "--", "--jobs", "2"])
+    assert o.jobs == 1 and o.args == ["--epochs", "2", "--", "--jobs", "2"]  # after --: the script's
+    o = parse(parser, ["replay", "--run", "train.py", "train.py", "--jobs", "2"])
+    assert (o.run, o.script, o.jobs, o.args) == ("train.py", "train.py", 2, [])
+    o = parse(parser, ["replay", "--jobs", "3", "train.py", "--epochs", "2", "--jobs=2"])
+    assert o.jobs == 2 and o.args == ["--epochs", "2"]  # the last one given wins
+    o = parse(parser, ["record", "train.py", "-h"])
+    assert o.args == ["-h"]  # the script's help
+    o = parse(parser, ["replay", "train.py", "--"])
+    assert o.args == [] and o.explicit_args  # explicitly none
+    assert not parse(parser, ["replay", "train.py"]).explicit_args
+
+
 def test_a_script_s_failure_is_shown_with_its_status(d):
     flor(d, "record", "train.py", *ARGS)
     proc = flor(d, "replay", "--args-differ-ok", "train.py", "--jobs", "2", *ARGS, check=False)
@@ -252,6 +270,47 @@ def test_a_read_only_store(d):
     assert os.listdir(root) == []
 
 
+def test_a_read_only_store_can_still_be_listed(d):
+    root = os.path.join(d, ".flor")
+    flor(d, "record", "train.py", *ARGS)
+    (rec,) = runs_json(d)
+    env = dict(os.environ, FLOR_DIR=root)
+    env.pop("FLOR_MODE", None)
+    for cmd in (["runs"], ["show", rec["run"]]):
+        proc = subprocess.run(read_only(root, [sys.executable, "-m", "flor", *cmd]), cwd=d,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and rec["run"] in proc.stdout, proc.stderr
+
+
+def test_a_database_with_no_flor_tables_is_not_made_a_store(d):
+    root = os.path.join(d, ".flor")
+    os.makedirs(root)
+    db = os.path.join(root, "flor.db")
+    with sqlite3.connect(db) as c:
+        c.execute("PRAGMA user_version = 7")
+        c.execute("CREATE VIEW v AS SELECT 1")
+    c.close()
+    before = digest(db)
+    for cmd in (["runs"], ["record", "train.py", *ARGS]):
+        clean_failure(flor(d, *cmd, check=False), "not a flor store")
+    assert digest(db) == before
+
+
+def test_a_rank_of_a_data_parallel_record_is_deleted_with_its_record(d):
+    from flor.store import Store
+
+    st = Store(os.path.join(d, ".flor"))
+    leader = st.new_run("record", "train.py", ["train.py"], "", status="finished",
+                        info=json.dumps({"world_size": 2, "rank": 0, "group": "g"}))
+    rank1 = st.new_run("record", "train.py", ["train.py"], "", run_id=leader + "-rank1",
+                       status="finished",
+                       info=json.dumps({"world_size": 2, "rank": 1, "group": leader}))
+    refused = flor(d, "rm", rank1, check=False)
+    clean_failure(refused, f"flor rm {leader}")
+    flor(d, "rm", leader)
+    assert store(d).runs() == []
+
+
 def test_read_only_commands_create_no_store(d):
     for cmd in (["runs"], ["runs", "--json"], ["prune"], ["replay", "train.py"],
                 ["show", "x"], ["merge"], ["plot", "loss"]):
@@ -272,7 +331,7 @@ def test_calibration_that_cannot_write_never_stops_training(d):
     env = dict(os.environ, FLOR_DIR=os.path.join(d, ".flor"))
     env.pop("FLOR_MODE", None)
     proc = subprocess.run([sys.executable, "-m", "flor", "record", "train.py", *ARGS,
-                           "--width", "16"], cwd=d, env=env, capture_output=True, text=True,
+                           "--width", "32"], cwd=d, env=env, capture_output=True, text=True,
                           timeout=300, preexec_fn=_small_files(1 << 20))
     assert proc.returncode == 0, proc.stderr
     assert "final test accuracy" in proc.stdout

@@ -133,6 +133,7 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, torch):
     write_script(d, "train.py", HANDS_FREE)
     none = flor(d, "record", "--resume", "train.py", "4", check=False)
     assert none.returncode == 2 and "no interrupted record of train.py" in none.stderr
+    assert not os.path.exists(os.path.join(d, ".flor"))  # and no store made
 
     _record(d, "train.py", "4", env={"STOP_AT": "1", "STOP_WITH": "9"}, check=False)
     (run,) = store(d).runs()
@@ -150,9 +151,10 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, torch):
     assert "--force" in changed.stderr
     assert store(d).status(store(d).run(run["run_id"])) == "interrupted"  # nothing lost
 
-    forced = _record(d, "--resume", "--force", "train.py", "4")
+    forced = _record(d, "--resume", "--force", "train.py")  # no ARGS: the recorded ones
     assert "(--force)" in forced.stderr
-    assert store(d).run(run["run_id"])["status"] == "finished"
+    done = store(d).run(run["run_id"])
+    assert done["status"] == "finished" and done["iterations"] == 4
 
 
 MANUAL = """

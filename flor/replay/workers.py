@@ -359,7 +359,8 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
         store.update_run(plan.replay_id, finished=time.time(), status="failed")
         for a in queue.failed:
             _script_failure(plan, a)
-        return next((a.proc.returncode for a in queue.failed if a.proc.returncode > 0), 1)
+        code = queue.failed[0].proc.returncode
+        return code if code > 0 else 128 - code if code < 0 else 1  # killed: 128 + signal
     for part in range(nparts):
         store.import_part(queue.won[part].db)
     for a in [*queue.won.values(), *queue.lost]:

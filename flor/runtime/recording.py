@@ -343,6 +343,7 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     """``python -m flor record``: run `script` with `args` as ``__main__``,
     recording it (hands-free if it does not import flor); print the summary.
     `resume`: continue the latest interrupted record of `script` instead
+    (with its arguments when `args` is None)
     (`force`: even if the script or its arguments changed).  While the
     script runs, SIGTERM (when the script's process has no handler of its
     own) ends it as Interrupted.  Returns the script's exit status."""
@@ -369,7 +370,10 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     if resume:
         from ..store import Store
 
-        point = resuming.find(Store(), script, args, force)
+        store = Store(create=False)
+        point = resuming.find(store, script, args, force)
+        if args is None:  # no ARGS: the interrupted record's
+            args = json.loads(store.run(point.run_id)["argv"])[1:]
     session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive,
                              hands_free=inst, resume=point)
     sys.argv = [script, *args]

@@ -266,7 +266,7 @@ class Replaying:
     def finish(self, session, error, failures):
         failed = error is not None and not isinstance(error, SegmentDone)
         torch = sys.modules.get("torch")
-        if not self.main_seen and not failed:
+        if not self.main_seen and not failed and self.main[0] is not None:
             note(f"the recorded main loop ({self.main[0]}) never ran in this replay; "
                  "the whole script ran in every worker")
         self.store.set_part(self.run_id, self.part, "failed" if failed else "finished",

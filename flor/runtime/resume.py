@@ -45,10 +45,11 @@ def find(store, script, args, force=False) -> ResumePoint:
     """The resume point of the latest interrupted record of `script`, after
     checking that the script and its arguments are the ones it recorded."""
     name = os.path.basename(script)
-    runs = [r for r in store.records(script) if store.status(r) == "interrupted"]
+    runs = [r for r in store.records(script) if store.status(r) == "interrupted"] \
+        if store.exists() else []
     if not runs:
-        raise FlorError(f"no interrupted record of {name} in {store.root} (`python -m flor "
-                        f"runs` lists the runs); start one with: python -m flor record {script}")
+        raise FlorError(f"no interrupted record of {name} in {store.root} (`flor runs` "
+                        f"lists the runs); start one with: flor record {script}")
     run = runs[0]
     rid = run["run_id"]
     with open(os.path.join(store.run_dir(rid), "source.py")) as f:
@@ -62,7 +63,7 @@ def find(store, script, args, force=False) -> ResumePoint:
             raise FlorError(msg + ". Restore the script, record it anew, or pass --force")
         note(msg + " (--force)")
     argv = json.loads(run["argv"])[1:]
-    if argv != list(args):
+    if args is not None and argv != list(args):
         msg = f"run {rid} recorded {name} with arguments {argv}, not {list(args)}"
         if not force:
             raise FlorError(msg + ". Pass the same arguments, or --force")
