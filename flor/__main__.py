@@ -142,7 +142,13 @@ def cmd_replay(o) -> int:
     if o.parts is not None:
         from .replay.distributed import array_index
 
-        o.part = f"{array_index()}/{o.parts}"
+        index = array_index()
+        if not 0 <= index < o.parts:
+            raise FlorError(f"--parts {o.parts}: the scheduler's array index is {index} "
+                            "(SLURM_ARRAY_TASK_ID less SLURM_ARRAY_TASK_MIN, or "
+                            f"JOB_COMPLETION_INDEX), outside 0 to {o.parts - 1}; make the "
+                            f"array {o.parts} jobs long")
+        o.part = f"{index}/{o.parts}"
     if o.part is not None:
         i, n = _parse_part(o.part)
         plan, rec, cmp, source = _plan(store, o, n, part=i)
