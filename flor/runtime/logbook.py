@@ -150,7 +150,11 @@ class Logbook:
 
     def _is_user_code(self, code) -> bool:
         """Whether a code object belongs to a file of the user's program."""
-        fn = code.co_filename
+        return self.is_user_file(code.co_filename)
+
+    def is_user_file(self, fn) -> bool:
+        """Whether a file is one of the user's program: the script, or a file
+        under its directory that is neither flor's nor an installed library."""
         mine = self._user_files.get(fn)
         if mine is None:
             s = self.s

@@ -29,6 +29,7 @@ from ..context import PLAIN, Context
 from ..store import Store
 from .blockstate import signature
 from .capture import Capture
+from .effects import Effects
 from .logbook import Logbook
 from .loops import Loops, _accounted
 
@@ -159,6 +160,7 @@ class Session(Loops):
         self.finished = False
         self.resumed = None  # (loop, values to rebind) after an iteration restore
         self.capture = Capture(self.logbook.journal, tee, stderr, watch_exceptions)
+        self.effects = Effects(self)
         atexit.register(self.finish)
 
     # -- where the run is -----------------------------------------------------
@@ -294,6 +296,7 @@ class Session(Loops):
             return
         self.finished = True
         error = error if error is not None else self.capture.error
+        self.effects.restore()
         self.capture.restore()
         failures = self.policy.close() + self.logbook.close()
         self._flush()
