@@ -218,6 +218,10 @@ class Effects:
             return callHandlers
 
         self._patch(logging.Logger, "callHandlers", make)
+        # What a handler writes to stdout is not a printed line of the
+        # statement that logged (its format may hold the time): the record's
+        # message is stored as its value instead.
+        self.s.logbook.barriers += (make(None).__code__,)
 
     def _logged(self, record):
         path = getattr(record, "pathname", None)
