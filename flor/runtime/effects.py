@@ -1,5 +1,5 @@
 """What the script writes besides its output: TensorBoard events, logging
-records and progress bars.  Replay must not write them
+records, progress bars and files (files.py).  Replay must not write them
 twice, and the values among them are stored like ``flor.log`` values.
 
 Suppressed: while a session discards what the script does (the
@@ -20,6 +20,7 @@ output), nothing the script writes to these sinks happens:
   records of loggers that do not propagate, handlers' filters the handlers
   added later).
 - progress bars: a tqdm bar writes nothing (see below).
+- files: files.py.
 
 Stored (in iterations that count, record and replay), with the location of
 the statement of the user's program that wrote them:
@@ -130,11 +131,12 @@ class _BarStream:
 class Effects:
     """The patches of one session (see the module's docstring)."""
 
-    def __init__(self, session):
+    def __init__(self, session, files=False):
         self.s = session
         self._patches = []  # (owner, attribute, original, replacement)
         self._busy = threading.local()
         self._watch = None
+        self.files = None
         hooks = {"logging": self._logging, _WRITER: self._tensorboard, "tqdm.std": self._tqdm}
         pending = {}
         for name, hook in hooks.items():
@@ -146,6 +148,10 @@ class Effects:
         if pending:
             self._watch = _Watch(pending)
             sys.meta_path.insert(0, self._watch)
+        if files:
+            from .files import Files
+
+            self.files = Files(self)
 
     # -- the rules ------------------------------------------------------------
 
@@ -199,6 +205,8 @@ class Effects:
         if self._watch is not None and self._watch in sys.meta_path:
             sys.meta_path.remove(self._watch)
         self._watch = None
+        if self.files is not None:
+            self.files.restore()
         for owner, name, original, replacement in reversed(self._patches):
             if owner.__dict__.get(name) is replacement:
                 setattr(owner, name, original)

@@ -160,7 +160,8 @@ class Session(Loops):
         self.finished = False
         self.resumed = None  # (loop, values to rebind) after an iteration restore
         self.capture = Capture(self.logbook.journal, tee, stderr, watch_exceptions)
-        self.effects = Effects(self)
+        # Files are guarded where the session may discard: replay, record --resume.
+        self.effects = Effects(self, files=self.replaying or not getattr(policy, "restored", True))
         atexit.register(self.finish)
 
     # -- where the run is -----------------------------------------------------
