@@ -11,7 +11,9 @@
  *                 code, offset = ...              # program (a pointer-keyed cache holds
  *                                                 # classify(code): hashing a code object
  *                                                 # walks its bytecode)
- *                                                 # and the byte offset of its instruction
+ *                                                 # and the byte offset of its instruction;
+ *                                                 # none where a frame that classify()
+ *                                                 # calls None (a barrier) comes first
  *             if the open segment has this stream, code, offset and info:
  *                 segment.pieces.append(text)
  *             else:
@@ -92,7 +94,8 @@ code_slot(const codemap *m, PyObject *code)
     return i;
 }
 
-/* 1 or 0 if code is known, -1 if not. */
+/* 1 (the user's), 0 (not) or BARRIER if code is known, -1 if not. */
+#define BARRIER 2
 static int
 codemap_get(const codemap *m, PyObject *code)
 {
@@ -166,8 +169,9 @@ segments_clear(FlorJournal *j)
 }
 
 /* The innermost frame of the user's program: a new reference to its code
- * object in *code (None if there is none) and its instruction's byte offset
- * in *offset. */
+ * object in *code (None if there is none, or if a barrier's frame comes
+ * first: output written under it belongs to no statement) and its
+ * instruction's byte offset in *offset. */
 static int
 user_frame(FlorJournal *j, PyObject **code, int *offset)
 {
@@ -184,11 +188,14 @@ user_frame(FlorJournal *j, PyObject **code, int *offset)
             if (r == NULL) {
                 goto cleanup;
             }
-            mine = PyObject_IsTrue(r);
+            mine = r == Py_None ? BARRIER : PyObject_IsTrue(r);
             Py_DECREF(r);
             if (mine < 0 || codemap_put(&j->users, (PyObject *)c, mine) < 0) {
                 goto cleanup;
             }
+        }
+        if (mine == BARRIER) {
+            break;
         }
         if (mine) {
             *code = (PyObject *)c;

@@ -5,9 +5,10 @@ statement contributes its header, then its body one level deeper) and
 matched in order.  An added statement is a *hindsight statement* when it is
 log-like: an expression statement that assigns nothing and calls ``print``,
 ``flor.log``, ``logging.*`` or a logger, a TensorBoard ``SummaryWriter.add_*``,
-``wandb.log`` or another ``*.log*`` function, and that calls no in-place
-tensor method (``mul_``) and no method of training state (``step``,
-``zero_grad``, ``add_param_group`` ...).  Added imports are allowed too.
+``wandb.log`` or another ``*.log*`` function, or writes to a file or a
+stream (``f.write``, ``writelines``, a csv writer's ``writerow(s)``), and
+that calls no in-place tensor method (``mul_``) and no method of training
+state (``step``, ``zero_grad``, ``add_param_group`` ...).  Added imports are allowed too.
 Everything else (assignments, control flow, changed arguments, deletions)
 is an *other change*: replay warns, listing them, or refuses with --strict.
 
@@ -27,6 +28,7 @@ from .syntax import bodies, header, is_compound
 __all__ = ["Probe", "detect", "is_log_like"]
 
 _LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
+_WRITE_METHODS = {"write", "writelines", "writerow", "writerows"}
 # Methods that change training state: a statement calling one is not log-like.
 _STATE_METHODS = {"step", "zero_grad", "backward", "add_param_group", "load_state_dict",
                   "train", "eval", "apply", "register_buffer", "register_parameter",
@@ -88,6 +90,8 @@ def is_log_like(stmt) -> bool:
         return True
     if last in _LOGGER_METHODS and ("log" in owner or owner.endswith("getlogger()")):
         return True  # logging.info, logger.info, log.warning
+    if last in _WRITE_METHODS and owner:  # a file or a stream: f.write, csv_out.writerow
+        return True
     return False
 
 

@@ -23,6 +23,7 @@ from ..runtime.script import run_main
 from ..runtime.session import Session
 from ..store import Store
 from .plan import Plan, instrument_current, register
+from .progress import Progress
 from .results import conclude
 
 __all__ = ["run_local", "run_part"]
@@ -57,31 +58,6 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
     finally:
         session.finish(error)
     return code
-
-
-class _Progress:
-    def __init__(self, total, parts):
-        self.total, self.parts, self.done = total, parts, 0
-        self.tty = sys.stderr.isatty()
-        self.shown = -1
-
-    def step(self, n=1):
-        self.done += n
-        self.show()
-
-    def show(self, final=False):
-        pct = int(100 * self.done / self.total) if self.total else 100
-        if self.tty:
-            width = 30
-            fill = int(width * self.done / self.total) if self.total else width
-            sys.stderr.write(f"\rreplay [{'#' * fill}{'.' * (width - fill)}] "
-                             f"{self.done}/{self.total} iterations, {self.parts} workers")
-            if final:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        elif final or pct // 25 > self.shown:
-            self.shown = pct // 25
-            print(f"replay: {self.done}/{self.total} iterations", file=sys.stderr, flush=True)
 
 
 def _gpus():
@@ -334,8 +310,7 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
     for line in notes:
         note(line)
     register(store, plan, rec, source, "local")
-    progress = _Progress(sum(e - s for s, e in plan.segments), slots)
-    progress.show()
+    progress = Progress(sum(e - s for s, e in plan.segments), slots)
     queue = _Queue(store, plan, slots)
     own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if own:  # torchrun stops the other ranks of a failed one with SIGTERM
@@ -343,12 +318,12 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
     try:
         ok = queue.run(progress)
     finally:
+        progress.close()
         if own:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         for a in list(queue.running):  # interrupted: no worker outlives replay
             a.stop()
             queue.running.remove(a)
-    progress.show(final=True)
     for a in [*queue.won.values(), *queue.failed]:
         text = a.text()
         if text.strip():

@@ -81,6 +81,7 @@ class Capture:
     def __init__(self, journal, stdout_tee: bool, stderr: bool, watch_exceptions: bool):
         self.error: BaseException | None = None
         self.journal = journal
+        self.tee = stdout_tee  # the script's output is shown as it runs
         self._installed = {}  # stream name -> (the Output installed, the stream it replaced)
         for name, tee in (("stdout", stdout_tee), ("stderr", False))[:2 if stderr else 1]:
             real = getattr(sys, name)
@@ -108,6 +109,13 @@ class Capture:
         if out._tee:
             real.write(text)
         self.journal.add(STREAMS.index(stream), text, False)
+
+    def real_of(self, stream):
+        """The stream behind `stream` if it is one this capture installed, else None."""
+        for out, real in self._installed.values():
+            if stream is out:
+                return real
+        return None
 
     def restore(self):
         """Put back each stream and the excepthook this capture replaced, if

@@ -71,6 +71,9 @@ class Logbook:
         self.logs, self.out, self.decisions, self.blockruns = [], [], [], []
         self.journal = _core.Journal(self._is_user_code)
         self._user_files: dict[str, bool] = {}
+        # Code under which a library writes for a statement (a logging handler):
+        # effects.py stores that value itself.
+        self.barriers: tuple = ()
         self._values = None  # the Materializer of large values, once one is logged
         self._locs: dict = {}  # (id(code), instruction offset) -> (code, location)
 
@@ -148,9 +151,16 @@ class Logbook:
         self.logs.append((s.run_id, s.part, self.next_ord(), phase, top, ctx, "state@block",
                           indices, 0, json.dumps(value), b.key))
 
-    def _is_user_code(self, code) -> bool:
-        """Whether a code object belongs to a file of the user's program."""
-        fn = code.co_filename
+    def _is_user_code(self, code) -> bool | None:
+        """Whether a code object belongs to a file of the user's program;
+        None for a barrier (stdout written under it belongs to no statement)."""
+        if any(code is b for b in self.barriers):
+            return None
+        return self.is_user_file(code.co_filename)
+
+    def is_user_file(self, fn) -> bool:
+        """Whether a file is one of the user's program: the script, or a file
+        under its directory that is neither flor's nor an installed library."""
         mine = self._user_files.get(fn)
         if mine is None:
             s = self.s

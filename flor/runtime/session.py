@@ -30,6 +30,7 @@ from ..errors import StoreError, note
 from ..store import Store
 from .blockstate import signature
 from .capture import Capture
+from .effects import Effects
 from .logbook import Logbook
 from .loops import Loops, _accounted
 
@@ -164,6 +165,8 @@ class Session(Loops):
         self.finished = False
         self.resumed = None  # (loop, values to rebind) after an iteration restore
         self.capture = Capture(self.logbook.journal, tee, stderr, watch_exceptions)
+        # Files are guarded where the session may discard: replay, record --resume.
+        self.effects = Effects(self, files=self.replaying or not getattr(policy, "restored", True))
         atexit.register(self.finish)
 
     # -- where the run is -----------------------------------------------------
@@ -299,6 +302,7 @@ class Session(Loops):
             return
         self.finished = True
         error = error if error is not None else self.capture.error
+        self.effects.restore()
         self.capture.restore()
         failures = self.policy.close() + self.logbook.close()
         self._flush()

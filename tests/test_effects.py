@@ -1,0 +1,320 @@
+"""What a replayed script writes besides its output (flor/runtime/effects.py,
+flor/runtime/files.py), end to end with real processes: TensorBoard events,
+logging records and files are written once per replay however many workers
+pseudoresume over one another's iterations, the values of SummaryWriter
+and logging are stored like flor.log's, and the script's progress bars are
+never dumped after a replay (flor/replay/progress.py draws replay's own)."""
+import ast
+import io
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from conftest import edit, flor, plain, read, runs, store, values, write_script
+from flor import _core
+from flor.program.probe import is_log_like
+from flor.replay.progress import Progress
+
+DATA = """
+spec = importlib.util.find_spec("sklearn")
+with gzip.open(os.path.join(spec.submodule_search_locations[0], "datasets", "data",
+                            "digits.csv.gz"), "rt") as f:
+    table = np.loadtxt(f, delimiter=",", dtype=np.float32)[:512]
+X, y = torch.from_numpy(table[:, :64]) / 16.0, torch.from_numpy(table[:, 64]).long()
+"""
+
+# After flor's session ends (in record and in each replay worker) nothing of
+# it is left patched: the script's own atexit check says so on stderr.
+PATCHES_GONE = """
+def _patched():
+    import builtins, io, logging
+    from torch.utils.tensorboard.writer import FileWriter, SummaryWriter
+    import tqdm
+    left = [f for f in (builtins.open, io.open, logging.Logger.callHandlers,
+                        FileWriter.add_event, SummaryWriter.add_scalar, tqdm.tqdm.__init__)
+            if hasattr(f, "__wrapped__") or "flor" in (getattr(f, "__module__", "") or "")]
+    left += [f for f in sys.meta_path if type(f).__module__.startswith("flor")]
+    if left:
+        print("still patched:", left, file=sys.stderr)
+
+
+atexit.register(_patched)
+"""
+
+TRAIN = """
+import atexit
+import gzip
+import importlib.util
+import logging
+import os
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+import flor
+%s
+logging.basicConfig(level=logging.INFO, format="%%(asctime)s %%(name)s %%(message)s",
+                    handlers=[logging.StreamHandler(sys.stdout),
+                              logging.FileHandler("train.log", "w")])
+log = logging.getLogger("train")
+torch.manual_seed(0)
+torch.set_num_threads(1)
+%s
+model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+writer = SummaryWriter("tb")
+notes = open("notes.txt", "w")
+for epoch in flor.generator(range(6)):
+    if flor.SkipBlock.step_into("train"):
+        for i in range(0, len(y), 64):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(X[i:i + 64]), y[i:i + 64])
+            loss.backward()
+            opt.step()
+    model, opt = flor.SkipBlock.end(model, opt)
+    acc = (model(X).argmax(1) == y).float().mean().item()
+    writer.add_scalar("val/acc", acc, epoch)
+    log.info(f"epoch {epoch} acc {acc:.4f}")
+    print(f"epoch {epoch} acc {acc:.4f}")
+writer.close()
+notes.close()
+""" % (PATCHES_GONE, DATA)
+
+HINDSIGHT = '''\
+w = model[0].weight.norm().item()
+writer.add_scalar("hindsight/wnorm", w, epoch)
+logging.getLogger("train").info(f"wnorm {epoch} {w:.6f}")
+notes.write(f"wnorm {epoch} {w:.6f}\\n")
+with open("appended.txt", "a") as f:
+    f.write(f"wnorm {epoch} {w:.6f}\\n")'''
+
+
+def _scalars(logdir):
+    """{tag: [(step, value)]} of the event files in `logdir`, as TensorBoard reads them."""
+    accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator")
+    acc = accumulator.EventAccumulator(logdir)
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def _epochs(lines, word):
+    """The epochs of the lines `word EPOCH ...`, in the order found."""
+    return [int(m.group(1)) for l in lines for m in [re.search(rf"\b{word} (\d+)", l)] if m]
+
+
+def test_side_effects_of_a_replay_happen_once_and_its_values_are_stored(tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("sklearn")
+    d = str(tmp_path)
+    path = write_script(d, "train.py", TRAIN)
+    rec = flor(d, "record", "train.py")
+    assert "still patched" not in rec.stderr, rec.stderr
+    st = store(d)
+    rec_id = runs(st, "record")[0]["run_id"]
+    recorded_acc = [v for _, _, v in values(st, rec_id, "tb:val/acc")]
+    assert len(recorded_acc) == 6 and all(isinstance(v, float) for v in recorded_acc)
+    assert [v for _, _, v in values(st, rec_id, "log:train")] == \
+        [f"epoch {e} acc {a:.4f}" for e, a in enumerate(recorded_acc)]
+    # The handler's lines on stdout (with the time) are not printed values.
+    assert re.search(r"train epoch 0 acc", rec.stdout)
+    assert not [r for r in st.logs(rec_id) if "train epoch" in r["value"]]
+    for name in ("tb", "train.log", "notes.txt"):  # what the record wrote, kept apart
+        os.rename(os.path.join(d, name), os.path.join(d, name + ".record"))
+
+    # In the training block (so that it is stepped into and the epochs are
+    # split between two workers) and after it, in the epoch loop.
+    edit(path, "opt.step()", 'writer.add_scalar("hindsight/loss", loss.item(), 8 * epoch + i // 64)')
+    for line in reversed(HINDSIGHT.splitlines()):
+        edit(path, 'print(f"epoch {epoch}', line.strip() if not line.startswith("    ")
+             else "    " + line.strip())
+    src = read(path)
+    assert 'with open("appended.txt", "a") as f:\n        f.write(' in src, src
+
+    rep = flor(d, "replay", "--jobs", "2", "train.py")
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    assert "still patched" not in rep.stderr, rep.stderr
+    segments = re.search(r"in segments (.*)", rep.stderr).group(1)
+    assert segments.count("[") == 2 and not segments.startswith("[0, 6)"), segments
+    rep_id = runs(st, "replay")[-1]["run_id"]
+    # The second worker pseudoresumed over the first one's epochs.
+    assert any(r["state"] == "pseudoresume" for r in st.rows("blockruns", rep_id))
+
+    # TensorBoard: each epoch's value once, the recorded statement's too.
+    # (Each worker writes an event file of its own: sorted by step.)
+    tb = {tag: sorted(events) for tag, events in _scalars(os.path.join(d, "tb")).items()}
+    assert [s for s, _ in tb["hindsight/wnorm"]] == list(range(6))
+    assert [s for s, _ in tb["val/acc"]] == list(range(6))
+    assert [s for s, _ in tb["hindsight/loss"]] == list(range(48))
+    assert _scalars(os.path.join(d, "tb.record")).keys() == {"val/acc"}
+
+    # Files: the log file the script truncates ("w") and its handler appends
+    # to, the notes file opened before the loop ("w"), a file appended to.
+    log_lines = read(os.path.join(d, "train.log")).splitlines()
+    assert sorted(_epochs(log_lines, "wnorm")) == list(range(6)), log_lines
+    assert sorted(_epochs(log_lines, "epoch")) == list(range(6)), log_lines
+    for name in ("notes.txt", "appended.txt"):
+        assert sorted(_epochs(read(os.path.join(d, name)).splitlines(), "wnorm")) == \
+            list(range(6)), (name, read(os.path.join(d, name)), rep.stderr)
+    # The replay's stdout (the workers' stdout, in iteration order): each once.
+    assert _epochs(rep.stdout.splitlines(), "wnorm") == list(range(6)), rep.stdout
+
+    # flor.db: the hindsight values, at the statements' new lines.
+    wnorm = values(st, rep_id, "tb:hindsight/wnorm")
+    assert [json.loads(i)[0] for i, _, _ in wnorm] == list(range(6))
+    assert [v for _, _, v in wnorm] == pytest.approx([v for _, v in tb["hindsight/wnorm"]],
+                                                     rel=1e-6)
+    lines = [v for _, _, v in values(st, rep_id, "log:train")]
+    assert [l for l in lines if l.startswith("wnorm")] == \
+        [f"wnorm {e} {w:.6f}" for e, w in enumerate(v for _, _, v in wnorm)]
+    assert [l for l in lines if l.startswith("epoch")] == \
+        [f"epoch {e} acc {a:.4f}" for e, a in enumerate(recorded_acc)]
+    assert len(values(st, rep_id, "tb:hindsight/loss")) == 48
+    locs = {r["name"]: r["loc"] for r in st.logs(rep_id) if r["name"].startswith(("tb:", "log:"))}
+    assert ":new:" in locs["tb:hindsight/wnorm"] and ":new:" not in locs["tb:val/acc"]
+
+
+BARS = """
+import gzip
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+%s
+model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+notes = open("notes.txt", "w")
+for epoch in tqdm(range(4), desc="epochs", file=sys.stdout):
+    for i in tqdm(range(0, len(y), 64), desc="batches", leave=False):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(X[i:i + 64]), y[i:i + 64])
+        loss.backward()
+        opt.step()
+    acc = (model(X).argmax(1) == y).float().mean().item()
+    print(f"epoch {epoch} acc {acc:.4f}")
+""" % DATA
+
+# What a tqdm bar draws: a percentage and the bar's edge ("  50%|#####"),
+# each frame after a carriage return.
+FRAME = re.compile(r"\d+%\||\r")
+
+
+def test_progress_bars_pass_through_and_are_never_dumped(tmp_path):
+    pytest.importorskip("tqdm")
+    pytest.importorskip("sklearn")
+    d = str(tmp_path)
+    path = write_script(d, "train.py", BARS)  # hands-free: no flor in it
+    rec = flor(d, "record", "train.py")
+    # Live as in a plain run: the batch bars on stderr, the epoch bar on stdout.
+    assert re.search(r"batches: +\d+%\|", rec.stderr) and re.search(r"epochs: +\d+%\|", rec.stdout)
+    st = store(d)
+    rec_id = runs(st, "record")[0]["run_id"]
+    printed = [v for r in st.logs(rec_id) if r["name"].startswith("stdout@")
+               for v in [json.loads(r["value"])]]
+    assert printed == re.findall(r"epoch \d acc [\d.]+", rec.stdout)
+
+    edit(path, "opt.step()", 'print(f"  loss {loss.item():.4f}")')
+    edit(path, 'print(f"epoch {epoch}', 'notes.write(f"{epoch} {acc:.4f}\\n")')
+    rep = flor(d, "replay", "--jobs", "2", "train.py")
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    assert "WARNING" not in rep.stderr, rep.stderr  # notes.write(...) is a hindsight statement
+    assert re.search(r"in segments \[0, \d\), \[\d, 4\)", rep.stderr), rep.stderr
+    # Stdout is what the script prints, without a frame of its bars; stderr
+    # holds no frame either, and replay's own progress is one final line.
+    assert rep.stdout == plain(d, "train.py", env={"TQDM_DISABLE": "1"}).stdout
+    assert not FRAME.search(rep.stdout) and not FRAME.search(rep.stderr), rep.stderr
+    assert "batches" not in rep.stderr and "epochs" not in rep.stdout + rep.stderr
+    assert re.findall(r"(?m)^replay: .*", rep.stderr) == \
+        [re.search(r"(?m)^replay: 4/4 iterations, 2 workers, [\d.]+ s.*", rep.stderr).group(0)]
+    rep_id = runs(st, "replay")[-1]["run_id"]
+    assert not any(FRAME.search(r["text"]) for r in st.rows("output", rep_id))
+    assert sorted(read(os.path.join(d, "notes.txt")).splitlines()) == \
+        sorted(l.split()[1] + " " + l.split()[3] for l in rep.stdout.splitlines()
+               if l.startswith("epoch "))
+
+
+def test_flor_imports_neither_tensorboard_nor_tqdm(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "tiny.py", """
+        import sys
+        import flor
+
+        for i in flor.generator(range(2)):
+            flor.log("i", i)
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("tqdm", "tensorboard")))
+    """)
+    rec = flor(d, "record", "tiny.py")
+    assert rec.stdout == "[]\n", rec.stdout + rec.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _progress(stream, **kw):
+    p = Progress(4, 2, stream=stream, **kw)
+    for _ in range(4):
+        p.step()
+    p.close()
+    p.close()  # the last line once
+    return stream.getvalue()
+
+
+def test_replay_progress_outside_a_terminal_is_one_final_line():
+    out = _progress(io.StringIO())
+    assert re.fullmatch(r"replay: 4/4 iterations, 2 workers, [\d.]+ s( \([\d.]+ it/s\))?\n",
+                        out), out
+
+
+def test_replay_progress_on_a_terminal():
+    pytest.importorskip("tqdm")
+    out = _progress(_Terminal())
+    assert out.endswith("\n") and out.count("\n") == 1, out  # redrawn in place, then left
+    last = out.rstrip("\n").split("\r")[-1]
+    assert "replay: 100%" in last and "4/4" in last and "2 workers" in last, last
+    assert re.search(r"\[\d\d:\d\d<\d\d:\d\d, +[\d.?]+ ?(it/s|s/it)", last), last  # elapsed<ETA, rate
+    plain_out = _progress(_Terminal(), use_tqdm=False)
+    assert plain_out.endswith("\n") and plain_out.count("\n") == 1
+    assert "\rreplay [" in plain_out and "4/4 iterations, 2 workers" in plain_out
+
+
+def test_stdout_written_under_a_barrier_belongs_to_no_statement():
+    """What a logging handler writes to stdout (under the patched
+    Logger.callHandlers, a barrier) is output, not a printed line of the
+    statement that logged."""
+    def handler(write):
+        write("2026-01-01 12:00:00 train epoch 0\n")
+
+    j = _core.Journal(lambda code: None if code is handler.__code__ else True)
+    j.info = ("info",)
+    real = io.StringIO()
+    out = _core.Tee(j, real, 0, True).write
+    out("printed\n")
+    handler(out)
+    segs = j.take()
+    assert [(s[2] is not None, s[5]) for s in segs] == \
+        [(True, "printed\n"), (False, "2026-01-01 12:00:00 train epoch 0\n")]
+    assert real.getvalue() == "printed\n2026-01-01 12:00:00 train epoch 0\n"
+
+
+@pytest.mark.parametrize("stmt, hindsight", [
+    ("notes.write(f'{epoch} {acc}\\n')", True), ("open('a.txt', 'a').write(str(x))", True),
+    ("out.writelines(lines)", True), ("csv_out.writerow([epoch, acc])", True),
+    ("write(x)", False), ("buf.write(w.mul_(2))", False),
+])
+def test_writes_to_a_file_are_hindsight_statements(stmt, hindsight):
+    assert is_log_like(ast.parse(stmt).body[0]) is hindsight
