@@ -599,6 +599,34 @@ tee_dealloc(FlorTee *t)
     Py_DECREF(tp);
 }
 
+static PyObject *
+tee_get_tee(FlorTee *t, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(t->tee);
+}
+
+static int
+tee_set_tee(FlorTee *t, PyObject *v, void *Py_UNUSED(closure))
+{
+    int r;
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete tee");
+        return -1;
+    }
+    r = PyObject_IsTrue(v);
+    if (r < 0) {
+        return -1;
+    }
+    t->tee = r;
+    return 0;
+}
+
+static PyGetSetDef tee_getset[] = {
+    {"tee", (getter)tee_get_tee, (setter)tee_set_tee,
+     "Whether writes are passed on to the real stream now.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef tee_methods[] = {
     {"write", FLOR_CFUNC(tee_write), METH_O, tee_write_doc},
     {NULL, NULL, 0, NULL},
@@ -610,6 +638,7 @@ static PyType_Slot tee_slots[] = {
     {Py_tp_traverse, tee_traverse},
     {Py_tp_clear, tee_clear},
     {Py_tp_methods, tee_methods},
+    {Py_tp_getset, tee_getset},
     {Py_tp_doc, "Tee(journal, real, stream, tee)\n--\n\n"
                 "The write of a captured stream: passes text on to real (when tee) and\n"
                 "journals it as stream 0 (stdout) or 1 (stderr)."},

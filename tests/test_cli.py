@@ -350,3 +350,16 @@ def test_an_adaptive_record_calibrates_once_per_store(d):
     (rec,) = runs_json(d)
     first = store(d).rows("decisions", rec["run"], "ORDER BY rowid")[0]
     assert first["bandwidth"] == cal["write_bytes_per_s"]
+
+
+def test_a_part_prints_only_its_own_output(d):
+    flor(d, "record", "--no-adaptive", "train.py", *ARGS)
+    edit(os.path.join(d, "train.py"), "loss.backward()", 'print("batch loss", loss.item())')
+    p0 = flor(d, "replay", "--part", "0/2", "train.py")
+    p1 = flor(d, "replay", "--part", "1/2", "train.py")
+    assert "training on" in p0.stdout and "epoch 0:" in p0.stdout
+    assert "epoch 1:" not in p0.stdout and "final test accuracy" not in p0.stdout
+    # part 1 pseudoresumes through epoch 0 (or restores it) and shows none of it
+    assert "training on" not in p1.stdout and "epoch 0:" not in p1.stdout
+    assert "epoch 1:" in p1.stdout and "final test accuracy" in p1.stdout
+    assert p0.stdout + p1.stdout == flor(d, "merge").stdout

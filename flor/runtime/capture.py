@@ -42,8 +42,13 @@ class Output(io.TextIOBase):
 
     def __init__(self, journal, real, stream, tee):
         self._real, self._stream, self._tee = real, stream, tee
+        self._teer = _core.Tee(journal, real, STREAMS.index(stream), tee)
         # An instance attribute: print() finds the C write first.
-        self.write = _core.Tee(journal, real, STREAMS.index(stream), tee).write
+        self.write = self._teer.write
+
+    def show(self, on: bool):
+        """Pass writes on to the real stream now (when this stream tees)."""
+        self._teer.tee = self._tee and on
 
     def flush(self):
         self._real.flush()
@@ -106,9 +111,14 @@ class Capture:
         if installed is None:
             return
         out, real = installed
-        if out._tee:
+        if out._teer.tee:
             real.write(text)
         self.journal.add(STREAMS.index(stream), text, False)
+
+    def show(self, on: bool):
+        """Show (when teeing) or hide what the script writes from now on."""
+        for out, _ in self._installed.values():
+            out.show(on)
 
     def real_of(self, stream):
         """The stream behind `stream` if it is one this capture installed, else None."""

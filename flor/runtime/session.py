@@ -165,6 +165,7 @@ class Session(Loops):
         self.finished = False
         self.resumed = None  # (loop, values to rebind) after an iteration restore
         self.capture = Capture(self.logbook.journal, tee, stderr, watch_exceptions)
+        self._show()
         # Files are guarded where the session may discard: replay, record --resume.
         self.effects = Effects(self, files=self.replaying or not getattr(policy, "restored", True))
         atexit.register(self.finish)
@@ -187,6 +188,7 @@ class Session(Loops):
     def phase(self, value):
         self._phase = value
         self._context_changed()
+        self._show()
 
     @property
     def discard(self) -> bool:
@@ -196,6 +198,15 @@ class Session(Loops):
     @discard.setter
     def discard(self, value):
         self.logbook.journal.capturing = not value
+        self._show()
+
+    def _show(self):
+        """A replay part shows (`replay --part`) the output that is its own:
+        not its pseudoresumed iterations, and the set-up before the main
+        loop only in part 0."""
+        capture = getattr(self, "capture", None)
+        if self.replaying and capture is not None:
+            capture.show(not self.discard and not (self._phase == "pre" and self.part > 0))
 
     # -- identity -----------------------------------------------------------
 
