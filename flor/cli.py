@@ -39,7 +39,7 @@ ENV_REPLAY = ENV_STORE + (
     "  OMP_NUM_THREADS      as --threads\n"
     "  SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_MIN, JOB_COMPLETION_INDEX  --parts N's index\n"
     "  CUDA_VISIBLE_DEVICES GPUs handed to the workers in turn\n")
-TRAILING = ("flor's options go before SCRIPT, or at the very end of ARGS "
+TRAILING = ("flor's options go before SCRIPT, or, when none do, at the very end of ARGS "
             "(`flor replay train.py --epochs 4 --jobs 2`); `SCRIPT -- ARGS` hands all of "
             "ARGS to the script.")
 
@@ -247,10 +247,10 @@ def parse(parser, argv):
     args = list(top.args)
     at = len(argv) - len(args)  # where ARGS begin (argparse drops one "--" before them)
     explicit = argv[at - 1:at] == ["--"] and argv[at - 2:at - 1] == [top.script]
-    if not explicit:
+    if not explicit and at == 2:  # no option before SCRIPT: flor's may end ARGS
         found, args = _trailing(sub, args)
-        if found:  # parsed after those before SCRIPT: the last one given wins
-            top = parser.parse_args([top.command, *argv[1:at - 1], *found, top.script])
+        if found:
+            top = parser.parse_args([top.command, *found, top.script])
         top.peeled = found
     top.args, top.explicit_args = args, explicit or bool(args)
     top.peeled = getattr(top, "peeled", [])

@@ -56,6 +56,7 @@ def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
                "parent": r["parent"]}
         if info.get("world_size"):
             row["rank"], row["world_size"] = info.get("rank", 0), info["world_size"]
+            row["group"] = info.get("group")
         if r["kind"] == "replay" and "checks_passed" in info:
             row["checks_passed"] = info["checks_passed"]
         out.append(row)
@@ -71,7 +72,8 @@ def print_runs(rows) -> None:
         if r["parent"]:
             status += f" (of {r['parent']})"
         if "world_size" in r:
-            status += (f" (rank {r['rank']})" if r["rank"] else f" ({r['world_size']} ranks)")
+            status += (f" (rank {r['rank']} of {r['group']})" if r["rank"]
+                       else f" ({r['world_size']} ranks)")
         if r.get("checks_passed") is False:
             status += ", checks failed"
         table.append((r["run"], r["kind"], r["script"] or "-",

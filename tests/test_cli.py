@@ -81,9 +81,11 @@ def test_where_flor_options_end_and_the_script_s_begin(d, monkeypatch):
     o = parse(parser, ["replay", "train.py", "--epochs", "2", "--", "--jobs", "2"])
     assert o.jobs == 1 and o.args == ["--epochs", "2", "--", "--jobs", "2"]  # after --: the script's
     o = parse(parser, ["replay", "--run", "train.py", "train.py", "--jobs", "2"])
-    assert (o.run, o.script, o.jobs, o.args) == ("train.py", "train.py", 2, [])
+    assert (o.run, o.script, o.jobs, o.args) == ("train.py", "train.py", 1, ["--jobs", "2"])
     o = parse(parser, ["replay", "--jobs", "3", "train.py", "--epochs", "2", "--jobs=2"])
-    assert o.jobs == 2 and o.args == ["--epochs", "2"]  # the last one given wins
+    assert o.jobs == 3 and o.args == ["--epochs", "2", "--jobs=2"]  # options first: the rest
+    o = parse(parser, ["replay", "train.py", "--epochs", "2", "--jobs=2", "--strict"])
+    assert o.jobs == 2 and o.strict and o.args == ["--epochs", "2"]
     o = parse(parser, ["record", "train.py", "-h"])
     assert o.args == ["-h"]  # the script's help
     o = parse(parser, ["replay", "train.py", "--"])
