@@ -269,7 +269,10 @@ def cmd_prune(o) -> int:
 def cmd_plot(o) -> int:
     from .export import plot
 
-    path = plot(_store(), o.name, runs=o.runs, script=o.script, out=o.out)
+    try:
+        path = plot(_store(), o.name, runs=o.runs, script=o.script, out=o.out)
+    except (LookupError, ValueError) as e:
+        raise FlorError(str(e).strip("'\"")) from None
     print(path if isinstance(path, str) else path[0])
     return 0
 
@@ -277,7 +280,10 @@ def cmd_plot(o) -> int:
 def cmd_export(o) -> int:
     from .export import export_tensorboard
 
-    files = export_tensorboard(_store(), o.tensorboard, runs=o.runs, script=o.script)
+    try:
+        files = export_tensorboard(_store(), o.tensorboard, runs=o.runs, script=o.script)
+    except (LookupError, ValueError) as e:
+        raise FlorError(str(e).strip("'\"")) from None
     for f in files:
         print(f)
     return 0

@@ -159,7 +159,7 @@ def plot(store, name, runs=None, script=None, out=None) -> str:
 def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     """Write the numeric values of the runs (as in `plot`) as TensorBoard
     event files, one directory per run under `out_dir` (named by run id),
-    tag = the name, step as in `plot`.  Event files already in a run's
+    tag = the name (a TensorBoard value's own tag, without ``tb:``), step as in `plot`.  Event files already in a run's
     directory are replaced.  Values that are not numbers (lists, large
     arrays) are skipped, with a note naming them; printed lines are not
     exported.  Returns the directories written."""
@@ -193,7 +193,9 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
         writer = SummaryWriter(log_dir=directory)
         try:
             for name, step, value in scalars:
-                writer.add_scalar(name, value, global_step=step)
+                # a value the script wrote to TensorBoard keeps its own tag
+                tag = name[3:] if name.startswith("tb:") else name
+                writer.add_scalar(tag, value, global_step=step)
         finally:
             writer.close()
         written.append(directory)

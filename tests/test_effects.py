@@ -318,3 +318,58 @@ def test_stdout_written_under_a_barrier_belongs_to_no_statement():
 ])
 def test_writes_to_a_file_are_hindsight_statements(stmt, hindsight):
     assert is_log_like(ast.parse(stmt).body[0]) is hindsight
+
+
+FILES = """
+import json
+import torch
+import flor
+
+torch.set_num_threads(1)
+
+
+def save_config(cfg):
+    with open("config.json", "w") as f:
+        json.dump(cfg, f)
+
+
+save_config({"lr": 0.1})
+save_config({"lr": 0.1, "epochs": 4})  # the set-up writes one file twice
+cfg = json.load(open("config.json"))
+log = open("epochs.txt", "w")
+w = torch.zeros(3)
+for epoch in flor.generator(range(4)):
+    if flor.SkipBlock.step_into("train"):
+        for _ in range(3):
+            w += 1
+    w = flor.SkipBlock.end(w)
+    flor.log("wsum", w.sum().item())
+    print("epoch", epoch, file=log, flush=True)
+log.close()
+print(cfg, open("config.json").read())
+"""
+
+
+@pytest.mark.parametrize("how", ["one segment", "jobs 2", "part 1 before part 0"])
+def test_files_the_set_up_writes_are_as_a_plain_run_leaves_them(tmp_path, how):
+    d = str(tmp_path)
+    write_script(d, "files.py", FILES)
+    flor(d, "record", "--no-adaptive", "files.py")
+    with open(os.path.join(d, "epochs.txt"), "a") as f:
+        f.write("left by an earlier run\n")
+    if how == "one segment":
+        out = flor(d, "replay", "files.py").stdout
+    else:
+        edit(os.path.join(d, "files.py"), "w += 1", 'print("probe", w.sum().item())')
+        if how == "jobs 2":
+            proc = flor(d, "replay", "--jobs", "2", "files.py")
+            out = proc.stdout
+            (segments,) = re.findall(r"in segments (.*)", proc.stderr)
+            assert segments.count("[") == 2  # a second worker pseudoresumed
+        else:
+            flor(d, "replay", "--part", "1/2", "files.py")
+            flor(d, "replay", "--part", "0/2", "files.py")
+            out = flor(d, "merge").stdout
+    assert "{'lr': 0.1, 'epochs': 4} {\"lr\": 0.1, \"epochs\": 4}" in out
+    with open(os.path.join(d, "epochs.txt")) as f:
+        assert sorted(f.read().splitlines()) == [f"epoch {i}" for i in range(4)]

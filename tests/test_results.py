@@ -256,5 +256,8 @@ def test_plot_and_export_from_the_command_line(results, tmp_path):
     proc = flor_cli(str(tmp_path), "export", "--tensorboard", out, "--run", r.rec1, "--run",
                     r.rep, env=env)
     assert proc.stdout.split() == [os.path.join(out, r.rec1), os.path.join(out, r.rep)]
-    bad = flor_cli(str(tmp_path), "plot", "no_such_value", env=env, check=False)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    for argv in (["plot", "no_such_value"], ["plot", "val_acc", "--run", "nosuch"],
+                 ["export", "--tensorboard", out, "--run", "nosuch"],
+                 ["plot", "val_acc", "--script", "nosuch.py"]):
+        bad = flor_cli(str(tmp_path), *argv, env=env, check=False)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr

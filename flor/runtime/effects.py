@@ -169,6 +169,11 @@ class Effects:
     def user_code(self, code) -> bool:
         return self.s.logbook.is_user_file(code.co_filename)
 
+    def files_first_writer(self, file) -> bool:
+        """A part of a replay writes `file`: whether it is the first to
+        (files.py).  False outside a replay (record --resume appends)."""
+        return self.files is not None and self.s.replaying and self.files.first_writer(file)
+
     def _store(self, name, value, loc):
         """A value at the session's context, as flor.log stores it."""
         s = self.s

@@ -11,14 +11,18 @@ installed library) is a `GuardedFile`:
   iterations, the set-up before the main loop in parts other than the
   first, record --resume before its restore), writes to it do nothing;
 - a file opened while they are suppressed is neither created nor truncated
-  (modes ``w`` and ``x``): it is opened for appending only if the script
-  writes to it once they no longer are;
+  (modes ``w`` and ``x``): it is opened only if the script writes to it
+  once they no longer are, for appending (truncated first if the set-up
+  opened it with ``w`` and no other part of the replay wrote it yet);
 - a file that replay's set-up (before the main loop) opens with ``w`` is
-  truncated by the first part only (unless another part wrote to it since
-  the replay began: workers start together, and the first may reach its
-  set-up last), and appended to by every part, so that workers writing one
-  file side by side never overwrite each other's lines (their lines
-  interleave; no line is lost or written twice).
+  truncated by the first part only, unless another part wrote to it first
+  (workers start together, and parts run by a scheduler in any order: the
+  first part of the replay to write a file leaves a mark in the replay's
+  directory), and appended to by every part, so that workers writing one
+  file side by side never overwrite each other's lines.  Their lines
+  follow the order the workers wrote them in, not the iterations'; a file
+  rewritten every iteration ends as the part that finished last left it.
+- a replay of one segment opens files as the script asks.
 
 Files opened for reading, files that libraries open (torch.save(path),
 numpy.save, DataFrame.to_csv), os.open and flor's own files are never
@@ -27,6 +31,7 @@ touched.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import io
 import os
 import pathlib
@@ -44,12 +49,20 @@ _THROUGH = frozenset({pathlib.__file__, os.path.join(_STDLIB, "logging", "__init
                       os.path.join(os.path.dirname(os.path.abspath(__file__)), "effects.py")})
 
 
+def _key(file) -> str:
+    try:
+        return os.path.abspath(os.fspath(file))
+    except TypeError:
+        return repr(file)
+
+
 class GuardedFile:
     """A file the user's code opened for writing (see the module's docstring):
     opened now (`real`) or at its first write (`pending`: open's arguments)."""
 
-    def __init__(self, effects, real=None, pending=None, opener=None):
+    def __init__(self, effects, real=None, pending=None, opener=None, truncate=False):
         self._fx, self._real, self._pending, self._opener = effects, real, pending, opener
+        self._truncate = truncate  # opened with "w" while quiet
         self._closed = False
 
     def _file(self):
@@ -57,6 +70,11 @@ class GuardedFile:
             if self._closed:
                 raise ValueError("I/O operation on closed file.")
             file, mode, args, kwargs = self._pending
+            # The first part of a replay to write a file its set-up opened
+            # with "w" truncates it (what it held predates the replay); the
+            # others, and part 0 from then on, append.
+            if self._fx.files_first_writer(file) and self._truncate:
+                mode = mode.replace("a", "w", 1)
             self._real = self._opener(file, mode, *args, **kwargs)
         return self._real
 
@@ -114,7 +132,7 @@ class Files:
         self.fx = effects
         self.original = original = builtins.open
         self._io_open = io.open
-        self._started = None  # when the replay began
+        self._truncated = set()  # files this process's set-up truncated
         guard = self
 
         def open(file, mode="r", *args, **kwargs):
@@ -141,24 +159,32 @@ class Files:
         creates = "w" in mode or "x" in mode
         if creates and fx.quiet():
             appending = mode.replace("w", "a").replace("x", "a")
-            return GuardedFile(fx, pending=(file, appending, args, kwargs), opener=original)
-        if "w" in mode and fx.s.replaying and fx.s.phase == "pre":
-            if not self._written_since_start(file):
+            return GuardedFile(fx, pending=(file, appending, args, kwargs), opener=original,
+                               truncate="w" in mode)
+        if "w" in mode and fx.s.replaying and fx.s.phase == "pre" and \
+                len(fx.s.policy.plan.segments) > 1:
+            key = _key(file)
+            if key in self._truncated or self.first_writer(file):
                 original(file, mode, *args, **kwargs).close()  # part 0 truncates, as asked
+                self._truncated.add(key)
             mode = mode.replace("w", "a")
         return GuardedFile(fx, original(file, mode, *args, **kwargs))
 
-    def _written_since_start(self, file) -> bool:
-        """Whether another part wrote `file` after the replay began (its
-        workers start together: part 0 may reach its set-up last)."""
-        if self._started is None:
-            s = self.fx.s
-            run = s.policy.recorded.run(s.run_id)  # the replay's store (a worker's is its own)
-            self._started = run["started"] if run is not None else float("inf")
+    def first_writer(self, file) -> bool:
+        """Whether this is the first part of the replay to write `file`: the
+        first to leave a mark for it in the replay's directory."""
+        plan = self.fx.s.policy.plan
+        marks = os.path.join(plan.store, "runs", plan.replay_id, "written")
         try:
-            return os.path.getmtime(file) >= self._started
-        except (OSError, TypeError, ValueError):
+            os.makedirs(marks, exist_ok=True)
+            fd = os.open(os.path.join(marks, hashlib.sha1(_key(file).encode()).hexdigest()),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
             return False
+        except (OSError, TypeError, ValueError):
+            return True
+        os.close(fd)
+        return True
 
     def restore(self):
         if builtins.open is self.replacement:
