@@ -38,8 +38,9 @@ def cmd_record(o) -> int:
     code = record_script(o.script, o.args if o.explicit_args or not o.resume else None,
                          epsilon=o.epsilon, adaptive=False if o.no_adaptive else None,
                          resume=o.resume, force=o.force)
-    if code and _hint_options(o):
-        note(_hint_options(o))
+    hint = _hint_options(o) if code else None
+    if hint:
+        note(hint)
     return code
 
 
@@ -174,8 +175,9 @@ def cmd_replay(o) -> int:
     plan, rec, cmp, source = _plan(store, o, o.jobs)
     code = run_local(store, plan, rec, describe(plan, rec, cmp, plan.argv[1:]), source,
                      strict=strict)
-    if code and _failed(store, plan.replay_id) and _hint_options(o):
-        note(_hint_options(o))
+    hint = _hint_options(o) if code and _failed(store, plan.replay_id) else None
+    if hint:
+        note(hint)
     return code
 
 

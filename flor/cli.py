@@ -70,36 +70,20 @@ def _script_args(p):
                    help="the script's arguments")
 
 
-def _positive(kind):
+def _number(kind, least, strict=False):
+    """An argparse type: a `kind` number of at least `least` (more than it, if
+    `strict`)."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not (value > least if strict else value >= least):
+            bound = "more than" if strict else "at least"
+            raise argparse.ArgumentTypeError(f"must be {bound} {least}, not {text}")
         return value
     return parse
-
-
-def _count(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
-    return value
-
-
-def _nonneg(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "Run SCRIPT with ARGS as `python SCRIPT ARGS` would, taking background "
                  "checkpoints of what its loops change. A script that does not import flor "
                  "is instrumented hands-free.", ENV_RECORD, TRAILING)
-    p.add_argument("--epsilon", type=_positive(float), metavar="E",
+    p.add_argument("--epsilon", type=_number(float, 0, strict=True), metavar="E",
                    help="record overhead bound of the adaptive rule (default 1/15)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="checkpoint every block execution (no calibration, no rule)")
@@ -128,26 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     _script_args(p)
 
     p = _command(subs, "replay", "replay a record with the edited script",
-                 "Replay the latest finished (or interrupted) record of SCRIPT with the edited SCRIPT: blocks "
-                 "that hold no new statement are skipped by loading their checkpoints, and "
-                 "the main loop is split among workers. With no ARGS, the recorded arguments "
-                 "are used.", ENV_REPLAY, TRAILING)
-    p.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
+                 "Replay the latest finished (or interrupted) record of SCRIPT with the "
+                 "edited SCRIPT: blocks that hold no new statement are skipped by loading "
+                 "their checkpoints, and the main loop is split among workers. With no ARGS, "
+                 "the recorded arguments are used.", ENV_REPLAY, TRAILING)
+    p.add_argument("--jobs", type=_number(int, 1), default=1, metavar="N",
                    help="parallel workers (default 1)")
     p.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="where the workers run (default local)")
-    p.add_argument("--threads", type=_positive(int), metavar="T",
+    p.add_argument("--threads", type=_number(int, 1), metavar="T",
                    help="torch threads per worker (default: the record's)")
     p.add_argument("--run", metavar="ID", help="replay this record (default: the latest "
                    "finished or interrupted one of SCRIPT)")
     parts = p.add_mutually_exclusive_group()
     parts.add_argument("--part", metavar="I/N", help="run only segment I of N, counting "
                        "from 0 (0/4 ... 3/4), for a scheduler; then `flor merge`")
-    parts.add_argument("--parts", type=_positive(int), metavar="N", help="as --part, with I "
+    parts.add_argument("--parts", type=_number(int, 1), metavar="N", help="as --part, with I "
                        "from SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX")
     p.add_argument("--check", choices=("warn", "strict"), default="warn",
                    help="strict: exit 1 when the deferred checks find differences")
-    p.add_argument("--tolerance", type=_nonneg, metavar="REL",
+    p.add_argument("--tolerance", type=_number(float, 0), metavar="REL",
                    help="relative tolerance of the deferred checks")
     p.add_argument("--strict", action="store_true",
                    help="refuse a script changed other than by hindsight statements")
@@ -187,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(subs, "prune", "delete all but the latest records of each script",
                  "Per script, keep the newest K records that replay can use and delete the "
                  "others (older, failed or empty records) with their replays.", ENV_STORE)
-    p.add_argument("--keep", type=_count, default=3, metavar="K", help="records kept per "
-                   "script (default 3)")
+    p.add_argument("--keep", type=_number(int, 0), default=3, metavar="K",
+                   help="records kept per script (default 3)")
     p.add_argument("--script", metavar="SCRIPT", help="only this script's records")
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
 
@@ -247,13 +231,12 @@ def parse(parser, argv):
     args = list(top.args)
     at = len(argv) - len(args)  # where ARGS begin (argparse drops one "--" before them)
     explicit = argv[at - 1:at] == ["--"] and argv[at - 2:at - 1] == [top.script]
+    found = []
     if not explicit and at == 2:  # no option before SCRIPT: flor's may end ARGS
         found, args = _trailing(sub, args)
         if found:
             top = parser.parse_args([top.command, *found, top.script])
-        top.peeled = found
-    top.args, top.explicit_args = args, explicit or bool(args)
-    top.peeled = getattr(top, "peeled", [])
+    top.args, top.explicit_args, top.peeled = args, explicit or bool(args), found
     if not os.path.isfile(top.script):
         raise FlorError(f"no such script: {top.script}")
     return top

@@ -159,8 +159,8 @@ def plot(store, name, runs=None, script=None, out=None) -> str:
 def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     """Write the numeric values of the runs (as in `plot`) as TensorBoard
     event files, one directory per run under `out_dir` (named by run id),
-    tag = the name (a TensorBoard value's own tag, without ``tb:``), step as in `plot`.  Event files already in a run's
-    directory are replaced.  Values that are not numbers (lists, large
+    tag = the name (a TensorBoard value's own tag, without ``tb:``), step
+    as in `plot`.  Event files already in a run's directory are replaced.  Values that are not numbers (lists, large
     arrays) are skipped, with a note naming them; printed lines are not
     exported.  Returns the directories written."""
     try:

@@ -11,6 +11,7 @@
     .flor/runs/<run>/part-N.db      a --part worker's database, until merge imports it
     .flor/runs/<run>/part-N.aK.db   attempt K of a local (or Ray) worker, until imported
     .flor/runs/<run>/partN.aK.stderr  attempt K of a local replay worker's standard error
+    .flor/runs/<run>/written/       a replay's marks of the files its parts wrote (files.py)
     .flor/runs/<run>/values/        large logged tensors and arrays, one flor file each
     .flor/calibration.json          this machine's measured write and copy bandwidths
 
