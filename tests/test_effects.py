@@ -341,6 +341,10 @@ w = torch.zeros(3)
 for epoch in flor.generator(range(4)):
     if flor.SkipBlock.step_into("train"):
         for _ in range(3):
+            # Compute that outweighs restoring w, so that two workers pay.
+            x = torch.full((256, 256), 1 / 256)
+            for _ in range(8):
+                x = x @ x
             w += 1
     w = flor.SkipBlock.end(w)
     flor.log("wsum", w.sum().item())
