@@ -136,15 +136,29 @@ def restore(live, saved):
     - a tuple, or anything immutable, cannot change in place: the restored
       value is returned, so rebind it (``x = flor.restore(x, saved)``).
     """
-    return _restore(live, saved, "obj")
+    return _restore(live, saved, "obj", _as_is)
 
 
-def _restore(live, saved, where):
+def restore_placed(live, saved, place):
+    """:func:`restore`, with `place` applied to each part of `saved` that
+    becomes live as it is (a new dict key, a replaced list, a value that
+    cannot change in place, a state dict handed to an object other than a
+    module) rather than being copied into a live object."""
+    return _restore(live, saved, "obj", place)
+
+
+def _as_is(value):
+    return value
+
+
+def _restore(live, saved, where, place):
+    torch = sys.modules.get("torch")
     load_sd = getattr(live, "load_state_dict", None)
     if callable(load_sd) and isinstance(saved, Mapping) and not isinstance(live, Mapping):
-        load_sd(saved)
+        # A module copies the state into its own tensors; anything else may keep it.
+        in_place = torch is not None and isinstance(live, torch.nn.Module)
+        load_sd(saved if in_place else place(saved))
         return live
-    torch = sys.modules.get("torch")
     np = sys.modules.get("numpy")
     # Random generators: set the live one's state, so whoever holds it
     # (a DataLoader's sampler, a data pipeline) draws the recorded numbers.
@@ -174,25 +188,27 @@ def _restore(live, saved, where):
         return live
     if type(live) is dict or (isinstance(live, dict) and isinstance(saved, Mapping)):
         if not isinstance(saved, Mapping):
-            return saved
+            return place(saved)
         for key in [k for k in live if k not in saved]:
             del live[key]
         for key, value in saved.items():
-            live[key] = _restore(live[key], value, f"{where}[{key!r}]") if key in live else value
+            live[key] = _restore(live[key], value, f"{where}[{key!r}]", place) \
+                if key in live else place(value)
         return live
     if isinstance(live, list) and isinstance(saved, list):
         if len(live) == len(saved):
             for i, value in enumerate(saved):
-                live[i] = _restore(live[i], value, f"{where}[{i}]")
+                live[i] = _restore(live[i], value, f"{where}[{i}]", place)
         else:
-            live[:] = saved
+            live[:] = place(saved)
         return live
     if isinstance(live, set) and isinstance(saved, (set, frozenset)):
         live.clear()
-        live.update(saved)
+        live.update(place(saved))
         return live
     if isinstance(live, tuple) and isinstance(saved, tuple) and len(live) == len(saved):
-        items = [_restore(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(live, saved))]
+        items = [_restore(a, b, f"{where}[{i}]", place)
+                 for i, (a, b) in enumerate(zip(live, saved))]
         if all(a is b for a, b in zip(items, live)):
             return live
         return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)
@@ -207,9 +223,9 @@ def _restore(live, saved, where):
         and not isinstance(live, type)
         and hasattr(saved, "__dict__")
     ):
-        _restore(live.__dict__, dict(saved.__dict__), where)
+        _restore(live.__dict__, dict(saved.__dict__), where, place)
         return live
-    return saved
+    return place(saved)
 
 
 def _same_class(a, b) -> bool:

@@ -197,3 +197,52 @@ def test_manual_api_record_and_replay_on_the_gpu(tmp_path):
     rec = flor_cli(d, "record", "--no-adaptive", "manual.py", env=ENV)
     proc = flor_cli(d, "replay", "manual.py", env=ENV)
     assert proc.stdout == rec.stdout == plain(d, "manual.py", env=ENV).stdout
+
+
+# nanoGPT's loop: the next batch is fetched inside the accumulation loop, so
+# the block rebinds tensors that live on the GPU (X, Y, loss), and the code
+# after it and the next iteration use them with the model's.
+PREFETCH = """
+import torch
+from torch import nn
+
+torch.use_deterministic_algorithms(True)
+torch.manual_seed(0)
+data = torch.randint(0, 50, (4096,))
+
+
+def get_batch():
+    ix = torch.randint(len(data) - 17, (8,))
+    x = torch.stack([data[i:i + 16] for i in ix])
+    y = torch.stack([data[i + 1:i + 17] for i in ix])
+    return x.to("cuda"), y.to("cuda")
+
+
+model = nn.Sequential(nn.Embedding(50, 32), nn.Dropout(0.1), nn.Linear(32, 50)).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+X, Y = get_batch()
+for it in range(6):
+    for micro in range(3):
+        loss = nn.functional.cross_entropy(model(X).view(-1, 50), Y.view(-1)) / 3
+        X, Y = get_batch()
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    print(f"it {it} loss {(loss * 3).item():.6f} next {X.device} {(X.float().mean() + loss).item():.6f}")
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_tensors_a_skipped_block_rebinds_come_back_on_the_gpu(tmp_path, jobs):
+    from conftest import edit, flor as flor_cli, plain, write_script
+
+    d = str(tmp_path)
+    write_script(d, "gpt.py", PREFETCH)
+    flor_cli(d, "record", "--no-adaptive", "gpt.py", env=ENV)
+    edit(f"{d}/gpt.py", "opt.step()",
+         'print(f"gn {sum(p.grad.norm() ** 2 for p in model.parameters()).item():.6f}")',
+         after=False)
+    proc = flor_cli(d, "replay", "--jobs", jobs, "gpt.py", env=ENV)
+    assert "next cuda:0" in proc.stdout and proc.stdout.count("gn ") == 6
+    assert proc.stdout == plain(d, "gpt.py", env=ENV).stdout

@@ -12,7 +12,10 @@
 
 `payload` builds it at a block's end() in record; in replay `belongs`
 checks that a loaded file is the checkpoint of the block execution asking
-for it, and `apply` restores the live objects from it.
+for it, and `apply` restores the live objects from it.  `read_own` loads it
+onto the CPU and adds "devices" (a placement.Devices, not in the file): the
+devices its tensors were recorded on, where `apply` puts back what it does
+not copy into a live object.
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ import random
 import sys
 
 from .. import _core, trust
-from ..checkpoint import read, restore
+from ..checkpoint import read, restore_placed
 from ..errors import CheckpointCorrupt
+from .placement import Devices
 
 __all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state"]
 
@@ -177,14 +181,19 @@ def payload_tag(saved: dict) -> bytes:
 UNREADABLE = (FileNotFoundError, CheckpointCorrupt, trust.Mismatch, trust.UnsafeCheckpoint)
 
 
-def read_own(path: str, expect: bytes):
-    """Read a checkpoint that a record wrote: in full where its signature
-    verifies with this user's key, in safe mode otherwise.  Returns the
-    payload and how it was read ("signed" or "safe").  A file whose header
-    tag is not `expect` raises trust.Mismatch before anything is unpickled;
-    a file safe mode refuses raises trust.UnsafeCheckpoint."""
+def read_own(path: str, expect: bytes, devices: bool = True):
+    """Read a checkpoint that a record wrote onto the CPU: in full where its
+    signature verifies with this user's key, in safe mode otherwise.
+    Returns the payload, with the recorded devices of its tensors as
+    "devices" (unless not `devices`), and how it was read ("signed" or
+    "safe").  A file whose header tag is not `expect` raises trust.Mismatch
+    before anything is unpickled; a file safe mode refuses raises
+    trust.UnsafeCheckpoint."""
     seen: list = []
-    saved = read(path, "cpu", "signed", expect, seen)
+    where = Devices() if devices else None
+    saved = read(path, where.hook if where is not None else "cpu", "signed", expect, seen)
+    if where is not None and isinstance(saved, dict):
+        saved["devices"] = where
     return saved, seen[0]
 
 
@@ -193,13 +202,14 @@ def belongs(loaded, key: str, ctx: str, occurrence: int) -> bool:
             and loaded.get("ctx") == ctx and loaded.get("occurrence") == occurrence)
 
 
-def _rebind(live, saved):
-    """A rebound name's restored value: the saved one, except that an object
-    restored through its state dict is loaded into the live object."""
+def _rebind(live, saved, place):
+    """A rebound name's restored value: the saved one, on its recorded
+    devices, except that an object restored through its state dict is
+    loaded into the live object."""
     if callable(getattr(live, "load_state_dict", None)) and isinstance(saved, dict) \
             and not isinstance(live, dict):
-        return restore(live, saved)
-    return saved
+        return restore_placed(live, saved, place)
+    return place(saved)
 
 
 def apply(saved: dict, objs, rebind=None, frame=None) -> list:
@@ -209,7 +219,9 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
     `state_owners(objs, frame)` hold) and the random state.  Returns
     the restored objects."""
     rebind = rebind or [False] * len(objs)
-    out = [_rebind(live, s) if again else restore(live, s)
+    devices = saved.get("devices")
+    place = devices.place if devices is not None else Devices().place
+    out = [_rebind(live, s, place) if again else restore_placed(live, s, place)
            for live, s, again in zip(objs, saved["objs"], rebind)]
     set_module_modes(out, saved.get("modes"))
     set_ddp_flags(out, saved.get("ddp"))

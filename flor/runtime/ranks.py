@@ -271,7 +271,10 @@ def read(ckpt_dir: str, fname: str, expect: bytes, group: dict | None):
     saved, how = read_own(path, expect)
     if group is not None:
         def owner(rank):
-            return read_own(os.path.join(group["ckpt_dirs"][rank], fname), expect)[0]
+            # Its devices are the owner's: what is not copied into a live
+            # object stays on the CPU.
+            return read_own(os.path.join(group["ckpt_dirs"][rank], fname), expect,
+                            devices=False)[0]
         saved = join(saved, owner, group["size"], path)
     return saved, how
 
