@@ -51,13 +51,13 @@ def add_line(source, anchor, line):
 
 
 class Bench:
-    def __init__(self, work, args):
+    def __init__(self, work, args, example=EXAMPLE):
         self.work, self.args = work, args
         self.env = dict(os.environ, FLOR_DIR=os.path.join(work, ".flor"),
                         OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.env.pop("FLOR_MODE", None)
         self.script = os.path.join(work, "train.py")
-        with open(EXAMPLE) as f:
+        with open(example) as f:
             self.original = f.read()
         self.write(self.original)
 

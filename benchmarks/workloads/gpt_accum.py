@@ -3,7 +3,7 @@ accumulation over micro-steps, AdamW with decayed and undecayed groups, a
 cosine learning-rate schedule with warmup, gradient clipping, and a periodic
 loss estimate.  Characters of the Python standard library's own sources
 (shipped with Python: nothing is downloaded).  A plain training script (it
-does not import flor).
+does not import flor).  --device cuda trains on the GPU (benchmarks/gpu_record.py).
 
     python gpt_accum.py --max-iters 40 --accum 4
 """
@@ -91,6 +91,7 @@ def main():
     p.add_argument("--eval-interval", type=int, default=20)
     p.add_argument("--eval-iters", type=int, default=4)
     p.add_argument("--log-interval", type=int, default=1)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
 
     torch.manual_seed(1337)
@@ -107,9 +108,9 @@ def main():
         ix = torch.randint(len(d) - args.block_size, (args.batch_size,))
         x = torch.stack([d[i:i + args.block_size] for i in ix])
         y = torch.stack([d[i + 1:i + 1 + args.block_size] for i in ix])
-        return x, y
+        return x.to(args.device), y.to(args.device)
 
-    model = GPT(len(chars), args.block_size, args.n_layer, 4, args.n_embd, 0.1)
+    model = GPT(len(chars), args.block_size, args.n_layer, 4, args.n_embd, 0.1).to(args.device)
     learning_rate, min_lr, warmup_iters = 1e-3, 1e-4, 10
     optimizer = model.configure_optimizers(0.1, learning_rate, (0.9, 0.95))
 
