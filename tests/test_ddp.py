@@ -123,7 +123,10 @@ def test_replay_steps_into_a_ddp_block_with_two_groups_of_ranks(handsfree):
     assert plain[0].count("gn ") == 76  # 19 batches a rank, 4 epochs
     proc, replayed = torchrun(d, "-m", "flor", "replay", "--jobs", "2", "train.py",
                               "--epochs", "4", env={"FLOR_REPLAY_CORES": "2"})
-    assert "in segments [0, 2), [2, 4)" in proc.stderr
+    # Two segments, the same on every rank (where they meet follows the
+    # epoch times the record measured; test_partition.py tests that).
+    (segments,) = set(re.findall(r"in segments (.*)", proc.stderr))
+    assert re.fullmatch(r"\[0, (\d)\), \[\1, 4\)", segments), segments
     assert replayed == plain
     assert _checks_passed(proc.stderr), proc.stderr
 

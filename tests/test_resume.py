@@ -13,8 +13,12 @@ from conftest import ROOT, flor, read, store, write_script
 
 def _stoppable(source):
     """tests/scripts/handsfree/digits_epochs.py, which kills itself (signal
-    STOP_WITH) when STOP_AT names an epoch it has printed, or is "start"."""
-    source = source.replace("import sys\n", "import os\nimport sys\n", 1)
+    STOP_WITH) when STOP_AT names an epoch it has printed, or is "start".
+    Before it does, it waits (up to a minute) for the iteration checkpoint
+    of the epoch before to be durable (under its final name): the
+    background writer may still be at it, and a killed record keeps what
+    was written."""
+    source = source.replace("import sys\n", "import glob\nimport os\nimport sys\nimport time\n", 1)
     source = source.replace(
         '    print("data ready")\n',
         '    print("data ready")\n'
@@ -24,6 +28,11 @@ def _stoppable(source):
         '              f"noise {torch.rand(1).item():.6f}", flush=True)\n',
         '              f"noise {torch.rand(1).item():.6f}", flush=True)\n'
         '        if os.environ.get("STOP_AT") == str(epoch):\n'
+        '            done = os.path.join(os.environ["FLOR_DIR"], "runs", "*", "ckpt",\n'
+        '                                f"*iteration@{epoch - 1}-*.flor")\n'
+        '            deadline = time.monotonic() + 60\n'
+        '            while epoch and not glob.glob(done) and time.monotonic() < deadline:\n'
+        '                time.sleep(0.01)\n'
         '            os.kill(os.getpid(), int(os.environ["STOP_WITH"]))\n', 1)
     assert source.count("STOP_AT") == 2
     return source
@@ -91,7 +100,8 @@ def test_a_killed_record_resumes_to_the_uninterrupted_result(tmp_path, torch, ho
     assert f"resuming run {run['run_id']} at iteration" in res.stderr
     (after,) = store(str(cut)).runs()
     assert after["status"] == "finished" and after["iterations"] == 6
-    assert json.loads(after["info"])["resumed"][0] > 0  # from a checkpoint, not the start
+    # From the checkpoint of the last iteration it finished, not the start.
+    assert json.loads(after["info"])["resumed"] == [3]
     assert _same_model(whole / "final.pt", cut / "final.pt")
     w, c = _stored(str(whole)), _stored(str(cut))
     assert c[1] == w[1]  # every printed line, once, in order

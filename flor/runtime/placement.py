@@ -112,8 +112,8 @@ class _Walk:
         return v
 
     def _tensor(self, torch, t):
-        if t.device.type != "cpu":
-            return t
+        if t.device.type != "cpu" or t.layout is not torch.strided or t.is_quantized:
+            return t  # only dense tensors load from one storage of a file
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         entry = self.devices._recorded.get(ptr)
