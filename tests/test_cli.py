@@ -355,7 +355,10 @@ def test_an_adaptive_record_calibrates_once_per_store(d):
 
 
 def test_a_part_prints_only_its_own_output(d):
-    flor(d, "record", "--no-adaptive", "train.py", *ARGS)
+    # Epochs long enough that a second part pays on any machine (the split
+    # weighs the measured compute against restoring a checkpoint).
+    args = ["--epochs", "2", "--limit", "800", "--width", "4"]
+    flor(d, "record", "--no-adaptive", "train.py", *args)
     edit(os.path.join(d, "train.py"), "loss.backward()", 'print("batch loss", loss.item())')
     p0 = flor(d, "replay", "--part", "0/2", "train.py")
     p1 = flor(d, "replay", "--part", "1/2", "train.py")
