@@ -156,8 +156,16 @@ def _restore(live, saved, where, place):
     load_sd = getattr(live, "load_state_dict", None)
     if callable(load_sd) and isinstance(saved, Mapping) and not isinstance(live, Mapping):
         # A module copies the state into its own tensors; anything else may keep it.
-        in_place = torch is not None and isinstance(live, torch.nn.Module)
-        load_sd(saved if in_place else place(saved))
+        if torch is not None and isinstance(live, torch.nn.Module):
+            # Copied into its parameters and buffers; any other entry (extra
+            # state, a metric's state) it may keep as it is handed.
+            own = {n for n, _ in live.named_parameters()} | {n for n, _ in live.named_buffers()}
+            if place is not _as_is:
+                for key in [k for k in saved if k not in own]:
+                    saved[key] = place(saved[key])
+            load_sd(saved)
+        else:
+            load_sd(place(saved))
         return live
     np = sys.modules.get("numpy")
     # Random generators: set the live one's state, so whoever holds it

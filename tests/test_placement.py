@@ -74,3 +74,66 @@ def test_tensors_recorded_on_the_cpu_are_not_noted():
     loaded(d, t, device="cpu")
     (out,) = apply(d, [t], [None], [True])
     assert out is t
+
+
+def test_subclasses_stay_leaves_of_their_class():
+    class Scaled(torch.nn.Parameter):
+        pass
+
+    w = Scaled(torch.ones(3))
+    d = OnMeta()
+    loaded(d, w)
+    (out,) = apply(d, [w], [None], [True])
+    assert type(out) is Scaled and out.is_leaf and out.requires_grad
+    assert out.device.type == "meta"
+
+
+def test_containers_are_written_only_where_a_value_moved():
+    class Frozen(dict):
+        def __setitem__(self, key, value):
+            raise TypeError("immutable")
+
+    moved = torch.ones(2)
+    d = OnMeta()
+    loaded(d, moved)
+    (out,) = apply(d, [[Frozen(n=1), moved]], [None], [True])
+    assert out[0] == {"n": 1} and out[1].device.type == "meta"
+
+
+def test_a_module_that_keeps_its_extra_state_gets_it_on_the_device():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.total = torch.zeros(1)
+
+        def get_extra_state(self):
+            return {"total": self.total}
+
+        def set_extra_state(self, state):
+            self.total = state["total"]  # kept as handed, as a metric does
+
+    live, rec = Counter(), Counter()
+    state = rec.state_dict()
+    d = OnMeta()
+    loaded(d, *[v for v in state.values() if torch.is_tensor(v)], state["_extra_state"]["total"])
+    (out,) = apply(d, [state], [live], [False])
+    assert out is live and live.total.device.type == "meta"
+    assert live.lin.weight.device.type == "cpu"  # copied into the live parameter
+
+
+def test_what_was_placed_is_freed_with_the_value_without_the_cycle_collector():
+    import gc
+    import weakref
+
+    t = torch.ones(4)
+    d = OnMeta()
+    loaded(d, t)
+    gc.disable()
+    try:
+        (out,) = apply(d, [t], [None], [True])
+        ref = weakref.ref(out)
+        del out
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -221,8 +221,12 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
     rebind = rebind or [False] * len(objs)
     devices = saved.get("devices")
     place = devices.place if devices is not None else Devices().place
-    out = [_rebind(live, s, place) if again else restore_placed(live, s, place)
-           for live, s, again in zip(objs, saved["objs"], rebind)]
+    try:
+        out = [_rebind(live, s, place) if again else restore_placed(live, s, place)
+               for live, s, again in zip(objs, saved["objs"], rebind)]
+    finally:
+        if devices is not None:
+            devices.done()
     set_module_modes(out, saved.get("modes"))
     set_ddp_flags(out, saved.get("ddp"))
     if "grads" in saved:

@@ -29,7 +29,7 @@ class Devices:
     """The recorded device of each storage loaded onto the CPU."""
 
     def __init__(self):
-        self._recorded: dict = {}  # storage data_ptr -> (storage, device name)
+        self._recorded: dict = {}  # storage (its StorageImpl) -> (storage, device name)
         self._usable: dict = {}
         self._walk = None
 
@@ -38,11 +38,8 @@ class Devices:
         the CPU, and where it was recorded is noted."""
         if recorded == "cpu":
             return storage
-        if storage.nbytes() == 0:  # no data to keep off the device, and no address
-            device = self.usable(recorded)
-            return storage if device is None else storage.to(device=device)
-        # Held, so that no other storage of this load can take its address.
-        self._recorded[storage.data_ptr()] = (storage, recorded)
+        # Held, so that no other storage can take its StorageImpl's address.
+        self._recorded[storage._cdata] = (storage, recorded)
         return storage
 
     def usable(self, name: str):
@@ -67,6 +64,10 @@ class Devices:
         if self._walk is None:  # one per load: a storage is moved once
             self._walk = _Walk(self)
         return self._walk(value)
+
+    def done(self):
+        """Forget what was placed (the walk refers back to this object)."""
+        self._walk = None
 
 
 class _Walk:
@@ -93,10 +94,15 @@ class _Walk:
                 v.update(items)
             else:
                 for k, x in v.items():
-                    v[k] = self(x)
+                    y = self(x)
+                    if y is not x:
+                        v[k] = y
             return v
         if isinstance(v, list):
-            v[:] = [self(x) for x in v]
+            for i, x in enumerate(v):
+                y = self(x)
+                if y is not x:
+                    v[i] = y
             return v
         if isinstance(v, (tuple, set, frozenset)):
             items = [self(x) for x in v]
@@ -114,20 +120,23 @@ class _Walk:
     def _tensor(self, torch, t):
         if t.device.type != "cpu" or t.layout is not torch.strided or t.is_quantized:
             return t  # only dense tensors load from one storage of a file
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        try:
+            storage = t.untyped_storage()
+            ptr = storage._cdata
+        except RuntimeError:  # a wrapper subclass: no storage of its own
+            return t
         entry = self.devices._recorded.get(ptr)
         device = self.devices.usable(entry[1]) if entry is not None else None
         if device is None:
             return t
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):  # a subclass: its own .to
-            return t.to(device)
         with torch.no_grad():
             if ptr not in self.storages:  # its bytes, moved once
                 flat = torch.empty(0, dtype=torch.uint8).set_(storage)
                 self.storages[ptr] = flat.to(device).untyped_storage()
             out = torch.empty(0, dtype=t.dtype, device=device)
             out.set_(self.storages[ptr], t.storage_offset(), t.size(), t.stride())
-        if type(t) is torch.nn.Parameter:
-            return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        if isinstance(t, torch.nn.Parameter):
+            return type(t)(out, t.requires_grad)
+        if type(t) is not torch.Tensor:
+            out = out.as_subclass(type(t))
         return out.requires_grad_(t.requires_grad)

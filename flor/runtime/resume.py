@@ -79,7 +79,7 @@ def _point(store, run) -> ResumePoint:
             continue
         path = os.path.join(store.ckpt_dir(rid), row["file"])
         try:
-            saved, _ = read_own(path, tag(row["block"], row["ctx"], 0))
+            saved, _ = read_own(path, tag(row["block"], row["ctx"], 0), devices=False)
         except UNREADABLE as e:
             note(f"iteration checkpoint {row['file']} cannot be used ({e}); trying an earlier one")
             continue
