@@ -46,6 +46,7 @@ def main():
     for epoch in range(args.epochs):
         train(model, loader, optimizer)
     print(f"rank {dist.get_rank()} loop_s {time.perf_counter() - t0:.4f}", flush=True)
+    dist.barrier()  # every rank done before any tears the group down
     dist.destroy_process_group()
 
 

@@ -72,6 +72,7 @@ def main():
               f"noise {torch.rand(1).item():.6f}", flush=True)
     if rank == 0:
         torch.save(model.module.state_dict(), "final.pt")
+    dist.barrier()  # every rank done before any tears the group down
     dist.destroy_process_group()
 
 

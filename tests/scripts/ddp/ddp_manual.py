@@ -50,6 +50,7 @@ def main():
     torch.manual_seed(1)
     torch.set_num_threads(1)
     train(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
+    dist.barrier()  # every rank done before any tears the group down
     dist.destroy_process_group()
 
 
