@@ -139,12 +139,12 @@ def restore(live, saved):
     return _restore(live, saved, "obj", _as_is)
 
 
-def restore_placed(live, saved, place):
-    """:func:`restore`, with `place` applied to each part of `saved` that
-    becomes live as it is (a new dict key, a replaced list, a value that
-    cannot change in place, a state dict handed to an object other than a
-    module) rather than being copied into a live object."""
-    return _restore(live, saved, "obj", place)
+def restore_placed(live, saved, place=None):
+    """:func:`restore`, with `place` (if any) applied to each part of
+    `saved` that becomes live as it is (a new dict key, a replaced list, a
+    value that cannot change in place, a state dict an object may keep)
+    rather than being copied into a live object."""
+    return _restore(live, saved, "obj", place or _as_is)
 
 
 def _as_is(value):
@@ -155,14 +155,14 @@ def _restore(live, saved, where, place):
     torch = sys.modules.get("torch")
     load_sd = getattr(live, "load_state_dict", None)
     if callable(load_sd) and isinstance(saved, Mapping) and not isinstance(live, Mapping):
-        # A module copies the state into its own tensors; anything else may keep it.
-        if torch is not None and isinstance(live, torch.nn.Module):
+        if place is _as_is:
+            load_sd(saved)
+        elif torch is not None and isinstance(live, torch.nn.Module):
             # Copied into its parameters and buffers; any other entry (extra
             # state, a metric's state) it may keep as it is handed.
             own = {n for n, _ in live.named_parameters()} | {n for n, _ in live.named_buffers()}
-            if place is not _as_is:
-                for key in [k for k in saved if k not in own]:
-                    saved[key] = place(saved[key])
+            for key in [k for k in saved if k not in own]:
+                saved[key] = place(saved[key])
             load_sd(saved)
         else:
             load_sd(place(saved))

@@ -152,18 +152,25 @@ if __name__ == "__main__":
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
-@pytest.mark.parametrize("jobs", ["1", "2"])
-def test_hands_free_record_and_replay_on_the_gpu(tmp_path, jobs):
+def _probe_replayed(tmp_path, source, anchor, probe, jobs):
+    """Record `source` hands-free, add `probe` before the line holding
+    `anchor`, replay with --jobs `jobs`: (the replay's stdout, a plain run's)."""
     from conftest import edit, flor as flor_cli, plain, write_script
 
     d = str(tmp_path)
-    write_script(d, "train.py", TRAIN)
+    write_script(d, "train.py", source)
     flor_cli(d, "record", "--no-adaptive", "train.py", env=ENV)
-    edit(f"{d}/train.py", "model.train()",
-         'print(f"w {model[0].weight.norm().item():.6f}")', after=False)
+    edit(f"{d}/train.py", anchor, probe, after=False)
     proc = flor_cli(d, "replay", "--jobs", jobs, "train.py", env=ENV)
-    assert proc.stdout == plain(d, "train.py", env=ENV).stdout
-    assert "w " in proc.stdout
+    return proc.stdout, plain(d, "train.py", env=ENV).stdout
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_hands_free_record_and_replay_on_the_gpu(tmp_path, jobs):
+    replayed, expected = _probe_replayed(tmp_path, TRAIN, "model.train()",
+                                         'print(f"w {model[0].weight.norm().item():.6f}")', jobs)
+    assert replayed == expected
+    assert "w " in replayed
 
 
 MANUAL = """
@@ -235,14 +242,8 @@ for it in range(6):
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_tensors_a_skipped_block_rebinds_come_back_on_the_gpu(tmp_path, jobs):
-    from conftest import edit, flor as flor_cli, plain, write_script
-
-    d = str(tmp_path)
-    write_script(d, "gpt.py", PREFETCH)
-    flor_cli(d, "record", "--no-adaptive", "gpt.py", env=ENV)
-    edit(f"{d}/gpt.py", "opt.step()",
-         'print(f"gn {sum(p.grad.norm() ** 2 for p in model.parameters()).item():.6f}")',
-         after=False)
-    proc = flor_cli(d, "replay", "--jobs", jobs, "gpt.py", env=ENV)
-    assert "next cuda:0" in proc.stdout and proc.stdout.count("gn ") == 6
-    assert proc.stdout == plain(d, "gpt.py", env=ENV).stdout
+    replayed, expected = _probe_replayed(
+        tmp_path, PREFETCH, "opt.step()",
+        'print(f"gn {sum(p.grad.norm() ** 2 for p in model.parameters()).item():.6f}")', jobs)
+    assert "next cuda:0" in replayed and replayed.count("gn ") == 6
+    assert replayed == expected

@@ -209,7 +209,7 @@ def _rebind(live, saved, place):
     if callable(getattr(live, "load_state_dict", None)) and isinstance(saved, dict) \
             and not isinstance(live, dict):
         return restore_placed(live, saved, place)
-    return place(saved)
+    return saved if place is None else place(saved)
 
 
 def apply(saved: dict, objs, rebind=None, frame=None) -> list:
@@ -220,7 +220,7 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
     the restored objects."""
     rebind = rebind or [False] * len(objs)
     devices = saved.get("devices")
-    place = devices.place if devices is not None else Devices().place
+    place = devices.placer() if devices is not None else None
     try:
         out = [_rebind(live, s, place) if again else restore_placed(live, s, place)
                for live, s, again in zip(objs, saved["objs"], rebind)]

@@ -55,6 +55,10 @@ class Devices:
             self._usable[name] = device if ok else None
         return self._usable[name]
 
+    def placer(self):
+        """`place`, or None where every storage was recorded on the CPU."""
+        return self.place if self._recorded else None
+
     def place(self, value):
         """`value` with every tensor loaded from a storage recorded on a
         usable device moved there (containers are changed in place, tuples
@@ -74,7 +78,7 @@ class _Walk:
     def __init__(self, devices: Devices):
         self.devices = devices
         self.memo: dict = {}  # id -> placed value (the originals live in the payload)
-        self.storages: dict = {}  # data_ptr -> storage on its device
+        self.storages: dict = {}  # StorageImpl -> the storage on its device
 
     def __call__(self, value):
         key = id(value)
