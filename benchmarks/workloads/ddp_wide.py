@@ -14,7 +14,6 @@ from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-
 def train(model, loader, optimizer):
     model.train()
     for x, y in loader:
@@ -46,9 +45,18 @@ def main():
     for epoch in range(args.epochs):
         train(model, loader, optimizer)
     print(f"rank {dist.get_rank()} loop_s {time.perf_counter() - t0:.4f}", flush=True)
-    dist.barrier()  # every rank done before any tears the group down
+    # Every rank done before any tears the group down; the barrier's work is
+    # kept to the end (KEEP). torch's gloo worker thread drops its reference
+    # to a collective's work once it completes; were that the last one, it
+    # would destroy the work, and the Python object the work holds, while
+    # the interpreter finalizes, and the process aborts ("terminate called
+    # without an active exception"; 1 plain torchrun run in 7 here).
+    KEEP.append(dist.barrier(async_op=True))
+    KEEP[-1].wait()
     dist.destroy_process_group()
 
+
+KEEP = []  # objects that must live until the interpreter exits
 
 if __name__ == "__main__":
     main()

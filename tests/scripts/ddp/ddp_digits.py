@@ -72,9 +72,18 @@ def main():
               f"noise {torch.rand(1).item():.6f}", flush=True)
     if rank == 0:
         torch.save(model.module.state_dict(), "final.pt")
-    dist.barrier()  # every rank done before any tears the group down
+    # Every rank done before any tears the group down; the barrier's work is
+    # kept to the end (KEEP). torch's gloo worker thread drops its reference
+    # to a collective's work once it completes; were that the last one, it
+    # would destroy the work, and the Python object the work holds, while
+    # the interpreter finalizes, and the process aborts ("terminate called
+    # without an active exception"; 1 plain torchrun run in 7 here).
+    KEEP.append(dist.barrier(async_op=True))
+    KEEP[-1].wait()
     dist.destroy_process_group()
 
+
+KEEP = []  # objects that must live until the interpreter exits
 
 if __name__ == "__main__":
     main()
