@@ -2,6 +2,7 @@
 wrong replay even when the script prints nothing, a check that compared
 nothing says so, and lines that differ only where they read the clock are
 set apart."""
+import json
 import os
 
 from conftest import edit, flor, plain, runs, store, write_script
@@ -135,3 +136,57 @@ def test_large_logged_arrays_are_stored_as_files_and_compared(tmp_path):
         os.environ["FLOR_DIR"] = old
     assert tuple(df["w"][0].shape) == (300, 300) and df["h"][2].dtype.name == "int16"
     assert int(df["h"][2].sum()) == 2 * 1600
+
+
+BIG_STATE = """
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(2048, 2048)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(2, 2048)
+    for epoch in range(60):
+        for step in range(2):
+            opt.zero_grad()
+            loss = model(x[step:step + 1]).square().mean()
+            loss.backward()
+            opt.step()
+        print("epoch", epoch, round(loss.item(), 6))
+"""
+
+
+def _fingerprinted(st, run_id):
+    return sorted(json.loads(r["iter"])[0] for r in st.logs(run_id)
+                  if r["name"] == "state@iteration")
+
+
+def test_state_fingerprints_stay_within_the_records_overhead_budget(tmp_path):
+    """A fingerprint reads all 32 MiB of the model and its momentum, a share
+    of an iteration's time far above a quarter of the overhead bound
+    (1/60): an adaptive record takes one at the first iteration, then where
+    it fits 1/60 of the loop's time since; the replay takes and compares
+    those alone (none under --tolerance); --no-adaptive takes one at every
+    iteration."""
+    d = str(tmp_path)
+    write_script(d, "train.py", BIG_STATE)
+    flor(d, "record", "train.py")
+    flor(d, "record", "--no-adaptive", "train.py")
+    st = store(d)
+    adaptive, every = (r["run_id"] for r in runs(st, "record"))
+    sampled = _fingerprinted(st, adaptive)
+    assert sampled[0] == 0 and len(sampled) < 30, sampled
+    assert _fingerprinted(st, every) == list(range(60))
+    edit(os.path.join(d, "train.py"), 'print("epoch"',
+         'print("norm", round(model.weight.norm().item(), 4))', after=False)
+    rep = flor(d, "replay", "--run", adaptive, "train.py")
+    assert rep.stdout == plain(d, "train.py").stdout
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    replay = runs(st, "replay")[-1]["run_id"]
+    assert _fingerprinted(st, replay) == sampled  # only where the record has one
+    assert f"{len(sampled)} state fingerprints" in rep.stderr, rep.stderr
+    rep = flor(d, "replay", "--run", adaptive, "--check", "strict", "--tolerance", "1e-6",
+               "train.py")
+    assert _fingerprinted(st, runs(st, "replay")[-1]["run_id"]) == []  # never compared...
+    assert "deferred checks passed" in rep.stderr, rep.stderr  # ...nor missed
+    assert f"{len(sampled)} state fingerprints were not compared (--tolerance)" in rep.stderr, \
+        (sampled, rep.stderr)

@@ -74,11 +74,14 @@ class RecordIterations:
         _, seconds = self.machine.leave(handle)
         objs, sig, _ = frame.carrier.capture(frame.scope)
         loop, run, i = frame[1:4]
-        if fp is None:
-            fp = carry.fingerprint(frame.scope)
+
+        def make():  # only for a checkpoint: the restore is verified by the fingerprint
+            got = fp if fp is not None else carry.fingerprint(frame.scope)
+            return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord)
+
+        # The checkpoint is charged its fingerprint, wherever it was taken.
         self._checkpoint(session, iteration_key(loop), handle, session.info[1], 0, seconds,
-                         objs, lambda: carry.payload(loop, run, i, objs, sig, fp,
-                                                     session.logbook.journal.ord))
+                         objs, make, session.logbook.fingerprint_s if fp is not None else 0.0)
 
     def iteration_committed(self, session, frame):
         """What the run stored so far is committed: the run row says how far

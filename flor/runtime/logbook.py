@@ -14,18 +14,20 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from .. import _core
 from ..context import block_context
 from .blockstate import random_fingerprint, state_owners
 from .capture import STREAMS
 
-__all__ = ["Logbook", "jsonable"]
+__all__ = ["Logbook", "FingerprintBudget", "RecordedFingerprints", "jsonable"]
 
 _FLOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 ARRAY_INLINE = 1024  # elements: larger tensors and arrays are stored as files
+STATE_ITERATION = "state@iteration"  # the name of the fingerprint at an iteration's end
 
 
 def _large(value) -> bool:
@@ -63,6 +65,48 @@ def _line(code, offset) -> int:
     return code.co_firstlineno
 
 
+class FingerprintBudget:
+    """Record: which main-loop iterations end with a state fingerprint.
+
+    A fingerprint reads every byte of the modules and optimizers in scope
+    (on a GPU, through a copy to the host), so it is record overhead like a
+    checkpoint.  The first iteration that ran blocks is fingerprinted; after
+    it, one is taken where the time fingerprints took so far, plus the last
+    one's time again (this one's estimate), fits in `share` of the time
+    since the end of that first iteration.  The deferred checks compare the
+    fingerprints the record has."""
+
+    def __init__(self, share):
+        self.share = share
+        self.t0 = None  # the end of the first iteration: set-up time earns no budget
+        self.spent = 0.0
+        self.cost = None  # seconds of the last fingerprint
+
+    def due(self, key) -> bool:
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+            return True
+        return self.spent + self.cost <= self.share * (time.perf_counter() - self.t0)
+
+    def took(self, seconds):
+        self.spent += seconds
+        self.cost = seconds
+
+
+class RecordedFingerprints:
+    """Replay: a fingerprint where the record took one, at `keys` (location,
+    context), since the checks compare only those; none under --tolerance."""
+
+    def __init__(self, keys):
+        self.keys = keys
+
+    def due(self, key) -> bool:
+        return key in self.keys
+
+    def took(self, seconds):
+        pass
+
+
 class Logbook:
     """The pending rows of one session (see flor/store.py for the tables)."""
 
@@ -76,6 +120,7 @@ class Logbook:
         self.barriers: tuple = ()
         self._values = None  # the Materializer of large values, once one is logged
         self._locs: dict = {}  # (id(code), instruction offset) -> (code, location)
+        self.fingerprint_s = 0.0  # what the last state fingerprint took
 
     def next_ord(self) -> int:
         """Rows of logs and output share one order."""
@@ -124,13 +169,21 @@ class Logbook:
 
     def iteration_state(self, frame):
         """The fingerprint of the training state in scope of a top-level loop
-        (its modules and optimizers) at the end of an iteration; returned."""
+        (its modules and optimizers) at the end of an iteration; returned,
+        or None where the record's budget for fingerprints has no room."""
         if self.s.discard or frame.scope is None:
             return None
+        budget = self.s.policy.fingerprints
+        if budget is not None and not budget.due((frame[1], self.s.info[1])):
+            return None
+        t0 = time.perf_counter()
         owners = state_owners([], frame.scope)
         fp = _core.fingerprint(owners)
+        self.fingerprint_s = time.perf_counter() - t0
+        if budget is not None:
+            budget.took(self.fingerprint_s)
         if owners:
-            self.value("state@iteration", fp, frame[1])
+            self.value(STATE_ITERATION, fp, frame[1])
         return fp
 
     def random_state(self, frame):

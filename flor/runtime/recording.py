@@ -28,6 +28,7 @@ from ..store import new_run_id, process_start
 from . import blockstate, ranks
 from .charge import Charges
 from .iterations import RecordIterations
+from .logbook import FingerprintBudget
 
 __all__ = ["Recording", "record_script", "summary", "never_checkpointed", "DEFAULT_EPSILON",
            "DEFAULT_C"]
@@ -83,6 +84,9 @@ class Recording(RecordIterations):
         else:
             c = estimate_c(store, os.path.basename(script) if script else None)
         self.machine = _core.SkipMachine(_core.RECORD, eps, c, adaptive)
+        # A quarter of the overhead the rule allows goes to state fingerprints;
+        # --no-adaptive takes one at every iteration, as it checkpoints every block.
+        self.fingerprints = FingerprintBudget(eps / 4) if adaptive else None
         source = None
         if script is not None:
             with open(script) as f:
@@ -165,10 +169,12 @@ class Recording(RecordIterations):
                                 b.key, b.ctx, b.occurrence, sig, objs, grads)):
             session.logbook.state(b, sig, objs)
 
-    def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make):
+    def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make,
+                    made_s=0.0):
         """The adaptive rule for this execution of `key` (of `seconds`,
-        changing `objs`); if it says yes, submit the checkpoint `make()`.
-        Stores the decision; returns the checkpoint's name or None."""
+        changing `objs`); if it says yes, submit the checkpoint `make()`
+        (`made_s`: what training already paid towards it).  Stores the
+        decision; returns the checkpoint's name or None."""
         self.charges.ended(key, seconds, self._writer())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
@@ -190,16 +196,18 @@ class Recording(RecordIterations):
         _, _, top, top_iter, indices = session.info
         if ok:
             fname = checkpoint_name(key, ctx, occurrence, json.loads(indices))
+            mat = self._materializer()  # made before the clock starts: once per run
+            t0 = time.perf_counter()
             payload = make()
             if self.group is not None:  # replicated state: written by rank 0 alone
                 payload = ranks.split(payload, self.group.rank)
-            mat = self._materializer()  # made before the clock starts: once per run
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
+            made_s += t1 - t0  # an iteration checkpoint's fingerprint, when taken here
             try:
                 self.last_bytes[key] = mat.submit(fname, payload,
                                                   blockstate.payload_tag(payload))
-                self.charges.charged(key, nbytes / copy_bw if stand_in and "replicated" in
-                                     payload else time.perf_counter() - t0)
+                self.charges.charged(key, made_s + (nbytes / copy_bw if stand_in and "replicated"
+                                                    in payload else time.perf_counter() - t1))
                 self._submitted.append(key)
             except CheckpointWriteError as e:
                 note(f"checkpoint of block {key!r} failed: {e}")

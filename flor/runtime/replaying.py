@@ -23,6 +23,7 @@ from .. import _core, trust
 from ..context import block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
 from . import blockstate, carry, ranks
+from .logbook import STATE_ITERATION, RecordedFingerprints
 
 __all__ = ["Replaying"]
 
@@ -53,6 +54,9 @@ class Replaying:
         self._sig_noted: set[str] = set()
         self._safe_noted = False
         self.recorded = type(store)(plan.store)  # the record's rows (a part may store elsewhere)
+        self.fingerprints = RecordedFingerprints(set() if plan.tolerance else {
+            (r["loc"], r["ctx"]) for r in self.recorded.logged(plan.record, [STATE_ITERATION],
+                                                               printed=False)})
         self._output_at, self._output = None, []  # the record's output of one iteration
         store.clear_part(self.run_id, part)
         store.set_part(self.run_id, part, "running")
