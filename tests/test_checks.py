@@ -51,6 +51,34 @@ def test_fingerprints_catch_gradients_the_analysis_could_not_see(tmp_path):
             "in record: the block restored in it (accum.py:10) may not hold everything it "
             "changes, such as gradients") in rep.stderr
     assert "random state" not in rep.stderr  # torch is seeded; numpy and random are unused
+    assert "GPU" not in rep.stderr  # a CPU record
+
+
+def test_a_gpu_record_without_deterministic_algorithms_is_named_as_a_cause(tmp_path):
+    """The record notes whether it ran CUDA kernels (tests/test_cuda.py
+    checks that on a GPU) and whether torch was asked for deterministic
+    algorithms; where values differ, the checks name an undeterministic
+    GPU record and the two ways out.  Here a CPU record whose replay
+    differs (the case above) is marked as such a record."""
+    d = str(tmp_path)
+    write_script(d, "helpers.py", """
+        def apply(opt):
+            opt.step()
+            opt.zero_grad()
+    """)
+    write_script(d, "accum.py", ACCUM)
+    flor(d, "record", "--no-adaptive", "accum.py")
+    st = store(d)
+    rec = runs(st, "record")[0]
+    info = json.loads(rec["info"])
+    assert info["cuda"] is False and info["deterministic"] is False
+    st.update_run(rec["run_id"], info=json.dumps(dict(info, cuda=True)))
+    edit(os.path.join(d, "accum.py"), "helpers.apply(opt)", 'print("iteration", it)')
+    rep = flor(d, "replay", "accum.py")
+    assert "deferred checks FAILED" in rep.stderr, rep.stderr
+    assert ("likely cause: the record ran on a GPU without deterministic algorithms"
+            in rep.stderr), rep.stderr
+    assert "--tolerance REL" in rep.stderr and "use_deterministic_algorithms(True)" in rep.stderr
 
 
 def test_gradients_read_after_the_block_are_restored(tmp_path):

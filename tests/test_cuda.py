@@ -1,6 +1,8 @@
 """GPU paths: device-to-host snapshots through pinned staging buffers.
 
 These run only where CUDA is available and skip cleanly elsewhere."""
+import json
+
 import pytest
 import torch
 
@@ -197,11 +199,13 @@ for epoch in flor.generator(range(3)):
 
 
 def test_manual_api_record_and_replay_on_the_gpu(tmp_path):
-    from conftest import flor as flor_cli, plain, write_script
+    from conftest import flor as flor_cli, plain, store, write_script
 
     d = str(tmp_path)
     write_script(d, "manual.py", MANUAL)
     rec = flor_cli(d, "record", "--no-adaptive", "manual.py", env=ENV)
+    info = json.loads(store(d).runs()[-1]["info"])
+    assert info["cuda"] is True and info["deterministic"] is True  # for the checks' causes
     proc = flor_cli(d, "replay", "manual.py", env=ENV)
     assert proc.stdout == rec.stdout == plain(d, "manual.py", env=ENV).stdout
 

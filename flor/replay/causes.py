@@ -14,6 +14,7 @@ heuristic of the deferred checks, in one place.
   unseeded random numbers (named only when something else differs: a
   script may leave a generator it never uses unseeded).
 - A re-executed block ran with another torch thread count than the record.
+- The record ran CUDA kernels without deterministic algorithms.
 - For a statement that differs: the block restored before it may miss a
   path the statement reads (hands-free), or flor's blocks are not involved.
 """
@@ -176,7 +177,8 @@ def explain(report, store, plan, source, rec=None):
     if states:
         report.run_causes.append(_state_cause(states, blockruns))
     if report.mismatches or report.missing:
-        for cause in (_random_cause(report, source), _thread_cause(rec, parts, blockruns)):
+        for cause in (_random_cause(report, source), _thread_cause(rec, parts, blockruns),
+                      _gpu_cause(rec)):
             if cause:
                 report.run_causes.append(cause)
 
@@ -223,6 +225,20 @@ def _state_cause(states, blockruns) -> str:
                 "another module")
     return (f"the state at the end of {where} differs from the record's: code outside flor's "
             "blocks changed it differently (nondeterminism, other processes or files)")
+
+
+def _gpu_cause(rec):
+    """Named when the record ran CUDA kernels without asking torch for
+    deterministic algorithms."""
+    info = json.loads(rec["info"] or "{}") if rec is not None else {}
+    if not info.get("cuda") or info.get("deterministic"):
+        return None
+    return ("the record ran on a GPU without deterministic algorithms: CUDA kernels (cuBLAS, "
+            "the atomic adds of some backward passes) differ from run to run in their last "
+            "bits, so code that ran again ends near the record's state, not at it; compare "
+            "with --tolerance REL (1e-4, say), or record again with "
+            "torch.use_deterministic_algorithms(True) at the script's start and "
+            "CUBLAS_WORKSPACE_CONFIG=:4096:8 in its environment")
 
 
 def _thread_cause(rec, parts, blockruns):

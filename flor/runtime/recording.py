@@ -294,6 +294,10 @@ class Recording(RecordIterations):
         empty = main is None and not any(st["n"] for st in self.machine.stats())
         self.info.update({"failed_writes": [f[0] for f in failures],
                           "threads": torch.get_num_threads() if torch is not None else None,
+                          # is_initialized() never initialises CUDA itself
+                          "cuda": torch is not None and torch.cuda.is_initialized(),
+                          "deterministic": torch is not None and
+                          torch.are_deterministic_algorithms_enabled(),
                           "adaptive": self.machine.adaptive, "hands_free": self.hands_free,
                           "flor_seconds": session.flor_s, "startup_s": self._startup,
                           "captured": session.block_labels,
