@@ -80,9 +80,9 @@ class Bench:
     def record(self):
         return self.run([sys.executable, "-m", "flor", "record", "train.py", *self.args])[0]
 
-    def replay(self, jobs):
-        return self.run([sys.executable, "-m", "flor", "replay", "--jobs", str(jobs), "train.py",
-                         *self.args])
+    def replay(self, jobs, *options):
+        return self.run([sys.executable, "-m", "flor", "replay", "--jobs", str(jobs), *options,
+                         "train.py", *self.args])
 
     def store(self):
         sys.path.insert(0, ROOT)
