@@ -186,9 +186,10 @@ def _final(d):
     (run_row,) = [r for r in st.runs() if r["kind"] == "record"]
     logs = st.logs(run_row["run_id"])
     lines = [(r["iter"], r["value"]) for r in logs if r["name"].startswith("stdout@")]
-    # The state at each iteration's end (state@block rows follow the
-    # adaptive rule's decisions, which depend on timing).
-    states = [(r["iter"], r["value"]) for r in logs if r["name"] == "state@iteration"]
+    # The state at the end of the iterations the record fingerprinted (which
+    # ones follows the time they take, as state@block rows follow the
+    # adaptive rule's decisions).
+    states = {r["iter"]: r["value"] for r in logs if r["name"] == "state@iteration"}
     with open(os.path.join(d, "final.pt"), "rb") as f:
         model = f.read()
     st.close()
@@ -282,7 +283,9 @@ def trials(n, epochs, work, log, rng):
                           str(epochs)], d, e)
             m = re.search(r"resuming run \S+ at iteration (\d+)", res.stderr)
         got = _final(d)
-        same = got[0] == "finished" and got[1:] == ref[1:]
+        both = got[3].keys() & ref[3].keys()  # iteration 0 at least
+        same = (got[0] == "finished" and got[1:3] == ref[1:3] and bool(both)
+                and all(got[3][i] == ref[3][i] for i in both))
         results.append({"killed_at_s": at, "when": when, "resumed_at": int(m[1]) if m
                         else None, "identical": same})
         log(f"trial {t}: killed at {at:.2f} s, {when} -> resumed at "

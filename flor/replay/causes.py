@@ -178,7 +178,7 @@ def explain(report, store, plan, source, rec=None):
         report.run_causes.append(_state_cause(states, blockruns))
     if report.mismatches or report.missing:
         for cause in (_random_cause(report, source), _thread_cause(rec, parts, blockruns),
-                      _gpu_cause(rec)):
+                      _gpu_cause(rec, plan.tolerance)):
             if cause:
                 report.run_causes.append(cause)
 
@@ -227,18 +227,18 @@ def _state_cause(states, blockruns) -> str:
             "blocks changed it differently (nondeterminism, other processes or files)")
 
 
-def _gpu_cause(rec):
+def _gpu_cause(rec, tolerance):
     """Named when the record ran CUDA kernels without asking torch for
     deterministic algorithms."""
     info = json.loads(rec["info"] or "{}") if rec is not None else {}
     if not info.get("cuda") or info.get("deterministic"):
         return None
+    fix = ("a larger --tolerance" if tolerance else "compare with --tolerance REL (1e-4, say)")
     return ("the record ran on a GPU without deterministic algorithms: CUDA kernels (cuBLAS, "
             "the atomic adds of some backward passes) differ from run to run in their last "
-            "bits, so code that ran again ends near the record's state, not at it; compare "
-            "with --tolerance REL (1e-4, say), or record again with "
-            "torch.use_deterministic_algorithms(True) at the script's start and "
-            "CUBLAS_WORKSPACE_CONFIG=:4096:8 in its environment")
+            f"bits, so code that ran again ends near the record's state, not at it; {fix}, "
+            "or record again with torch.use_deterministic_algorithms(True) at the script's "
+            "start and CUBLAS_WORKSPACE_CONFIG=:4096:8 in its environment")
 
 
 def _thread_cause(rec, parts, blockruns):

@@ -65,13 +65,15 @@ class RecordIterations:
             pass  # an exception left a block open inside the iteration
         frame.handle = None
 
-    def iteration_done(self, session, progress, frame, fp):
-        """Checkpoint what the main loop carries out of this iteration, if
-        the adaptive rule says so."""
+    def iteration_done(self, session, progress, frame, state):
+        """Fingerprint the state (`state()`), and checkpoint what the main
+        loop carries out of this iteration if the adaptive rule says so."""
         if frame.handle is None:
+            state()
             return
         handle, frame.handle = frame.handle, None
         _, seconds = self.machine.leave(handle)
+        fp = state()
         objs, sig, _ = frame.carrier.capture(frame.scope)
         loop, run, i = frame[1:4]
 

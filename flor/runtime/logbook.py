@@ -70,27 +70,29 @@ class FingerprintBudget:
 
     A fingerprint reads every byte of the modules and optimizers in scope
     (on a GPU, through a copy to the host), so it is record overhead like a
-    checkpoint.  The first iteration that ran blocks is fingerprinted; after
-    it, one is taken where the time fingerprints took so far, plus the last
-    one's time again (this one's estimate), fits in `share` of the time
-    since the end of that first iteration.  The deferred checks compare the
-    fingerprints the record has."""
+    checkpoint.  Per top-level loop: the first iteration that ran blocks is
+    fingerprinted; after it, one is taken where the time the loop's
+    fingerprints took so far, plus the last one's time again (this one's
+    estimate), fits in `share` of the time since the end of that first
+    iteration.  The deferred checks compare the fingerprints the record
+    has."""
 
     def __init__(self, share):
         self.share = share
-        self.t0 = None  # the end of the first iteration: set-up time earns no budget
-        self.spent = 0.0
-        self.cost = None  # seconds of the last fingerprint
+        self.loops: dict = {}  # (loop, run) -> [t0, seconds spent, last one's seconds]
 
-    def due(self, key) -> bool:
-        if self.t0 is None:
-            self.t0 = time.perf_counter()
+    def due(self, loop, key) -> bool:
+        got = self.loops.get(loop)
+        if got is None:
+            self.loops[loop] = [time.perf_counter(), 0.0, 0.0]
             return True
-        return self.spent + self.cost <= self.share * (time.perf_counter() - self.t0)
+        t0, spent, cost = got
+        return spent + cost <= self.share * (time.perf_counter() - t0)
 
-    def took(self, seconds):
-        self.spent += seconds
-        self.cost = seconds
+    def took(self, loop, seconds):
+        got = self.loops[loop]
+        got[1] += seconds
+        got[2] = seconds
 
 
 class RecordedFingerprints:
@@ -100,10 +102,19 @@ class RecordedFingerprints:
     def __init__(self, keys):
         self.keys = keys
 
-    def due(self, key) -> bool:
+    @classmethod
+    def of(cls, recorded, plan) -> "RecordedFingerprints":
+        """Where the record of `plan` (its rows in the store `recorded`)
+        took one."""
+        if plan.tolerance:
+            return cls(set())
+        return cls({(r["loc"], r["ctx"]) for r in recorded.logged(plan.record, [STATE_ITERATION],
+                                                                  printed=False)})
+
+    def due(self, loop, key) -> bool:
         return key in self.keys
 
-    def took(self, seconds):
+    def took(self, loop, seconds):
         pass
 
 
@@ -173,15 +184,15 @@ class Logbook:
         or None where the record's budget for fingerprints has no room."""
         if self.s.discard or frame.scope is None:
             return None
-        budget = self.s.policy.fingerprints
-        if budget is not None and not budget.due((frame[1], self.s.info[1])):
+        budget, loop = self.s.policy.fingerprints, (frame[1], frame[2])
+        if budget is not None and not budget.due(loop, (frame[1], self.s.info[1])):
             return None
         t0 = time.perf_counter()
         owners = state_owners([], frame.scope)
         fp = _core.fingerprint(owners)
         self.fingerprint_s = time.perf_counter() - t0
         if budget is not None:
-            budget.took(self.fingerprint_s)
+            budget.took(loop, self.fingerprint_s)
         if owners:
             self.value(STATE_ITERATION, fp, frame[1])
         return fp

@@ -65,10 +65,15 @@ class Loops:
     def end_iteration(self, frame, progress=False):
         """A top-level loop's iteration ended: fingerprint the training state
         in its scope, if blocks ran in it, checkpoint what the loop carries
-        (when the rule says so), and store what it logged."""
-        fp = self.logbook.iteration_state(frame) if self._blocks_run else None
-        self._blocks_run = 0
-        self.policy.iteration_done(self, progress, frame, fp)
+        (when the rule says so), and store what it logged.  The policy takes
+        the fingerprint (`state()`) once the iteration's own time is
+        measured: it is flor's time, not the iteration's."""
+        ran, self._blocks_run = self._blocks_run, 0
+
+        def state():
+            return self.logbook.iteration_state(frame) if ran else None
+
+        self.policy.iteration_done(self, progress, frame, state)
         self.context.forget_finished()
         self._flush()
         self.policy.iteration_committed(self, frame)

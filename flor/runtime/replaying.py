@@ -23,7 +23,7 @@ from .. import _core, trust
 from ..context import block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
 from . import blockstate, carry, ranks
-from .logbook import STATE_ITERATION, RecordedFingerprints
+from .logbook import RecordedFingerprints
 
 __all__ = ["Replaying"]
 
@@ -54,9 +54,7 @@ class Replaying:
         self._sig_noted: set[str] = set()
         self._safe_noted = False
         self.recorded = type(store)(plan.store)  # the record's rows (a part may store elsewhere)
-        self.fingerprints = RecordedFingerprints(set() if plan.tolerance else {
-            (r["loc"], r["ctx"]) for r in self.recorded.logged(plan.record, [STATE_ITERATION],
-                                                               printed=False)})
+        self.fingerprints = RecordedFingerprints.of(self.recorded, plan)
         self._output_at, self._output = None, []  # the record's output of one iteration
         store.clear_part(self.run_id, part)
         store.set_part(self.run_id, part, "running")
@@ -153,7 +151,8 @@ class Replaying:
     def iteration_abandoned(self, session, frame):
         pass
 
-    def iteration_done(self, session, progress, frame, fp):
+    def iteration_done(self, session, progress, frame, state):
+        state()
         if progress and self.progress_fd is not None:
             try:
                 os.write(self.progress_fd,
