@@ -25,6 +25,16 @@ ACCUM = """
 """
 
 
+def _accum_stepping_elsewhere(d):
+    """ACCUM, with the optimizer stepped in another module."""
+    write_script(d, "helpers.py", """
+        def apply(opt):
+            opt.step()
+            opt.zero_grad()
+    """)
+    write_script(d, "accum.py", ACCUM)
+
+
 def test_fingerprints_catch_gradients_the_analysis_could_not_see(tmp_path):
     """The optimizer steps in another module, so the analysis takes the
     micro-step block's gradients for dead and does not checkpoint them:
@@ -32,12 +42,7 @@ def test_fingerprints_catch_gradients_the_analysis_could_not_see(tmp_path):
     stops training.  Nothing is printed, yet the checks fail and name the
     block."""
     d = str(tmp_path)
-    write_script(d, "helpers.py", """
-        def apply(opt):
-            opt.step()
-            opt.zero_grad()
-    """)
-    write_script(d, "accum.py", ACCUM)
+    _accum_stepping_elsewhere(d)
     rec = flor(d, "record", "--no-adaptive", "accum.py")
     assert rec.stdout == ""
     edit(os.path.join(d, "accum.py"), "helpers.apply(opt)", 'print("iteration", it)')
@@ -61,12 +66,7 @@ def test_a_gpu_record_without_deterministic_algorithms_is_named_as_a_cause(tmp_p
     GPU record and the two ways out.  Here a CPU record whose replay
     differs (the case above) is marked as such a record."""
     d = str(tmp_path)
-    write_script(d, "helpers.py", """
-        def apply(opt):
-            opt.step()
-            opt.zero_grad()
-    """)
-    write_script(d, "accum.py", ACCUM)
+    _accum_stepping_elsewhere(d)
     flor(d, "record", "--no-adaptive", "accum.py")
     st = store(d)
     rec = runs(st, "record")[0]

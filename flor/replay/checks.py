@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..context import describe, enclosing_blocks, parse_location
+from ..runtime.logbook import STATE_ITERATION
 from .plan import Plan
 
 __all__ = ["compare_logs", "CheckReport", "equal", "STATE"]
@@ -33,7 +34,6 @@ RAN = ("step_into", "execute")
 
 
 STATE = "state@"  # the names of state fingerprints (flor/runtime/logbook.py)
-STATE_ITERATION = "state@iteration"  # those at the end of a main-loop iteration
 RANDOM = "state@random"  # compared only to explain other differences
 
 
@@ -89,7 +89,7 @@ class CheckReport:
                  f"record logged, printed or fingerprinted, {len(self.mismatches)} differ and "
                  f"{len(self.missing)} were not logged again{clock}:"]
         for loc, name, ctx, seq, rec, rep in self.mismatches[:limit]:
-            if name == "state@iteration":
+            if name == STATE_ITERATION:
                 lines.append(f"  the state at the end of {describe(ctx)} differs from the "
                              "record's")
             elif name == "state@block":
