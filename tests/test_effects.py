@@ -5,6 +5,7 @@ pseudoresume over one another's iterations, the values of SummaryWriter
 and logging are stored like flor.log's, and the script's progress bars are
 never dumped after a replay (flor/replay/progress.py draws replay's own)."""
 import ast
+import glob
 import io
 import json
 import os
@@ -377,3 +378,140 @@ def test_files_the_set_up_writes_are_as_a_plain_run_leaves_them(tmp_path, how):
     assert "{'lr': 0.1, 'epochs': 4} {\"lr\": 0.1, \"epochs\": 4}" in out
     with open(os.path.join(d, "epochs.txt")) as f:
         assert sorted(f.read().splitlines()) == [f"epoch {i}" for i in range(4)]
+
+
+# Two workers of a replay write and read files side by side, in the order
+# load can give (FIFOs opened by the replay only force it): the second part's
+# set-up reads back its config while the first part is half-way through
+# writing it, and the second part's first line comes before the first part
+# opens the file, its next line after the first part's first.
+INTERLEAVED = """
+import json
+import os
+import signal
+import torch
+import flor
+
+torch.set_num_threads(1)
+sync = os.environ.get("SYNC_DIR")
+worker = os.environ.get("FLOR_REPLAY_WORKER")
+
+
+def meet(name, flags):
+    signal.alarm(60)  # (a test that fails does not hang)
+    os.close(os.open(os.path.join(sync, name), flags))
+    signal.alarm(0)
+
+
+with open("config.json", "w") as f:
+    f.write('{"lr": 0.1, ')
+    f.flush()
+    if sync and worker == "0":
+        meet("half_written", os.O_WRONLY)
+        meet("read_back", os.O_RDONLY)
+    f.write('"epochs": 4}')
+if sync and worker == "1":
+    meet("half_written", os.O_RDONLY)
+cfg = json.load(open("config.json"))
+if sync and worker == "1":
+    meet("read_back", os.O_WRONLY)
+if sync and worker == "0":
+    meet("second_wrote", os.O_RDONLY)
+log = open("epochs.txt", "w")
+w = torch.zeros(3)
+lines = 0  # written by this worker (not in the iterations it pseudoresumes)
+for epoch in flor.generator(range(cfg["epochs"])):
+    ran = False
+    if flor.SkipBlock.step_into("train"):
+        ran = True
+        for _ in range(3):
+            x = torch.full((256, 256), 1 / 256)
+            for _ in range(8):
+                x = x @ x
+            w += 1
+    w = flor.SkipBlock.end(w)
+    if sync and worker == "1" and lines == 1:
+        meet("first_wrote", os.O_RDONLY)
+    print("epoch", epoch, file=log, flush=True)
+    lines += ran
+    if sync and ran and lines == 1:
+        meet("second_wrote" if worker == "1" else "first_wrote", os.O_WRONLY)
+if sync and worker == "1" and lines == 1:
+    meet("first_wrote", os.O_RDONLY)
+log.close()
+"""
+
+_MEETINGS = ("half_written", "read_back", "second_wrote", "first_wrote")
+
+
+def test_workers_writing_and_reading_files_side_by_side_lose_nothing(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "interleaved.py", INTERLEAVED)
+    flor(d, "record", "--no-adaptive", "interleaved.py")
+    with open(os.path.join(d, "epochs.txt"), "a") as f:
+        f.write("left by an earlier run\n")
+    edit(os.path.join(d, "interleaved.py"), "w += 1", 'print("probe", w.sum().item())')
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    for name in _MEETINGS:
+        os.mkfifo(sync / name)
+    try:
+        proc = flor(d, "replay", "--jobs", "2", "interleaved.py", env={"SYNC_DIR": str(sync)})
+    finally:  # a worker still waiting at a FIFO (the test failed) goes on
+        for name in _MEETINGS:
+            os.close(os.open(sync / name, os.O_RDWR | os.O_NONBLOCK))
+    (second,) = re.findall(r"in segments \[0, \d\), \[(\d), 4\)\n", proc.stderr)
+    assert "running" not in proc.stderr  # (no worker ran again)
+    with open(os.path.join(d, "epochs.txt")) as f:
+        lines = f.read().splitlines()
+    assert lines[:2] == [f"epoch {second}", "epoch 0"]
+    assert sorted(lines) == [f"epoch {i}" for i in range(4)]
+    assert json.loads(read(os.path.join(d, "config.json"))) == {"lr": 0.1, "epochs": 4}
+
+
+STALLED = """
+import json
+import os
+import signal
+import torch
+import flor
+
+torch.set_num_threads(1)
+stall = os.environ.get("STALL") and os.environ.get("FLOR_REPLAY_WORKER") == "0"
+with open("config.json", "w") as f:
+    json.dump({"lr": 0.1, "epochs": 8}, f)
+cfg = json.load(open("config.json"))
+log = open("epochs.txt", "w")
+w = torch.zeros(3)
+for epoch in flor.generator(range(cfg["epochs"])):
+    if flor.SkipBlock.step_into("train"):
+        for _ in range(3):
+            x = torch.full((256, 256), 1 / 256)
+            for _ in range(8):
+                x = x @ x
+            w += 1
+    w = flor.SkipBlock.end(w)
+    print("epoch", epoch, file=log, flush=True)
+    if stall:
+        signal.alarm(60)  # (a test that fails does not hang)
+        signal.pause()  # the first worker stalls: a copy of its segment finishes it
+log.close()
+"""
+
+
+def test_a_copy_of_a_stalled_worker_leaves_the_files_its_set_up_wrote_alone(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "stalled.py", STALLED)
+    flor(d, "record", "--no-adaptive", "stalled.py")
+    edit(os.path.join(d, "stalled.py"), "w += 1", 'print("probe", w.sum().item())')
+    proc = flor(d, "replay", "--jobs", "2", "stalled.py", env={"STALL": "1"})
+    assert "segment 0 is running slowly; running a copy of it" in proc.stderr
+    assert "deferred checks passed" in proc.stderr
+    # The copy's set-up wrote config.json privately: it is as the first run left it.
+    assert json.loads(read(os.path.join(d, "config.json"))) == {"lr": 0.1, "epochs": 8}
+    with open(os.path.join(d, "epochs.txt")) as f:
+        lines = f.read().splitlines()
+    # Nothing lost; the copy wrote its segment's lines again (README).
+    assert sorted(set(lines)) == sorted(f"epoch {i}" for i in range(8))
+    # The killed worker's private copies are gone with the replay.
+    assert glob.glob(os.path.join(d, ".flor", "runs", "*", "private")) == []

@@ -154,11 +154,15 @@ class _Queue:
         self.threads = str(plan.threads or max(1, (os.cpu_count() or 1) // slots))
         self.shown = [0] * len(plan.segments)  # iterations of each segment on the progress bar
 
-    def _launch(self, part, resume):
+    def _launch(self, part, resume, copy_of=None):
         used = {a.slot for a in self.running}
         slot = min(set(range(self.slots)) - used)
         env = dict(os.environ, OMP_NUM_THREADS=self.threads, MKL_NUM_THREADS=self.threads,
                    FLOR_REPLAY_WORKER=str(slot))  # which of the --jobs workers runs it
+        if copy_of is not None and copy_of.first is not None:
+            # A copy of an attempt past its set-up: its set-up's writes to
+            # files stay private (files.py).
+            env["FLOR_REPLAY_COPY"] = "1"
         if self.plan.ranks is not None:
             # A data-parallel replay: this segment's workers of every rank make
             # one process group, whose store rank 0's worker hosts on the port
@@ -169,6 +173,7 @@ class _Queue:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot % len(self.gpus)]
         self.running.append(_Attempt(self.store, self.plan, part, self.attempts[part], resume,
                                      slot, env))
+        self.running[-1].copy = copy_of is not None
         self.attempts[part] += 1
 
     def _length(self, part):
@@ -247,8 +252,7 @@ class _Queue:
                 backup = self._backup()
                 if backup is not None:
                     note(f"segment {backup.part} is running slowly; running a copy of it")
-                    self._launch(backup.part, True)
-                    self.running[-1].copy = True
+                    self._launch(backup.part, True, copy_of=backup)
             ready, _, _ = select.select([a.pipe for a in self.running], [], [], 0.5)
             for a in list(self.running):
                 if a.pipe in ready:
@@ -342,4 +346,6 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
         for path in (a.db, a.db + "-wal", a.db + "-shm"):
             if os.path.exists(path):
                 os.unlink(path)
+    # What the workers' set-ups wrote privately (files.py), left by killed ones.
+    shutil.rmtree(os.path.join(store.run_dir(plan.replay_id), "private"), ignore_errors=True)
     return conclude(store, plan, rec, time.time() - t0, strict)

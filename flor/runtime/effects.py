@@ -137,6 +137,10 @@ class Effects:
         self._busy = threading.local()
         self._watch = None
         self.files = None
+        # A copy of a slow segment's worker (workers.py), started once the
+        # first run of the segment was past its set-up: that run wrote the
+        # files the set-up writes.
+        self.copy = os.environ.pop("FLOR_REPLAY_COPY", None) == "1" and session.replaying
         hooks = {"logging": self._logging, _WRITER: self._tensorboard, "tqdm.std": self._tqdm}
         pending = {}
         for name, hook in hooks.items():
@@ -166,13 +170,19 @@ class Effects:
             return False
         return s.discard or (s.phase == "pre" and s.part > 0)
 
+    def files_quiet(self) -> bool:
+        """Whether what the script writes to its files now must not happen
+        (files.py): when anything must not, and in a copy's set-up."""
+        return self.quiet() or (self.copy and self.s.phase == "pre" and self._mine())
+
     def user_code(self, code) -> bool:
         return self.s.logbook.is_user_file(code.co_filename)
 
-    def files_first_writer(self, file) -> bool:
-        """A part of a replay writes `file`: whether it is the first to
-        (files.py).  False outside a replay (record --resume appends)."""
-        return self.files is not None and self.s.replaying and self.files.first_writer(file)
+    def files_claim(self, file, act):
+        """A part of a replay writes `file` (files.py's Files.claim); outside
+        a replay (record --resume appends) nothing is done."""
+        if self.files is not None and self.s.replaying:
+            self.files.claim(file, act)
 
     def _store(self, name, value, loc):
         """A value at the session's context, as flor.log stores it."""

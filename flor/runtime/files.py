@@ -9,33 +9,44 @@ installed library) is a `GuardedFile`:
 
 - while the session suppresses side effects (effects.py: pseudoresumed
   iterations, the set-up before the main loop in parts other than the
-  first, record --resume before its restore), writes to it do nothing;
+  first, record --resume before its restore; and, for files only, the
+  set-up of a copy of a slow worker that was past its own), writes to it
+  do not reach the file;
 - a file opened while they are suppressed is neither created nor truncated
   (modes ``w`` and ``x``): it is opened only if the script writes to it
   once they no longer are, for appending (truncated first if the set-up
-  opened it with ``w`` and no other part of the replay wrote it yet);
+  opened it with ``w`` and no part of the replay wrote it yet);
+- what a replay's suppressed set-up writes to such a file (also appending
+  to it later) goes to a private copy, which this process reads in its
+  place during the set-up (``open`` for reading, from any code) until it
+  writes the file itself: the set-up reads back what it wrote, as in a
+  plain run, never the file the first part is writing at that moment;
 - a file that replay's set-up (before the main loop) opens with ``w`` is
   truncated by the first part only, unless another part wrote to it first
-  (workers start together, and parts run by a scheduler in any order: the
-  first part of the replay to write a file leaves a mark in the replay's
-  directory), and appended to by every part, so that workers writing one
-  file side by side never overwrite each other's lines.  Their lines
-  follow the order the workers wrote them in, not the iterations'; a file
-  rewritten every iteration ends as the part that finished last left it.
+  (workers start together, and parts run by a scheduler in any order;
+  every part that writes a file leaves a mark in the replay's directory,
+  and decides under a lock whether it truncates, so the truncation
+  happens before any other part writes), and appended to by every part,
+  the first included, so that workers writing one file side by side
+  never overwrite each other's lines.  Their lines follow the order the
+  workers wrote them in, not the iterations'; a file rewritten every
+  iteration ends as the part that finished last left it.
 - a replay of one segment opens files as the script asks.
 
-Files opened for reading, files that libraries open (torch.save(path),
-numpy.save, DataFrame.to_csv), os.open and flor's own files are never
-touched.
+Files that libraries open for writing (torch.save(path), numpy.save,
+DataFrame.to_csv), os.open and flor's own files are never touched.
 """
 from __future__ import annotations
 
 import builtins
+import fcntl
 import hashlib
 import io
 import os
 import pathlib
+import shutil
 import sys
+import threading
 
 __all__ = ["Files", "GuardedFile"]
 
@@ -51,18 +62,21 @@ _THROUGH = frozenset({pathlib.__file__, os.path.join(_STDLIB, "logging", "__init
 
 def _key(file) -> str:
     try:
-        return os.path.abspath(os.fspath(file))
+        return os.path.abspath(os.fsdecode(file))
     except TypeError:
         return repr(file)
 
 
 class GuardedFile:
     """A file the user's code opened for writing (see the module's docstring):
-    opened now (`real`) or at its first write (`pending`: open's arguments)."""
+    opened now (`real`) or at its first write (`pending`: open's arguments),
+    with what is written while suppressed in the `private` copy, if any."""
 
-    def __init__(self, effects, real=None, pending=None, opener=None, truncate=False):
+    def __init__(self, effects, real=None, pending=None, opener=None, truncate=False,
+                 private=None):
         self._fx, self._real, self._pending, self._opener = effects, real, pending, opener
         self._truncate = truncate  # opened with "w" while quiet
+        self._private = private
         self._closed = False
 
     def _file(self):
@@ -70,36 +84,50 @@ class GuardedFile:
             if self._closed:
                 raise ValueError("I/O operation on closed file.")
             file, mode, args, kwargs = self._pending
+            if self._private is not None:  # from now on this process reads the file
+                self._private.close()
+                self._fx.files.forget(file)
+                self._private = None
+
             # The first part of a replay to write a file its set-up opened
-            # with "w" truncates it (what it held predates the replay); the
-            # others, and part 0 from then on, append.
-            if self._fx.files_first_writer(file) and self._truncate:
-                mode = mode.replace("a", "w", 1)
+            # with "w" truncates it (what it held predates the replay).
+            # Every part appends, the first too: a part that wrote at its
+            # own offset would overwrite the lines others appended since.
+            def truncate(others):
+                if self._truncate and not others:
+                    self._opener(file, mode.replace("a", "w", 1), *args, **kwargs).close()
+
+            self._fx.files_claim(file, truncate)
             self._real = self._opener(file, mode, *args, **kwargs)
         return self._real
 
+    def _quiet(self):
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
+        return self._private
+
     def write(self, data):
-        if self._fx.quiet():
-            if self.closed:
-                raise ValueError("I/O operation on closed file.")
-            return len(data)
+        if self._fx.files_quiet():
+            private = self._quiet()
+            return private.write(data) if private is not None else len(data)
         return self._file().write(data)
 
     def writelines(self, lines):
-        if self._fx.quiet():
-            if self.closed:
-                raise ValueError("I/O operation on closed file.")
-            return None
+        if self._fx.files_quiet():
+            private = self._quiet()
+            return private.writelines(lines) if private is not None else None
         return self._file().writelines(lines)
 
     def flush(self):
-        if self._real is not None:
-            self._real.flush()
+        for f in (self._private, self._real):
+            if f is not None:
+                f.flush()
 
     def close(self):
         self._closed = True
-        if self._real is not None:
-            self._real.close()
+        for f in (self._private, self._real):
+            if f is not None:
+                f.close()
 
     @property
     def closed(self):
@@ -121,7 +149,16 @@ class GuardedFile:
         return f"<flor guarded {self._real!r}>" if self._real is not None else \
             f"<flor guarded file {self._pending[0]!r}, not opened yet>"
 
+    @property
+    def name(self):
+        if self._real is None:
+            file = self._pending[0]
+            return file if isinstance(file, (bytes, int)) else os.fspath(file)
+        return self._real.name
+
     def __getattr__(self, name):
+        if self._real is None and self._private is not None and self._fx.files_quiet():
+            return getattr(self._private, name)  # (tell, mode, fileno: of what it wrote)
         return getattr(self._file(), name)
 
 
@@ -132,11 +169,21 @@ class Files:
         self.fx = effects
         self.original = original = builtins.open
         self._io_open = io.open
-        self._truncated = set()  # files this process's set-up truncated
+        self._claimed = set()  # files this process marked (Files.claim)
+        self._locked = 0  # Files.claim calls under way (an opener's open is one inside another)
+        self._thread_lock = threading.RLock()
+        self._set_up_w = set()  # files a suppressed set-up opened with "w"
+        self._private = {}  # file -> (its private copy, the copy's open file)
+        self._private_dir = None
+        self._serial = 0  # of private copies
         guard = self
 
         def open(file, mode="r", *args, **kwargs):
-            if not (_WRITING & set(mode)) or not guard.by_user(sys._getframe(1)):
+            if not (_WRITING & set(mode)):
+                if guard._private:
+                    file = guard.private_copy(file)
+                return original(file, mode, *args, **kwargs)
+            if not guard.by_user(sys._getframe(1)):
                 return original(file, mode, *args, **kwargs)
             return guard.open(file, mode, args, kwargs)
 
@@ -157,37 +204,124 @@ class Files:
         if isinstance(file, int):  # a descriptor: guard its writes only
             return GuardedFile(fx, original(file, mode, *args, **kwargs))
         creates = "w" in mode or "x" in mode
-        if creates and fx.quiet():
+        s = fx.s
+        several = s.replaying and len(s.policy.plan.segments) > 1
+        if creates and fx.files_quiet():
             appending = mode.replace("w", "a").replace("x", "a")
+            private = None
+            if several and s.phase == "pre":
+                if "w" in mode:
+                    self._set_up_w.add(_key(file))
+                if "+" not in mode:
+                    private = self._private_open(file, mode.replace("x", "w"), args, kwargs)
             return GuardedFile(fx, pending=(file, appending, args, kwargs), opener=original,
-                               truncate="w" in mode)
-        if "w" in mode and fx.s.replaying and fx.s.phase == "pre" and \
-                len(fx.s.policy.plan.segments) > 1:
-            key = _key(file)
-            if key in self._truncated or self.first_writer(file):
-                original(file, mode, *args, **kwargs).close()  # part 0 truncates, as asked
-                self._truncated.add(key)
-            mode = mode.replace("w", "a")
+                               truncate="w" in mode, private=private)
+        key = _key(file)
+        if key in self._private and "a" in mode and fx.files_quiet() and s.phase == "pre":
+            copy = self._private[key][0]
+            return GuardedFile(fx, pending=(file, mode, args, kwargs), opener=original,
+                               private=original(copy, mode, *args, **kwargs))
+        if not fx.files_quiet():
+            self.forget(file)  # (this process reads what it writes now)
+        if several and not fx.files_quiet():
+            if "w" in mode and s.phase == "pre":
+                def truncate(others):  # no other part (no earlier run of this one) wrote it
+                    if not others or others == {"0"}:
+                        original(file, mode, *args, **kwargs).close()
+
+                self.claim(file, truncate)
+                mode = mode.replace("w", "a")
+            else:
+                def truncate(others):  # a file this part's set-up opened with "w"
+                    if not others and key in self._set_up_w:
+                        original(file, "wb").close()
+                    self._set_up_w.discard(key)
+
+                self.claim(file, truncate)
         return GuardedFile(fx, original(file, mode, *args, **kwargs))
 
-    def first_writer(self, file) -> bool:
-        """Whether this is the first part of the replay to write `file`: the
-        first to leave a mark for it in the replay's directory."""
-        plan = self.fx.s.policy.plan
-        marks = os.path.join(plan.store, "runs", plan.replay_id, "written")
+    # -- a suppressed set-up's private copies -----------------------------------
+
+    def _private_open(self, file, mode, args, kwargs):
+        """A private copy for what a suppressed set-up writes to `file`,
+        which this process reads in its place; None where there is none."""
         try:
-            os.makedirs(marks, exist_ok=True)
-            fd = os.open(os.path.join(marks, hashlib.sha1(_key(file).encode()).hexdigest()),
-                         os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
+            if self._private_dir is None:
+                plan = self.fx.s.policy.plan
+                self._private_dir = os.path.join(plan.store, "runs", plan.replay_id,
+                                                 "private", str(os.getpid()))
+                os.makedirs(self._private_dir, exist_ok=True)
+            self._serial += 1
+            copy = os.path.join(self._private_dir,
+                                f"{self._serial}-{os.path.basename(os.fsdecode(file))}")
+            f = self.original(copy, mode, *args, **kwargs)
         except (OSError, TypeError, ValueError):
-            return True
-        os.close(fd)
-        return True
+            return None
+        self._private[_key(file)] = (copy, f)
+        return f
+
+    def private_copy(self, file):
+        """What to open to read `file`: its private copy during the set-up,
+        if it has one."""
+        if isinstance(file, int) or self.fx.s.phase != "pre" or not self.fx._mine():
+            return file
+        entry = self._private.get(_key(file))
+        return file if entry is None else entry[0]
+
+    def forget(self, file):
+        self._private.pop(_key(file), None)
+
+    # -- parts that write one file ------------------------------------------------
+
+    def claim(self, file, act):
+        """Leave this part's mark for `file` in the replay's directory and
+        return `act(others)`: `others`, the parts that marked it before (that
+        wrote it), this process not counted.  Parts hold a lock on the marks
+        meanwhile, so what `act` does to the file happens before any other
+        part writes it."""
+        s = self.fx.s
+        plan = s.policy.plan
+        marks = os.path.join(plan.store, "runs", plan.replay_id, "written")
+        key = _key(file)
+        digest = hashlib.sha1(key.encode(errors="surrogateescape")).hexdigest()
+        with self._thread_lock:
+            return self._claim(s.part, key, marks, digest, act)
+
+    def _claim(self, part, key, marks, digest, act):
+        lock = None
+        self._locked += 1
+        try:
+            if self._locked == 1:  # (`act` may open files: the lock is this process's)
+                try:
+                    os.makedirs(marks, exist_ok=True)
+                    lock = os.open(os.path.join(marks, "lock"), os.O_CREAT | os.O_RDWR, 0o644)
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                except OSError:  # (a file system without locks: the marks still count)
+                    pass
+            try:
+                others = {n.rsplit(".", 1)[1] for n in os.listdir(marks)
+                          if n.startswith(digest + ".")}
+                os.close(os.open(os.path.join(marks, f"{digest}.{part}"),
+                                 os.O_CREAT | os.O_WRONLY, 0o644))
+            except OSError:
+                others = set()  # no marks: as if no other part wrote it
+            if key in self._claimed:
+                others.discard(str(part))
+            self._claimed.add(key)
+            return act(others)
+        finally:
+            self._locked -= 1
+            if lock is not None:
+                os.close(lock)  # (which releases the lock)
 
     def restore(self):
         if builtins.open is self.replacement:
             builtins.open = self.original
         if io.open is self.replacement:
             io.open = self._io_open
+        for _, f in self._private.values():
+            f.close()
+        self._private = {}
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
