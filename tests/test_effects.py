@@ -10,11 +10,12 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
 
-from conftest import edit, flor, plain, read, runs, store, values, write_script
+from conftest import ROOT, edit, flor, plain, read, runs, store, values, write_script
 from flor import _core
 from flor.program.probe import is_log_like
 from flor.replay.progress import Progress
@@ -514,4 +515,27 @@ def test_a_copy_of_a_stalled_worker_leaves_the_files_its_set_up_wrote_alone(tmp_
     # Nothing lost; the copy wrote its segment's lines again (README).
     assert sorted(set(lines)) == sorted(f"epoch {i}" for i in range(8))
     # The killed worker's private copies are gone with the replay.
+    assert glob.glob(os.path.join(d, ".flor", "runs", "*", "private")) == []
+
+
+def test_a_trainer_that_keeps_its_outputs_in_files_replays_on_two_workers(tmp_path):
+    # Hands-free, unmodified: tests/scripts/handsfree/outputs.py.
+    d = str(tmp_path)
+    shutil.copy(os.path.join(ROOT, "tests", "scripts", "handsfree", "outputs.py"), d)
+    flor(d, "record", "--no-adaptive", "outputs.py")
+    out = os.path.join(d, "out")
+    recorded = {name: read(os.path.join(out, name)) for name in sorted(os.listdir(out))}
+    assert sorted(recorded) == ["args.json", "meta.json", "metrics.csv", "train.log"]
+    edit(os.path.join(d, "outputs.py"), "loss.backward()",
+         'print(f"  grad {model[0].weight.grad.norm().item():.6f}")')
+    proc = flor(d, "replay", "--jobs", "2", "outputs.py")
+    assert "deferred checks passed" in proc.stderr
+    # No worker failed and ran again (the set-up read back its own files),
+    # nor found its file objects to be loop state.
+    assert "running it again" not in proc.stderr and "program changed" not in proc.stderr
+    assert len(re.findall(r"^  grad ", proc.stdout, re.M)) == 6 * 15
+    assert sorted(os.listdir(out)) == sorted(recorded)  # (no meta.json.tmp)
+    for name, text in recorded.items():
+        # Lines in the order the workers wrote them; the same lines.
+        assert sorted(read(os.path.join(out, name)).splitlines()) == sorted(text.splitlines())
     assert glob.glob(os.path.join(d, ".flor", "runs", "*", "private")) == []

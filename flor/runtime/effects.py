@@ -171,8 +171,9 @@ class Effects:
         return s.discard or (s.phase == "pre" and s.part > 0)
 
     def files_quiet(self) -> bool:
-        """Whether what the script writes to its files now must not happen
-        (files.py): when anything must not, and in a copy's set-up."""
+        """Whether what the script writes to its files (and TensorBoard
+        event files) now must not happen (files.py): when anything must not,
+        and in a copy's set-up."""
         return self.quiet() or (self.copy and self.s.phase == "pre" and self._mine())
 
     def user_code(self, code) -> bool:
@@ -263,7 +264,7 @@ class Effects:
 
         def add_event(original):
             def add_event(self, event, *args, **kwargs):
-                if fx.quiet() and event.WhichOneof("what") not in _BOOKKEEPING:
+                if fx.files_quiet() and event.WhichOneof("what") not in _BOOKKEEPING:
                     return None
                 return original(self, event, *args, **kwargs)
             return add_event
@@ -285,7 +286,7 @@ class Effects:
 
         def skipped(original):
             def quiet_or(self, *args, **kwargs):
-                if fx.quiet():
+                if fx.files_quiet():  # (event files are files)
                     return None
                 return original(self, *args, **kwargs)
             return quiet_or

@@ -18,9 +18,12 @@ installed library) is a `GuardedFile`:
   opened it with ``w`` and no part of the replay wrote it yet);
 - what a replay's suppressed set-up writes to such a file (also appending
   to it later) goes to a private copy, which this process reads in its
-  place during the set-up (``open`` for reading, from any code) until it
-  writes the file itself: the set-up reads back what it wrote, as in a
-  plain run, never the file the first part is writing at that moment;
+  place during the set-up (``open``/``io.open`` for reading, from any
+  Python code; not ``os.path.exists``, readers in C, or ones that took
+  ``open`` before flor patched it, such as numpy's loadtxt), and which
+  ``os.replace``/``os.rename`` by the set-up move, until it writes the
+  file itself: the set-up reads back what it wrote, as in a plain run,
+  never the file the first part is writing at that moment;
 - a file that replay's set-up (before the main loop) opens with ``w`` is
   truncated by the first part only, unless another part wrote to it first
   (workers start together, and parts run by a scheduler in any order;
@@ -46,6 +49,7 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 import threading
 
 __all__ = ["Files", "GuardedFile"]
@@ -93,8 +97,8 @@ class GuardedFile:
             # with "w" truncates it (what it held predates the replay).
             # Every part appends, the first too: a part that wrote at its
             # own offset would overwrite the lines others appended since.
-            def truncate(others):
-                if self._truncate and not others:
+            def truncate(others, mine):
+                if self._truncate and not others and not mine:
                     self._opener(file, mode.replace("a", "w", 1), *args, **kwargs).close()
 
             self._fx.files_claim(file, truncate)
@@ -162,8 +166,14 @@ class GuardedFile:
         return getattr(self._file(), name)
 
 
+# A file object, like the one it stands for: hands-free mode does not take
+# it for loop state (handsfree.py), as it does not take the real one.
+io.IOBase.register(GuardedFile)
+
+
 class Files:
-    """builtins.open and io.open, guarded while the session runs."""
+    """builtins.open and io.open (and os.replace/os.rename for a suppressed
+    set-up's private copies), guarded while the session runs."""
 
     def __init__(self, effects):
         self.fx = effects
@@ -173,7 +183,7 @@ class Files:
         self._locked = 0  # Files.claim calls under way (an opener's open is one inside another)
         self._thread_lock = threading.RLock()
         self._set_up_w = set()  # files a suppressed set-up opened with "w"
-        self._private = {}  # file -> (its private copy, the copy's open file)
+        self._private = {}  # file -> its private copy
         self._private_dir = None
         self._serial = 0  # of private copies
         guard = self
@@ -189,6 +199,20 @@ class Files:
 
         self.replacement = open
         builtins.open = io.open = open
+        self._moves = {}
+        for name in ("replace", "rename"):
+            self._moves[name] = self._move(name, getattr(os, name))
+            setattr(os, name, self._moves[name][1])
+
+    def _move(self, name, original):
+        def move(src, dst, *args, **kwargs):
+            if self.renamed(src, dst):
+                return None
+            return original(src, dst, *args, **kwargs)
+
+        move.__name__ = move.__qualname__ = name
+        move.__doc__ = original.__doc__
+        return original, move
 
     def by_user(self, frame) -> bool:
         """Whether open() was called by the user's program (maybe through
@@ -218,24 +242,23 @@ class Files:
                                truncate="w" in mode, private=private)
         key = _key(file)
         if key in self._private and "a" in mode and fx.files_quiet() and s.phase == "pre":
-            copy = self._private[key][0]
             return GuardedFile(fx, pending=(file, mode, args, kwargs), opener=original,
-                               private=original(copy, mode, *args, **kwargs))
+                               truncate=key in self._set_up_w,
+                               private=original(self._private[key], mode, *args, **kwargs))
         if not fx.files_quiet():
             self.forget(file)  # (this process reads what it writes now)
         if several and not fx.files_quiet():
             if "w" in mode and s.phase == "pre":
-                def truncate(others):  # no other part (no earlier run of this one) wrote it
+                def truncate(others, mine):  # unless a part (not a run of this one) wrote it
                     if not others or others == {"0"}:
                         original(file, mode, *args, **kwargs).close()
 
                 self.claim(file, truncate)
                 mode = mode.replace("w", "a")
             else:
-                def truncate(others):  # a file this part's set-up opened with "w"
-                    if not others and key in self._set_up_w:
+                def truncate(others, mine):  # a file this part's set-up opened with "w"
+                    if key in self._set_up_w and not others and not mine:
                         original(file, "wb").close()
-                    self._set_up_w.discard(key)
 
                 self.claim(file, truncate)
         return GuardedFile(fx, original(file, mode, *args, **kwargs))
@@ -248,16 +271,16 @@ class Files:
         try:
             if self._private_dir is None:
                 plan = self.fx.s.policy.plan
-                self._private_dir = os.path.join(plan.store, "runs", plan.replay_id,
-                                                 "private", str(os.getpid()))
-                os.makedirs(self._private_dir, exist_ok=True)
+                root = os.path.join(plan.store, "runs", plan.replay_id, "private")
+                os.makedirs(root, exist_ok=True)
+                self._private_dir = tempfile.mkdtemp(dir=root, prefix=f"part{self.fx.s.part}-")
             self._serial += 1
             copy = os.path.join(self._private_dir,
                                 f"{self._serial}-{os.path.basename(os.fsdecode(file))}")
             f = self.original(copy, mode, *args, **kwargs)
         except (OSError, TypeError, ValueError):
             return None
-        self._private[_key(file)] = (copy, f)
+        self._private[_key(file)] = copy
         return f
 
     def private_copy(self, file):
@@ -265,29 +288,40 @@ class Files:
         if it has one."""
         if isinstance(file, int) or self.fx.s.phase != "pre" or not self.fx._mine():
             return file
-        entry = self._private.get(_key(file))
-        return file if entry is None else entry[0]
+        return self._private.get(_key(file), file)
 
     def forget(self, file):
         self._private.pop(_key(file), None)
+
+    def renamed(self, src, dst) -> bool:
+        """os.replace/os.rename by a suppressed set-up: a private copy moves
+        to its new name (True), as the file would have in a plain run."""
+        if isinstance(src, int) or isinstance(dst, int) or not self._private or \
+                not self.fx.files_quiet() or self.fx.s.phase != "pre":
+            return False
+        copy = self._private.pop(_key(src), None)
+        if copy is None:
+            return False
+        self._private[_key(dst)] = copy
+        return True
 
     # -- parts that write one file ------------------------------------------------
 
     def claim(self, file, act):
         """Leave this part's mark for `file` in the replay's directory and
-        return `act(others)`: `others`, the parts that marked it before (that
-        wrote it), this process not counted.  Parts hold a lock on the marks
-        meanwhile, so what `act` does to the file happens before any other
-        part writes it."""
+        return `act(others, mine)`: `others`, the parts that marked it
+        before (that wrote it), this process not counted; `mine`, whether
+        this process did.  Parts hold a lock on the marks meanwhile, so what
+        `act` does to the file happens before any other part writes it."""
         s = self.fx.s
         plan = s.policy.plan
         marks = os.path.join(plan.store, "runs", plan.replay_id, "written")
         key = _key(file)
         digest = hashlib.sha1(key.encode(errors="surrogateescape")).hexdigest()
         with self._thread_lock:
-            return self._claim(s.part, key, marks, digest, act)
+            return self._claim(s.part, len(plan.segments), key, marks, digest, act)
 
-    def _claim(self, part, key, marks, digest, act):
+    def _claim(self, part, parts, key, marks, digest, act):
         lock = None
         self._locked += 1
         try:
@@ -299,16 +333,17 @@ class Files:
                 except OSError:  # (a file system without locks: the marks still count)
                     pass
             try:
-                others = {n.rsplit(".", 1)[1] for n in os.listdir(marks)
-                          if n.startswith(digest + ".")}
+                others = {str(p) for p in range(parts)
+                          if os.path.exists(os.path.join(marks, f"{digest}.{p}"))}
                 os.close(os.open(os.path.join(marks, f"{digest}.{part}"),
                                  os.O_CREAT | os.O_WRONLY, 0o644))
             except OSError:
                 others = set()  # no marks: as if no other part wrote it
-            if key in self._claimed:
+            mine = key in self._claimed
+            if mine:
                 others.discard(str(part))
             self._claimed.add(key)
-            return act(others)
+            return act(others, mine)
         finally:
             self._locked -= 1
             if lock is not None:
@@ -319,8 +354,9 @@ class Files:
             builtins.open = self.original
         if io.open is self.replacement:
             io.open = self._io_open
-        for _, f in self._private.values():
-            f.close()
+        for name, (original, move) in self._moves.items():
+            if getattr(os, name) is move:
+                setattr(os, name, original)
         self._private = {}
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
