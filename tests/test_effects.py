@@ -525,7 +525,8 @@ def test_a_trainer_that_keeps_its_outputs_in_files_replays_on_two_workers(tmp_pa
     flor(d, "record", "--no-adaptive", "outputs.py")
     out = os.path.join(d, "out")
     recorded = {name: read(os.path.join(out, name)) for name in sorted(os.listdir(out))}
-    assert sorted(recorded) == ["args.json", "meta.json", "metrics.csv", "train.log"]
+    assert sorted(recorded) == ["args.json", "meta.json", "metrics.csv", "model.json",
+                                "train.log"]
     edit(os.path.join(d, "outputs.py"), "loss.backward()",
          'print(f"  grad {model[0].weight.grad.norm().item():.6f}")')
     proc = flor(d, "replay", "--jobs", "2", "outputs.py")
@@ -539,3 +540,39 @@ def test_a_trainer_that_keeps_its_outputs_in_files_replays_on_two_workers(tmp_pa
         # Lines in the order the workers wrote them; the same lines.
         assert sorted(read(os.path.join(out, name)).splitlines()) == sorted(text.splitlines())
     assert glob.glob(os.path.join(d, ".flor", "runs", "*", "private")) == []
+
+
+ATOMIC = """
+import os
+import torch
+import flor
+
+torch.set_num_threads(1)
+os.makedirs("out", exist_ok=True)
+w = torch.zeros(3)
+for epoch in flor.generator(range(4)):
+    if flor.SkipBlock.step_into("train"):
+        for _ in range(3):
+            x = torch.full((256, 256), 1 / 256)
+            for _ in range(8):
+                x = x @ x
+            w += 1
+    w = flor.SkipBlock.end(w)
+    with open(f"out/e{epoch}.tmp", "w") as f:  # saved atomically, every epoch
+        f.write(f"{w.sum().item()}\\n")
+    os.replace(f"out/e{epoch}.tmp", f"out/e{epoch}.txt")
+"""
+
+
+def test_files_saved_atomically_in_pseudoresumed_iterations(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "atomic.py", ATOMIC)
+    flor(d, "record", "--no-adaptive", "atomic.py")
+    recorded = {n: read(os.path.join(d, "out", n)) for n in os.listdir(os.path.join(d, "out"))}
+    edit(os.path.join(d, "atomic.py"), "w += 1", 'print("probe", w.sum().item())')
+    proc = flor(d, "replay", "--jobs", "2", "atomic.py")
+    assert len(re.findall(r"in segments \[", proc.stderr)) == 1 and "), [" in proc.stderr
+    # The second worker pseudoresumed the first's iterations: their files were
+    # renamed privately, not missed (FileNotFoundError) nor written twice.
+    assert {n: read(os.path.join(d, "out", n)) for n in os.listdir(os.path.join(d, "out"))} \
+        == recorded

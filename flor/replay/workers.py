@@ -334,6 +334,8 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
             print(f"--- replay worker {a.part} ---\n{text.rstrip()}", file=sys.stderr)
     for a in queue.lost:
         a.text()
+    # What the workers' set-ups wrote privately (files.py), left by killed ones.
+    shutil.rmtree(os.path.join(store.run_dir(plan.replay_id), "private"), ignore_errors=True)
     if not ok:
         store.update_run(plan.replay_id, finished=time.time(), status="failed")
         for a in queue.failed:
@@ -346,6 +348,4 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
         for path in (a.db, a.db + "-wal", a.db + "-shm"):
             if os.path.exists(path):
                 os.unlink(path)
-    # What the workers' set-ups wrote privately (files.py), left by killed ones.
-    shutil.rmtree(os.path.join(store.run_dir(plan.replay_id), "private"), ignore_errors=True)
     return conclude(store, plan, rec, time.time() - t0, strict)

@@ -16,14 +16,16 @@ installed library) is a `GuardedFile`:
   (modes ``w`` and ``x``): it is opened only if the script writes to it
   once they no longer are, for appending (truncated first if the set-up
   opened it with ``w`` and no part of the replay wrote it yet);
-- what a replay's suppressed set-up writes to such a file (also appending
-  to it later) goes to a private copy, which this process reads in its
-  place during the set-up (``open``/``io.open`` for reading, from any
-  Python code; not ``os.path.exists``, readers in C, or ones that took
-  ``open`` before flor patched it, such as numpy's loadtxt), and which
-  ``os.replace``/``os.rename`` by the set-up move, until it writes the
-  file itself: the set-up reads back what it wrote, as in a plain run,
-  never the file the first part is writing at that moment;
+- in a replay of several segments, what a worker writes to such a file
+  while suppressed (its set-up, pseudoresumed iterations; also appending
+  to it later) goes to a private copy, which it reads in its place while
+  suppressed (``open``/``io.open`` for reading, from any Python code; not
+  ``os.path.exists``, readers in C, or ones that took ``open`` before
+  flor patched it, such as numpy's loadtxt), and which ``os.replace``/
+  ``os.rename`` move and the user's ``os.remove``/``os.unlink`` drop
+  (removing nothing else then), until it writes the file itself: the
+  worker reads back what it wrote, as in a plain run, never the file
+  another part is writing at that moment;
 - a file that replay's set-up (before the main loop) opens with ``w`` is
   truncated by the first part only, unless another part wrote to it first
   (workers start together, and parts run by a scheduler in any order;
@@ -143,11 +145,18 @@ class GuardedFile:
     def __exit__(self, *exc):
         self.close()
 
+    def _target(self):
+        """What reads and other calls go to: the private copy while writes
+        are suppressed (the file itself is not opened for them), else the file."""
+        if self._real is None and self._private is not None and self._fx.files_quiet():
+            return self._private
+        return self._file()
+
     def __iter__(self):
-        return iter(self._file())
+        return iter(self._target())
 
     def __next__(self):
-        return next(self._file())
+        return next(self._target())
 
     def __repr__(self):
         return f"<flor guarded {self._real!r}>" if self._real is not None else \
@@ -161,9 +170,7 @@ class GuardedFile:
         return self._real.name
 
     def __getattr__(self, name):
-        if self._real is None and self._private is not None and self._fx.files_quiet():
-            return getattr(self._private, name)  # (tell, mode, fileno: of what it wrote)
-        return getattr(self._file(), name)
+        return getattr(self._target(), name)  # (tell, seek, read, mode: of what it wrote)
 
 
 # A file object, like the one it stands for: hands-free mode does not take
@@ -182,7 +189,7 @@ class Files:
         self._claimed = set()  # files this process marked (Files.claim)
         self._locked = 0  # Files.claim calls under way (an opener's open is one inside another)
         self._thread_lock = threading.RLock()
-        self._set_up_w = set()  # files a suppressed set-up opened with "w"
+        self._set_up_w = set()  # files the suppressed set-up opened with "w"
         self._private = {}  # file -> its private copy
         self._private_dir = None
         self._serial = 0  # of private copies
@@ -199,20 +206,34 @@ class Files:
 
         self.replacement = open
         builtins.open = io.open = open
-        self._moves = {}
-        for name in ("replace", "rename"):
-            self._moves[name] = self._move(name, getattr(os, name))
-            setattr(os, name, self._moves[name][1])
+        self._moves = {}  # os function -> (it, flor's)
+        s = effects.s
+        if s.replaying and len(s.policy.plan.segments) > 1 and (s.part > 0 or effects.copy):
+            self._patch_os()  # (this process's set-up is suppressed)
 
-    def _move(self, name, original):
-        def move(src, dst, *args, **kwargs):
-            if self.renamed(src, dst):
-                return None
-            return original(src, dst, *args, **kwargs)
-
-        move.__name__ = move.__qualname__ = name
-        move.__doc__ = original.__doc__
-        return original, move
+    def _patch_os(self):
+        """os.replace/os.rename move private copies, os.remove/os.unlink
+        drop them (and, called by the user's code while suppressed, remove
+        nothing else): in the workers that have suppressed phases."""
+        for name in ("replace", "rename", "remove", "unlink"):
+            original = getattr(os, name)
+            if name in ("replace", "rename"):
+                def patched(src, dst, *args, _original=original, **kwargs):
+                    if not args and not kwargs and self.renamed(src, dst):
+                        return None
+                    if not isinstance(dst, int):
+                        self.forget(dst)  # (a real file comes to its place)
+                    return _original(src, dst, *args, **kwargs)
+            else:
+                def patched(path, *args, _original=original, **kwargs):
+                    if not args and not kwargs and self.removed(path, sys._getframe(1)):
+                        return None
+                    return _original(path, *args, **kwargs)
+            patched.__name__ = patched.__qualname__ = name
+            patched.__module__ = "os"  # (pickled by reference, as os's own)
+            patched.__doc__ = original.__doc__
+            self._moves[name] = (original, patched)
+            setattr(os, name, patched)
 
     def by_user(self, frame) -> bool:
         """Whether open() was called by the user's program (maybe through
@@ -233,15 +254,14 @@ class Files:
         if creates and fx.files_quiet():
             appending = mode.replace("w", "a").replace("x", "a")
             private = None
-            if several and s.phase == "pre":
-                if "w" in mode:
+            if several:
+                if "w" in mode and s.phase == "pre":
                     self._set_up_w.add(_key(file))
-                if "+" not in mode:
-                    private = self._private_open(file, mode.replace("x", "w"), args, kwargs)
+                private = self._private_open(file, mode.replace("x", "w"), args, kwargs)
             return GuardedFile(fx, pending=(file, appending, args, kwargs), opener=original,
                                truncate="w" in mode, private=private)
         key = _key(file)
-        if key in self._private and "a" in mode and fx.files_quiet() and s.phase == "pre":
+        if key in self._private and "a" in mode and fx.files_quiet():
             return GuardedFile(fx, pending=(file, mode, args, kwargs), opener=original,
                                truncate=key in self._set_up_w,
                                private=original(self._private[key], mode, *args, **kwargs))
@@ -263,10 +283,10 @@ class Files:
                 self.claim(file, truncate)
         return GuardedFile(fx, original(file, mode, *args, **kwargs))
 
-    # -- a suppressed set-up's private copies -----------------------------------
+    # -- private copies of what is written while suppressed --------------------
 
     def _private_open(self, file, mode, args, kwargs):
-        """A private copy for what a suppressed set-up writes to `file`,
+        """A private copy for what is written to `file` while suppressed,
         which this process reads in its place; None where there is none."""
         try:
             if self._private_dir is None:
@@ -284,9 +304,9 @@ class Files:
         return f
 
     def private_copy(self, file):
-        """What to open to read `file`: its private copy during the set-up,
+        """What to open to read `file`: its private copy while suppressed,
         if it has one."""
-        if isinstance(file, int) or self.fx.s.phase != "pre" or not self.fx._mine():
+        if isinstance(file, int) or not self.fx.files_quiet():
             return file
         return self._private.get(_key(file), file)
 
@@ -294,15 +314,23 @@ class Files:
         self._private.pop(_key(file), None)
 
     def renamed(self, src, dst) -> bool:
-        """os.replace/os.rename by a suppressed set-up: a private copy moves
+        """os.replace/os.rename while suppressed: a private copy moves
         to its new name (True), as the file would have in a plain run."""
         if isinstance(src, int) or isinstance(dst, int) or not self._private or \
-                not self.fx.files_quiet() or self.fx.s.phase != "pre":
+                not self.fx.files_quiet() or os.path.isdir(dst):
             return False
         copy = self._private.pop(_key(src), None)
         if copy is None:
             return False
         self._private[_key(dst)] = copy
+        return True
+
+    def removed(self, path, frame) -> bool:
+        """os.remove/os.unlink by the user's code while suppressed: it drops the
+        file's private copy, and removes nothing else (True)."""
+        if isinstance(path, int) or not self.fx.files_quiet() or not self.by_user(frame):
+            return False
+        self.forget(path)
         return True
 
     # -- parts that write one file ------------------------------------------------

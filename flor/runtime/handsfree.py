@@ -69,7 +69,7 @@ _NOT_STATE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
               types.MethodType, type, io.IOBase, logging.Logger, threading.Thread,
               types.GeneratorType)
 _NOT_STATE_MODULES = ("tqdm", "torch.utils.tensorboard", "tensorboardX", "wandb",
-                      "torch.utils.data", "logging", "_csv")
+                      "torch.utils.data", "logging", "csv", "_csv")
 
 
 def loop(iterable, key, names=None, paths=(), globals_=(), rebound=()):

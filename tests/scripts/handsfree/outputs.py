@@ -1,6 +1,7 @@
 """A trainer that keeps its outputs in files, as many do: its arguments
 dumped to JSON and read back, metadata saved atomically (a temporary file,
-then os.replace), a log file through logging.basicConfig, and a metrics
+then os.replace), a model config written and read back through one "w+"
+file, a log file through logging.basicConfig, and a metrics
 CSV written through csv.writer on a file opened before the loop."""
 import argparse
 import csv
@@ -27,6 +28,10 @@ def main():
     os.replace(tmp, os.path.join(args.out, "meta.json"))
     with open(os.path.join(args.out, "meta.json")) as f:
         meta = json.load(f)
+    with open(os.path.join(args.out, "model.json"), "w+") as f:
+        json.dump({"hidden": 32}, f)
+        f.seek(0)
+        hidden = json.load(f)["hidden"]
     logging.basicConfig(filename=os.path.join(args.out, "train.log"), filemode="w",
                         level=logging.INFO, format="%(message)s")
     torch.manual_seed(1)
@@ -34,8 +39,8 @@ def main():
     X, y = load_digits(return_X_y=True)
     X = torch.tensor(X[:480], dtype=torch.float32) / 16
     y = torch.tensor(y[:480])
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, meta["classes"]))
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(hidden, meta["classes"]))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     metrics = open(os.path.join(args.out, "metrics.csv"), "w", newline="")
     writer = csv.writer(metrics)
