@@ -1,5 +1,6 @@
 /* crc32c.c: CRC-32C (Castagnoli), the checksum of every checkpoint section,
- * and the 64-bit content hash of blobs (below).
+ * the 64-bit content hash of blobs, and the digest under state fingerprints
+ * (below).
  *
  *     def flor_crc32c(crc, data):
  *         crc ^= 0xFFFFFFFF
@@ -257,6 +258,52 @@ flor_hash64(const void *buf, size_t len)
 }
 
 /* ------------------------------------------------------------------ */
+/* State digest: the 64-bit sum under state fingerprints (version 2).     */
+/*                                                                       */
+/*     def flor_digest64(total, first, data):  # data: whole 8-byte words  */
+/*         for i, w in enumerate(int64 words of data, start=first):       */
+/*             x = w ^ ((i + 1) * K1)          # (a last partial word is  */
+/*             x = x * K2                      # zero-padded)             */
+/*             x = x ^ (x >> 31)               # arithmetic shift         */
+/*             total += x                      # all modulo 2**64         */
+/*         return total                                                   */
+/*                                                                       */
+/* A sum of independent terms: any split of the words into pieces, in any */
+/* order, gives the same total, so a GPU computes it with tensor kernels  */
+/* (flor/_cuda.py, the same arithmetic on int64 tensors) where the bytes  */
+/* live, and a state fingerprints alike on either device.                 */
+
+#define D1 0x9E3779B97F4A7C15ull
+#define D2 0xBF58476D1CE4E5B9ull
+
+static inline uint64_t
+digest_term(uint64_t w, uint64_t i)
+{
+    uint64_t x = (w ^ ((i + 1) * D1)) * D2;
+    /* x >> 31 as an arithmetic shift of a signed 64-bit number (torch's). */
+    uint64_t sra = (x >> 31) | ((uint64_t)0 - (x >> 63)) << 33;
+    return x ^ sra;
+}
+
+uint64_t
+flor_digest64(uint64_t total, uint64_t first, const void *buf, size_t len)
+{
+    const unsigned char *p = buf;
+    uint64_t i = first;
+    while (len >= 8) {
+        total += digest_term(rd64(p), i++);
+        p += 8;
+        len -= 8;
+    }
+    if (len > 0) {
+        uint64_t w = 0;
+        memcpy(&w, p, len);
+        total += digest_term(w, i);
+    }
+    return total;
+}
+
+/* ------------------------------------------------------------------ */
 /* Module functions.                                                    */
 
 PyDoc_STRVAR(crc32c_doc,
@@ -307,8 +354,40 @@ mod_hash64(PyObject *Py_UNUSED(module), PyObject *data)
     return PyLong_FromUnsignedLongLong(r);
 }
 
+PyDoc_STRVAR(digest64_doc,
+             "digest64(data, first=0, /)\n--\n\n"
+             "The sum under version 2 state fingerprints of data's 8-byte words, the\n"
+             "first of them the word at index first of the state (a last partial word\n"
+             "is zero-padded).");
+
+static PyObject *
+mod_digest64(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    unsigned long long first = 0;
+    uint64_t r;
+    if (!flor_check_nargs("digest64", nargs, 1, 2)) {
+        return NULL;
+    }
+    if (nargs == 2) {
+        first = PyLong_AsUnsignedLongLong(args[1]);
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    r = flor_digest64(0, (uint64_t)first, view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(r);
+}
+
 PyMethodDef flor_crc32c_functions[] = {
     {"crc32c", FLOR_CFUNC(mod_crc32c), METH_FASTCALL, crc32c_doc},
     {"hash64", FLOR_CFUNC(mod_hash64), METH_O, hash64_doc},
+    {"digest64", FLOR_CFUNC(mod_digest64), METH_FASTCALL, digest64_doc},
     {NULL, NULL, 0, NULL},
 };

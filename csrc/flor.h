@@ -4,11 +4,13 @@
  * (module.c, which registers everything, depends on all of them; no two
  * files depend on each other):
  *   support.c       helpers: clock, argument checks, FormatError, torch/numpy lookups
- *   crc32c.c        CRC-32C checksums (hardware instruction when present), content hash
+ *   crc32c.c        CRC-32C checksums (hardware instruction when present), content hash,
+ *                   the digest under state fingerprints
  *   arena.c         warm host staging buffers, reused across snapshots
  *   skeleton.c      the Ref placeholder, pickling a skeleton, rebuilding tensors
  *                   and arrays when it is unpickled
- *   walk.c          flor.snapshot(): the copy walk, and the Snapshot type
+ *   walk.c          flor.snapshot(): the copy walk, and the Snapshot type; state
+ *                   fingerprints (CUDA tensors through the Python module flor._cuda)
  *   dedup.c         the durable blobs of a run by content, for incremental checkpoints
  *   format.c        the checkpoint file: atomic writer and verifying reader
  *   materializer.c  inline / thread / fork background writers
@@ -136,6 +138,7 @@ typedef struct {
     PyObject *strided, *uint8;
     PyObject *atom_names; /* {torch.float32: "float32", torch.strided: "strided", ...} */
     PyObject *ndarray;
+    PyObject *cuda; /* flor._cuda, imported the first time a CUDA tensor is met */
 
     /* Python helpers, looked up at module exec. */
     PyObject *copyreg_dispatch, *deepcopy, *dumps, *loads, *weakref_t;
@@ -184,6 +187,8 @@ uint32_t flor_crc32c(uint32_t crc, const void *buf, size_t len);
 uint64_t flor_hash64_start(uint64_t nbytes);
 uint64_t flor_hash64_update(uint64_t h, const void *piece, size_t len); /* one piece */
 uint64_t flor_hash64(const void *buf, size_t len);
+/* total plus the digest terms of buf's words, the first at word index first */
+uint64_t flor_digest64(uint64_t total, uint64_t first, const void *buf, size_t len);
 extern PyMethodDef flor_crc32c_functions[];
 
 /* arena.c */
@@ -235,6 +240,7 @@ typedef struct {
     double copy_seconds;  /* time spent copying bytes */
     int tree;             /* no object in the skeleton is referenced twice */
     int foreign;          /* holds objects copied by their own __deepcopy__ */
+    PyObject *pending;    /* device-to-host copies still in flight (flor._cuda), or NULL */
 } FlorSnapshot;
 
 /* Called after the walk, before any byte is copied: may wait (backpressure).
@@ -245,6 +251,10 @@ typedef int (*flor_reserve_fn)(void *ctx, uint64_t data_bytes);
 /* hash: compute each host blob's content hash while copying it. */
 PyObject *flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx,
                            int hash);
+/* Wait until the snapshot's device-to-host copies have landed in its arena
+ * (GIL held; it is released while waiting).  Every reader of the arena
+ * calls it first.  0, or -1 with an exception set. */
+int flor_snapshot_wait(FlorSnapshot *s);
 extern PyType_Spec flor_snapshot_spec;
 extern PyMethodDef flor_walk_functions[];
 

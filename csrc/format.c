@@ -1180,7 +1180,7 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     snap = flor_snapshot_ex(st, args[0], NULL, NULL, 0);
-    if (snap == NULL) {
+    if (snap == NULL || flor_snapshot_wait((FlorSnapshot *)snap) < 0) {
         goto cleanup;
     }
     meta = flor_pickle_skeleton(st, ((FlorSnapshot *)snap)->skeleton, ((FlorSnapshot *)snap)->tree);

@@ -126,15 +126,35 @@ job_free(flor_job *j)
     free(j);
 }
 
-/* Pickle the job's skeleton (GIL held).  On failure the error becomes the
- * job's result, never a lost exception. */
+/* The Python error just raised becomes the job's result (GIL held), never
+ * a lost exception; the job is not written. */
 static void
-job_pickle(flor_state *st, flor_job *j)
+job_fail(flor_job *j, const char *step)
 {
     PyObject *t, *v, *tb, *s;
     const char *u;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    s = v != NULL ? PyObject_Repr(v) : NULL;
+    u = s != NULL ? PyUnicode_AsUTF8(s) : NULL;
+    Py_CLEAR(j->meta);
+    j->err = -1;
+    j->step = step;
+    free(j->msg);
+    j->msg = strdup(u != NULL ? u : "unprintable error");
+    PyErr_Clear();
+    Py_XDECREF(s);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+}
+
+/* Pickle the job's skeleton (GIL held). */
+static void
+job_pickle(flor_state *st, flor_job *j)
+{
     double t0 = flor_now();
-    if (j->meta != NULL) {
+    if (j->meta != NULL || j->err != 0) {
         return;
     }
     j->meta = flor_pickle_skeleton(st, ((FlorSnapshot *)j->snapshot)->skeleton,
@@ -146,21 +166,19 @@ job_pickle(flor_state *st, flor_job *j)
         j->has_sig = 1;
     }
     j->seconds += flor_now() - t0;
-    if (j->meta != NULL) {
-        return;
+    if (j->meta == NULL) {
+        job_fail(j, "pickle");
     }
-    PyErr_Fetch(&t, &v, &tb);
-    PyErr_NormalizeException(&t, &v, &tb);
-    s = v != NULL ? PyObject_Repr(v) : NULL;
-    u = s != NULL ? PyUnicode_AsUTF8(s) : NULL;
-    j->err = -1;
-    j->step = "pickle";
-    j->msg = strdup(u != NULL ? u : "unprintable error while pickling");
-    PyErr_Clear();
-    Py_XDECREF(s);
-    Py_XDECREF(t);
-    Py_XDECREF(v);
-    Py_XDECREF(tb);
+}
+
+/* Wait for the snapshot's device-to-host copies (GIL held, released while
+ * waiting): its bytes are read only once they have landed. */
+static void
+job_wait(flor_job *j)
+{
+    if (j->err == 0 && flor_snapshot_wait((FlorSnapshot *)j->snapshot) < 0) {
+        job_fail(j, "copy");
+    }
 }
 
 /* Write one job (no GIL needed). */
@@ -258,9 +276,11 @@ writer_main(void *arg)
         m->busy = 1;
         pthread_mutex_unlock(&m->mu);
 
-        if (j->meta == NULL) {
+        /* Only this thread touches a queued job's snapshot. */
+        if (j->meta == NULL || ((FlorSnapshot *)j->snapshot)->pending != NULL) {
             /* The skeleton is a private, immutable copy: pickling it needs
-             * the GIL but cannot race with the training thread. */
+             * the GIL but cannot race with the training thread.  The GPU
+             * copies go on meanwhile; then this thread waits for them. */
             PyGILState_STATE g = PyGILState_Ensure();
             if (st == NULL) {
                 st = mat_state(m);
@@ -273,6 +293,7 @@ writer_main(void *arg)
             }
             else {
                 job_pickle(st, j);
+                job_wait(j);
             }
             PyGILState_Release(g);
         }
@@ -583,6 +604,7 @@ fork_batch(FlorMaterializer *m)
     m->batch_now = 0;
     for (j = batch; j != NULL; j = j->next) {
         FlorSnapshot *s = (FlorSnapshot *)j->snapshot;
+        job_wait(j); /* the child runs no CUDA: the bytes must be there */
         if (s->arena != NULL) {
             flor_arena_set_inherit(s->arena, 1);
         }
@@ -821,6 +843,7 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
     estimate = new_bytes(m, (FlorSnapshot *)snap);
     if (m->mode == MODE_INLINE) {
         job_pickle(st, j);
+        job_wait(j);
         Py_BEGIN_ALLOW_THREADS
         job_write(j);
         Py_END_ALLOW_THREADS

@@ -2,10 +2,10 @@
  * registration only.  Each C file exports its types and functions; this one
  * adds them to the module and owns the per-module state's lifetime.
  *
- *     snapshot(obj), measure(obj), Snapshot          walk.c
+ *     snapshot, measure, fingerprint, Snapshot       walk.c
  *     save(obj, path), load(path, hook), Mapping     format.c
  *     _rebuild(kind, i, payload), Ref                skeleton.c
- *     crc32c(data, crc=0)                            crc32c.c
+ *     crc32c, hash64, digest64                       crc32c.c
  *     pool_stats(), trim_pool()                      arena.c
  *     Materializer                                   materializer.c
  *     SkipMachine, rule(...), state constants        skipblock.c
@@ -130,6 +130,7 @@ cleanup:
     X(FormatError) X(kind_cache)                                                               \
     X(rebuild) X(loaders) X(torch) X(Tensor) X(Parameter) X(Generator) X(Size) X(dtype_t)      \
     X(device_t) X(layout_t) X(memfmt_t) X(strided) X(uint8) X(atom_names) X(ndarray)           \
+    X(cuda)                                                                                    \
     X(copyreg_dispatch) X(deepcopy) X(dumps) X(loads) X(weakref_t) X(Pickler) X(BytesIO)       \
     X(tree_safe)                                                                               \
     X(s_state_dict)                                                                            \

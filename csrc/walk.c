@@ -4,11 +4,13 @@
  *     def snapshot(obj):
  *         skeleton = copy(obj)                # containers copied, atoms shared,
  *                                             # tensors and arrays -> Ref(i)
- *         arena = pool.take(sum(aligned blob sizes))
- *         for blob on a GPU: blob.copy_(arena[off], non_blocking=True)
+ *         arena = pool.take(sum(aligned blob sizes))   # GPU blobs first
  *         with nogil: memcpy every host blob into the arena
- *         torch.cuda.synchronize()            # once per device, not per tensor
- *         return Snapshot(skeleton, entries, blobs, arena)
+ *         pending = flor._cuda.copy(arena, GPU blobs)  # queued, not waited for
+ *         return Snapshot(skeleton, entries, blobs, arena, pending)
+ *
+ *     snapshot.restore(), a writer, flor.save: pending.wait() before the
+ *     arena is read; a snapshot dropped early waits before its arena is reused
  *
  *     def copy(x):                            # the walk
  *         atom (None, bool, int, float, str, bytes, type, function) -> x
@@ -1361,97 +1363,85 @@ blobs_release(flor_blob *b, uint32_t n)
     }
 }
 
-/* Start a non-blocking device-to-host copy of every CUDA blob. */
+/* flor._cuda (borrowed), imported the first time a CUDA blob is met: the
+ * device side of snapshots and fingerprints, written against torch's
+ * stream and event API. */
+static PyObject *
+cuda_helper(flor_state *st)
+{
+    if (st->cuda == NULL) {
+        st->cuda = PyImport_ImportModule("flor._cuda");
+    }
+    return st->cuda;
+}
+
+/* Queue the device-to-host copy of every CUDA blob into the arena
+ * (flor._cuda.copy); the snapshot keeps what to wait on before the arena is
+ * read. */
 static int
-cuda_start(flor_state *st, FlorSnapshot *s, PyObject *devices)
+cuda_start(flor_state *st, FlorSnapshot *s)
 {
     int rc = -1;
     uint32_t i;
-    PyObject *mv = NULL, *host = NULL, *kw = NULL;
+    PyObject *helper, *mv = NULL, *blobs = NULL, *pending = NULL;
 
+    helper = cuda_helper(st);
+    if (helper == NULL) {
+        goto cleanup;
+    }
     mv = PyMemoryView_FromMemory(s->arena->base, (Py_ssize_t)s->data_bytes, PyBUF_WRITE);
-    if (mv == NULL) {
+    blobs = PyList_New(0);
+    if (mv == NULL || blobs == NULL) {
         goto cleanup;
-    }
-    kw = Py_BuildValue("{s:O}", "dtype", st->uint8);
-    if (kw == NULL) {
-        goto cleanup;
-    }
-    {
-        PyObject *frombuffer = PyObject_GetAttrString(st->torch, "frombuffer");
-        PyObject *a = frombuffer == NULL ? NULL : PyTuple_Pack(1, mv);
-        host = a == NULL ? NULL : PyObject_Call(frombuffer, a, kw);
-        Py_XDECREF(a);
-        Py_XDECREF(frombuffer);
-        if (host == NULL) {
-            goto cleanup;
-        }
     }
     for (i = 0; i < s->n_blobs; i++) {
         flor_blob *b = &s->blobs[i];
-        PyObject *dst = NULL, *src = NULL, *dev = NULL, *r = NULL, *slice = NULL;
-        PyObject *lo = NULL, *hi = NULL;
-        int ok = 0;
+        PyObject *item;
+        int r;
         if (b->where != FLOR_BLOB_CUDA || b->nbytes == 0) {
             continue;
         }
-        lo = PyLong_FromUnsignedLongLong(b->offset);
-        hi = PyLong_FromUnsignedLongLong(b->offset + b->nbytes);
-        slice = (lo && hi) ? PySlice_New(lo, hi, NULL) : NULL;
-        dst = slice ? PyObject_GetItem(host, slice) : NULL;
-        dev = dst ? PyObject_GetAttrString(b->owner, "device") : NULL;
-        if (dev != NULL && PySet_Add(devices, dev) == 0) {
-            src = PyObject_CallMethod(st->torch, "empty", "(i)", 0);
-            Py_XSETREF(src, src ? PyObject_CallMethod(src, "to", "OO", dev, st->uint8) : NULL);
-            Py_XSETREF(src, src ? PyObject_CallMethod(src, "set_", "(O)", b->owner) : NULL);
-            r = src ? PyObject_CallMethod(dst, "copy_", "OO", src,
-                                          s->arena->pinned ? Py_True : Py_False)
-                    : NULL;
-            ok = r != NULL;
-        }
-        Py_XDECREF(lo);
-        Py_XDECREF(hi);
-        Py_XDECREF(slice);
-        Py_XDECREF(dst);
-        Py_XDECREF(src);
-        Py_XDECREF(dev);
-        Py_XDECREF(r);
-        if (!ok) {
+        item = Py_BuildValue("(OKK)", b->owner, (unsigned long long)b->offset,
+                             (unsigned long long)b->nbytes);
+        r = item == NULL ? -1 : PyList_Append(blobs, item);
+        Py_XDECREF(item);
+        if (r < 0) {
             goto cleanup;
         }
     }
+    pending = PyObject_CallMethod(helper, "copy", "OOO", mv, blobs,
+                                  s->arena->pinned ? Py_True : Py_False);
+    if (pending == NULL) {
+        goto cleanup;
+    }
+    s->pending = pending;
     rc = 0;
 cleanup:
-    Py_XDECREF(host);
     Py_XDECREF(mv);
-    Py_XDECREF(kw);
+    Py_XDECREF(blobs);
     return rc;
 }
 
-static int
-cuda_finish(PyObject *devices)
+int
+flor_snapshot_wait(FlorSnapshot *s)
 {
-    int rc = -1;
-    PyObject *cuda = NULL, *it = NULL, *dev;
-    cuda = PyImport_ImportModule("torch.cuda");
-    if (cuda == NULL || (it = PyObject_GetIter(devices)) == NULL) {
-        goto cleanup;
+    PyObject *p, *r;
+    if (s->pending == NULL) {
+        return 0;
     }
-    while ((dev = PyIter_Next(it)) != NULL) {
-        PyObject *r = PyObject_CallMethod(cuda, "synchronize", "(O)", dev);
-        Py_DECREF(dev);
-        if (r == NULL) {
-            goto cleanup;
-        }
-        Py_DECREF(r);
+    /* Another thread may wait on the same copies meanwhile (the GIL is
+     * released in wait()); whoever returns first clears them. */
+    p = Py_NewRef(s->pending);
+    r = PyObject_CallMethod(p, "wait", NULL);
+    if (r != NULL && s->pending == p) {
+        Py_CLEAR(s->pending);
     }
-    if (!PyErr_Occurred()) {
-        rc = 0;
+    Py_DECREF(p);
+    if (r == NULL) {
+        return -1;
     }
-cleanup:
-    Py_XDECREF(it);
-    Py_XDECREF(cuda);
-    return rc;
+    Py_DECREF(r);
+    return 0;
 }
 
 /* Code run after the walk saw a storage (a __reduce_ex__, a state_dict(),
@@ -1491,12 +1481,21 @@ copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx, int h
     int rc = -1;
     double t0;
     char *base;
-    PyObject *devices = NULL;
 
+    /* CUDA blobs first: one device's bytes are one run of the arena, which
+     * a single copy fills (flor._cuda). */
     for (i = 0; i < s->n_blobs; i++) {
-        s->blobs[i].offset = total;
-        total += flor_align_up(s->blobs[i].nbytes);
+        if (s->blobs[i].where == FLOR_BLOB_CUDA) {
+            s->blobs[i].offset = total;
+            total += flor_align_up(s->blobs[i].nbytes);
+        }
         payload += s->blobs[i].nbytes;
+    }
+    for (i = 0; i < s->n_blobs; i++) {
+        if (s->blobs[i].where != FLOR_BLOB_CUDA) {
+            s->blobs[i].offset = total;
+            total += flor_align_up(s->blobs[i].nbytes);
+        }
     }
     s->data_bytes = total;
     s->nbytes = payload;
@@ -1520,12 +1519,6 @@ copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx, int h
     }
     base = s->arena->base;
     t0 = flor_now();
-    if (w->any_cuda) {
-        devices = PySet_New(NULL);
-        if (devices == NULL || cuda_start(st, s, devices) < 0) {
-            goto cleanup;
-        }
-    }
     for (i = 0; i < s->n_blobs; i++) {
         flor_blob *b = &s->blobs[i];
         if (b->where == FLOR_BLOB_BUFFER && PyBuffer_IsContiguous(b->view, 'C')) {
@@ -1568,13 +1561,14 @@ copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx, int h
             goto cleanup;
         }
     }
-    if (w->any_cuda && cuda_finish(devices) < 0) {
+    /* Queued after the padding above is written: the copies and this
+     * thread never touch the same bytes at once. */
+    if (w->any_cuda && cuda_start(st, s) < 0) {
         goto cleanup;
     }
     s->copy_seconds = flor_now() - t0;
     rc = 0;
 cleanup:
-    Py_XDECREF(devices);
     blobs_release(s->blobs, s->n_blobs);
     return rc;
 }
@@ -1607,7 +1601,7 @@ add_path_note(walker *w)
 }
 
 /* The walk alone: a snapshot whose blobs still point at their sources
- * (copy_phase or fingerprint_blobs then reads them and releases them).
+ * (copy_phase or a fingerprint then reads them and releases them).
  * On success *w keeps only what copy_phase needs. */
 static FlorSnapshot *
 walk_object(flor_state *st, PyObject *obj, walker *w)
@@ -1651,6 +1645,7 @@ walk_object(flor_state *st, PyObject *obj, walker *w)
     s->copy_seconds = 0.0;
     s->tree = !w->not_tree;
     s->foreign = w->foreign;
+    s->pending = NULL;
     w->entries = NULL;
     w->blobs = NULL;
     /* The memo must not outlive the walk: drop it before reading bytes. */
@@ -1682,65 +1677,146 @@ flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *c
     return (PyObject *)s;
 }
 
-/* CRC-32C of every blob's bytes, each preceded by its length, read where
- * they are (a CUDA blob through a host copy).  Releases the blobs. */
+/* The bytes of a host blob, contiguous: its source, or a copy into *tmp of
+ * a strided buffer (the caller frees *tmp).  NULL with an exception set. */
+static const char *
+host_bytes(flor_blob *b, char **tmp)
+{
+    *tmp = NULL;
+    if (b->where == FLOR_BLOB_HOST && b->recheck && recheck_storage(b) < 0) {
+        return NULL;
+    }
+    if (b->where == FLOR_BLOB_BUFFER && !PyBuffer_IsContiguous(b->view, 'C')) {
+        *tmp = malloc((size_t)b->nbytes);
+        if (*tmp == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        if (PyBuffer_ToContiguous(*tmp, b->view, (Py_ssize_t)b->nbytes, 'C') < 0) {
+            free(*tmp);
+            *tmp = NULL;
+            return NULL;
+        }
+        return *tmp;
+    }
+    return b->src;
+}
+
+static void
+le64(unsigned char *out, uint64_t v)
+{
+    int k;
+    for (k = 0; k < 8; k++) {
+        out[k] = (unsigned char)(v >> (8 * k));
+    }
+}
+
+/* Version 1: CRC-32C of every blob's bytes, each preceded by its length,
+ * read where they are (a CUDA blob through a host copy). */
 static int
-fingerprint_blobs(FlorSnapshot *s, uint32_t *out)
+fingerprint_v1(FlorSnapshot *s, uint64_t *out)
 {
     uint32_t crc = 0, i;
     int rc = -1;
+    char *tmp = NULL;
+    PyObject *host = NULL, *ptr = NULL;
     for (i = 0; i < s->n_blobs; i++) {
         flor_blob *b = &s->blobs[i];
         unsigned char len[8];
-        char *tmp = NULL;
-        const char *src = b->src;
-        PyObject *host = NULL, *ptr = NULL;
-        int k;
-        for (k = 0; k < 8; k++) {
-            len[k] = (unsigned char)(b->nbytes >> (8 * k));
-        }
+        const char *src;
+        le64(len, b->nbytes);
         crc = flor_crc32c(crc, len, 8);
         if (b->nbytes == 0) {
             continue;
         }
-        if (b->where == FLOR_BLOB_HOST && b->recheck && recheck_storage(b) < 0) {
-            goto cleanup;
-        }
-        src = b->src;
-        if (b->where == FLOR_BLOB_BUFFER && !PyBuffer_IsContiguous(b->view, 'C')) {
-            tmp = malloc((size_t)b->nbytes);
-            if (tmp == NULL) {
-                PyErr_NoMemory();
-                goto cleanup;
-            }
-            if (PyBuffer_ToContiguous(tmp, b->view, (Py_ssize_t)b->nbytes, 'C') < 0) {
-                free(tmp);
-                goto cleanup;
-            }
-            src = tmp;
-        }
-        else if (b->where == FLOR_BLOB_CUDA) {
+        if (b->where == FLOR_BLOB_CUDA) {
             host = PyObject_CallMethod(b->owner, "cpu", NULL);
             ptr = host == NULL ? NULL : PyObject_CallMethod(host, "data_ptr", NULL);
             src = ptr == NULL ? NULL : PyLong_AsVoidPtr(ptr);
-            if (src == NULL) {
-                Py_XDECREF(host);
-                Py_XDECREF(ptr);
-                goto cleanup;
-            }
+        }
+        else {
+            src = host_bytes(b, &tmp);
+        }
+        if (src == NULL) {
+            goto cleanup;
         }
         /* Only raw memory: its owner (view, storage, host copy) is held. */
         Py_BEGIN_ALLOW_THREADS
         crc = flor_crc32c(crc, src, (size_t)b->nbytes);
         Py_END_ALLOW_THREADS
         free(tmp);
-        Py_XDECREF(host);
-        Py_XDECREF(ptr);
+        tmp = NULL;
+        Py_CLEAR(host);
+        Py_CLEAR(ptr);
     }
     *out = crc;
     rc = 0;
 cleanup:
-    blobs_release(s->blobs, s->n_blobs);
+    free(tmp);
+    Py_XDECREF(host);
+    Py_XDECREF(ptr);
+    return rc;
+}
+
+/* Version 2: the CRC-32C of the blobs' lengths and of the digest (crc32c.c)
+ * of their bytes, each blob starting at a fresh 8-byte word; CUDA blobs are
+ * digested on their device (flor._cuda.digest), with no host copy.  Bit 32
+ * is set: a recorded value tells its version. */
+static int
+fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out)
+{
+    uint32_t crc = 0, i;
+    uint64_t total = 0, index = 0;
+    unsigned char bytes[8];
+    int rc = -1;
+    PyObject *device = NULL, *helper, *r = NULL;
+
+    for (i = 0; i < s->n_blobs; i++) {
+        flor_blob *b = &s->blobs[i];
+        le64(bytes, b->nbytes);
+        crc = flor_crc32c(crc, bytes, 8);
+        if (b->nbytes == 0) {
+            continue;
+        }
+        if (b->where == FLOR_BLOB_CUDA) {
+            PyObject *item = Py_BuildValue("(OK)", b->owner, (unsigned long long)index);
+            int e = item == NULL || (device == NULL && (device = PyList_New(0)) == NULL) ||
+                    PyList_Append(device, item) < 0;
+            Py_XDECREF(item);
+            if (e) {
+                goto cleanup;
+            }
+        }
+        else {
+            char *tmp;
+            const char *src = host_bytes(b, &tmp);
+            if (src == NULL) {
+                goto cleanup;
+            }
+            Py_BEGIN_ALLOW_THREADS
+            total = flor_digest64(total, index, src, (size_t)b->nbytes);
+            Py_END_ALLOW_THREADS
+            free(tmp);
+        }
+        index += (b->nbytes + 7) / 8;
+    }
+    if (device != NULL) {
+        helper = cuda_helper(st);
+        r = helper == NULL ? NULL : PyObject_CallMethod(helper, "digest", "(O)", device);
+        if (r == NULL) {
+            goto cleanup;
+        }
+        total += PyLong_AsUnsignedLongLong(r);
+        if (PyErr_Occurred()) {
+            goto cleanup;
+        }
+    }
+    le64(bytes, total);
+    *out = (uint64_t)1 << 32 | flor_crc32c(crc, bytes, 8);
+    rc = 0;
+cleanup:
+    Py_XDECREF(device);
+    Py_XDECREF(r);
     return rc;
 }
 
@@ -1759,6 +1835,17 @@ snapshot_dealloc(FlorSnapshot *s)
     st = flor_state_of_type(tp);
     if (st == NULL) {
         PyErr_Clear(); /* the module is gone (interpreter teardown) */
+    }
+    if (s->pending != NULL) {
+        /* The arena goes back to the pool only once no copy writes into it;
+         * where that cannot be known (a forked child, a failed wait, the
+         * module gone) it is never reused. */
+        int landed = st != NULL && s->owner == getpid() && flor_snapshot_wait(s) == 0;
+        if (!landed) {
+            PyErr_Clear();
+            Py_CLEAR(s->pending);
+            s->arena = NULL;
+        }
     }
     Py_XDECREF(s->skeleton);
     blobs_release(s->blobs, s->n_blobs);
@@ -1799,7 +1886,7 @@ snapshot_restore(FlorSnapshot *s)
     flor_state *st = flor_state_of_type(Py_TYPE(s));
     PyObject *meta = NULL, *res = NULL;
     flor_loader ld;
-    if (st == NULL || snapshot_check_owner(s) < 0) {
+    if (st == NULL || snapshot_check_owner(s) < 0 || flor_snapshot_wait(s) < 0) {
         return NULL;
     }
     meta = flor_pickle_skeleton(st, s->skeleton, s->tree);
@@ -1905,45 +1992,81 @@ measure_only(void *Py_UNUSED(ctx), uint64_t Py_UNUSED(nbytes))
 }
 
 PyDoc_STRVAR(measure_doc,
-             "measure(obj, /)\n--\n\n"
+             "measure(obj, on_device=False, /)\n--\n\n"
              "Bytes of tensor and array data a snapshot of obj would hold, found by\n"
-             "the same walk without copying any data.");
+             "the same walk without copying any data; with on_device, (bytes, bytes\n"
+             "of them in CUDA tensors).");
 
 static PyObject *
-mod_measure(PyObject *module, PyObject *obj)
+mod_measure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *s = flor_snapshot_ex((flor_state *)PyModule_GetState(module), obj, measure_only, NULL, 0), *r;
+    PyObject *s = NULL, *r = NULL;
+    int split = 0;
+    uint64_t device = 0;
+    uint32_t i;
+    if (!flor_check_nargs("measure", nargs, 1, 2) ||
+        (nargs == 2 && (split = PyObject_IsTrue(args[1])) < 0)) {
+        return NULL;
+    }
+    s = flor_snapshot_ex((flor_state *)PyModule_GetState(module), args[0], measure_only, NULL, 0);
     if (s == NULL) {
         return NULL;
     }
-    r = PyLong_FromUnsignedLongLong(((FlorSnapshot *)s)->nbytes);
+    for (i = 0; i < ((FlorSnapshot *)s)->n_blobs; i++) {
+        const flor_blob *b = &((FlorSnapshot *)s)->blobs[i];
+        device += b->where == FLOR_BLOB_CUDA ? b->nbytes : 0;
+    }
+    r = split ? Py_BuildValue("(KK)", (unsigned long long)((FlorSnapshot *)s)->nbytes,
+                              (unsigned long long)device)
+              : PyLong_FromUnsignedLongLong(((FlorSnapshot *)s)->nbytes);
     Py_DECREF(s);
     return r;
 }
 
 PyDoc_STRVAR(fingerprint_doc,
-             "fingerprint(obj, /)\n--\n\n"
-             "CRC-32C of the bytes of every tensor and array a snapshot of obj would\n"
-             "hold, read in place (found by the same walk, without copying).");
+             "fingerprint(obj, version=2, /)\n--\n\n"
+             "A checksum of the bytes of every tensor and array a snapshot of obj would\n"
+             "hold, read in place (found by the same walk, without copying). Version 2\n"
+             "(bit 32 set) reads CUDA tensors on their device and equals the\n"
+             "fingerprint of the same bytes on the host; version 1, of records made\n"
+             "before it, is the CRC-32C of the bytes.");
 
 static PyObject *
-mod_fingerprint(PyObject *module, PyObject *obj)
+mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    flor_state *st = (flor_state *)PyModule_GetState(module);
     walker w;
-    uint32_t crc;
+    uint64_t fp = 0;
+    long version = 2;
     int rc;
-    FlorSnapshot *s = walk_object((flor_state *)PyModule_GetState(module), obj, &w);
+    FlorSnapshot *s;
+    if (!flor_check_nargs("fingerprint", nargs, 1, 2)) {
+        return NULL;
+    }
+    if (nargs == 2) {
+        version = PyLong_AsLong(args[1]);
+        if (version == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (version != 1 && version != 2) {
+            PyErr_Format(PyExc_ValueError, "fingerprint: version must be 1 or 2, not %ld",
+                         version);
+            return NULL;
+        }
+    }
+    s = walk_object(st, args[0], &w);
     if (s == NULL) {
         return NULL;
     }
-    rc = fingerprint_blobs(s, &crc);
+    rc = version == 1 ? fingerprint_v1(s, &fp) : fingerprint_v2(st, s, &fp);
+    blobs_release(s->blobs, s->n_blobs);
     Py_DECREF(s);
-    return rc < 0 ? NULL : PyLong_FromUnsignedLong(crc);
+    return rc < 0 ? NULL : PyLong_FromUnsignedLongLong(fp);
 }
 
 PyMethodDef flor_walk_functions[] = {
-    {"fingerprint", FLOR_CFUNC(mod_fingerprint), METH_O, fingerprint_doc},
+    {"fingerprint", FLOR_CFUNC(mod_fingerprint), METH_FASTCALL, fingerprint_doc},
     {"snapshot", FLOR_CFUNC(mod_snapshot), METH_O, snapshot_doc},
-    {"measure", FLOR_CFUNC(mod_measure), METH_O, measure_doc},
+    {"measure", FLOR_CFUNC(mod_measure), METH_FASTCALL, measure_doc},
     {NULL, NULL, 0, NULL},
 };

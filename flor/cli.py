@@ -32,6 +32,8 @@ ENV_RECORD = ENV_STORE + (
     "  FLOR_EPSILON         as --epsilon\n"
     "  FLOR_ADAPTIVE=0      as --no-adaptive\n"
     "  FLOR_MATERIALIZER    how checkpoints are written: thread (default), fork or inline\n"
+    "  FLOR_CUDA_COPY       how a checkpoint's GPU tensors are copied: auto (default),\n"
+    "                       staged or ordered\n"
     "  FLOR_MODE=off        a script that uses the API runs without recording\n"
     "  FLOR_REPLICATED=every  every torchrun rank writes the replicated DDP state\n")
 ENV_REPLAY = ENV_STORE + (

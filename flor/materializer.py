@@ -87,7 +87,8 @@ class Materializer:
     """Writes snapshots of objects to ``directory`` without blocking training.
 
     ``submit(name, obj)`` copies ``obj`` at memory speed (tensors into warm
-    staging buffers, containers rebuilt) and returns; the file
+    staging buffers, containers rebuilt; CUDA tensors on a copy stream of
+    flor's own, which the writer waits for: flor/_cuda.py) and returns; the file
     ``directory/name.flor`` is written later.  ``flush()`` returns once every
     submitted checkpoint is durable and raises :class:`CheckpointWriteError`
     if any write failed.  Use it as a context manager, or call ``close()``;

@@ -22,20 +22,109 @@ def test_cuda_tensors_are_copied_to_the_host():
     expected = {k: v.cpu() for k, v in model.state_dict().items()}
     snap = flor.snapshot({"model": model, "opt": opt})
     with torch.no_grad():
-        model.weight.add_(1.0)  # queued after the copy on the same stream
+        model.weight.add_(1.0)  # queued after the snapshot on the training stream
     out = snap.restore()
     for k, v in expected.items():
         assert out["model"][k].device.type == "cpu"
         assert torch.equal(out["model"][k], v)
 
 
-def test_one_synchronisation_per_snapshot(monkeypatch):
+def _count_waits(monkeypatch):
+    """Every way torch lets the host wait for the device, counted."""
     calls = []
-    real = torch.cuda.synchronize
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a) or real(*a))
+    for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                        (torch.cuda.Event, "synchronize")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _r=real, _n=name, **k:
+                            calls.append(_n) or _r(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["staged", "ordered"])
+def test_a_snapshot_queues_its_copies_without_waiting_for_them(monkeypatch, mode):
+    monkeypatch.setenv("FLOR_CUDA_COPY", mode)
     tensors = {f"t{i}": torch.randn(1000, device="cuda") for i in range(50)}
-    flor.snapshot(tensors)
-    assert len(calls) == 1
+    tensors["big"] = torch.randn(1 << 22, device="cuda")
+    expected = {k: v.cpu() for k, v in tensors.items()}
+    calls = _count_waits(monkeypatch)
+    snap = flor.snapshot(tensors)
+    assert calls == []  # the training thread goes on at once
+    out = snap.restore()  # a reader waits for the copies
+    assert calls == ["synchronize"]
+    assert all(torch.equal(out[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("mode", ["staged", "ordered"])
+def test_in_place_updates_queued_right_after_a_submit_never_reach_it(tmp_path, monkeypatch, mode):
+    """256 MiB take milliseconds to copy: the updates are queued long before
+    the copy ends, on the training stream, and must come after it."""
+    monkeypatch.setenv("FLOR_CUDA_COPY", mode)
+    state = {"w": torch.randn(1 << 26, device="cuda"),
+             "small": [torch.randn(100, device="cuda") for _ in range(20)]}
+    expected = {"w": state["w"].cpu(), "small": [t.cpu() for t in state["small"]]}
+    with flor.Materializer(tmp_path) as m:
+        m.submit("s", state)
+        for _ in range(5):
+            state["w"].mul_(3.0).add_(1.0)
+            for t in state["small"]:
+                t.zero_()
+    back = flor.load(tmp_path / "s.flor", map_location="cpu")
+    assert torch.equal(back["w"], expected["w"])
+    assert all(torch.equal(a, b) for a, b in zip(back["small"], expected["small"]))
+
+
+@pytest.mark.parametrize("mode", ["staged", "ordered"])
+def test_memory_a_snapshot_reads_is_not_reused_before_the_copy(monkeypatch, mode):
+    """The script drops a tensor right after the snapshot and allocates
+    another of its size, which the caching allocator would hand the same
+    memory, and fills it."""
+    monkeypatch.setenv("FLOR_CUDA_COPY", mode)
+    x = torch.randn(1 << 24, device="cuda")
+    expected = x.cpu()
+    snap = flor.snapshot({"x": x})
+    del x
+    y = torch.full((1 << 24,), 7.0, device="cuda")
+    assert torch.equal(snap.restore()["x"], expected)
+    assert y[0].item() == 7.0
+
+
+def test_a_staging_buffer_is_reused_only_once_its_copies_have_landed():
+    """A snapshot is dropped while its copy waits behind a second of queued
+    kernels; the next snapshot, of host memory the same size, reuses its
+    staging buffer, and the late copy must not land on top of it."""
+    a = torch.randn(1 << 24, device="cuda")
+    m = torch.randn(4096, 4096, device="cuda")
+    for _ in range(300):  # queued on the training stream: the copy comes after
+        m @ m
+    flor.snapshot({"a": a})  # dropped at once
+    b = torch.randn(1 << 24)
+    expected = b.clone()
+    snap = flor.snapshot({"b": b})
+    torch.cuda.synchronize()  # every copy has landed by now
+    assert torch.equal(snap.restore()["b"], expected)
+
+
+def test_a_gpu_fingerprint_reads_the_state_on_the_device(monkeypatch):
+    """Version 2 fingerprints equal the host's for the same bytes, read
+    with no copy of the state to the host and bounded device memory."""
+    g = torch.Generator().manual_seed(0)
+    host = {"big": torch.randn(3 << 20, generator=g), "odd": torch.randn(1001, generator=g),
+            "bytes": torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),
+            "small": [torch.randn(7, generator=g) for _ in range(30)]}
+    expected = _core.fingerprint(host)
+    gpu = {"big": host["big"].cuda(), "odd": host["odd"].cuda(), "bytes": host["bytes"].cuda(),
+           "small": [t.cuda() for t in host["small"]]}
+    copies = []
+    for owner in (torch.Tensor, torch.UntypedStorage):
+        real = owner.cpu
+        monkeypatch.setattr(owner, "cpu", lambda *a, _r=real, **k: copies.append(1) or _r(*a, **k))
+    assert _core.fingerprint(gpu) == expected
+    assert copies == []
+    big = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    _core.fingerprint(big)
+    assert torch.cuda.max_memory_allocated() - before <= 100 << 20
 
 
 def test_shared_cuda_storage_stays_shared():
@@ -52,7 +141,7 @@ def test_load_back_to_the_device(tmp_path):
     assert on_cpu.device.type == "cpu" and torch.equal(on_cpu, t.cpu())
 
 
-@pytest.mark.parametrize("mode", ["thread", "fork"])
+@pytest.mark.parametrize("mode", ["thread", "fork", "inline"])
 def test_materializer_writes_gpu_state(tmp_path, mode):
     model = torch.nn.Linear(64, 64).cuda()
     with flor.Materializer(tmp_path, mode=mode, batch_count=1) as m:
@@ -73,21 +162,24 @@ def test_staging_for_gpu_snapshots_is_reused():
 def test_cpu_only_snapshot_leaves_cuda_uninitialised():
     out = run_py(
         """
-        import torch, flor
+        import sys, torch, flor
         flor.snapshot(torch.nn.Linear(4, 4))
-        print(torch.cuda.is_initialized())
+        flor._core.fingerprint(torch.nn.Linear(4, 4))
+        print(torch.cuda.is_initialized(), "flor._cuda" in sys.modules)
         """
     )
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
 
 
 # --- isolation, sharing and devices -------------------------------------------
 
-def test_an_in_place_update_after_the_snapshot_does_not_reach_it():
+@pytest.mark.parametrize("mode", ["staged", "ordered"])
+def test_an_in_place_update_after_the_snapshot_does_not_reach_it(monkeypatch, mode):
+    monkeypatch.setenv("FLOR_CUDA_COPY", mode)
     w = torch.randn(1 << 16, device="cuda")
     expected = w.cpu()
     snap = flor.snapshot({"w": w})
-    for _ in range(20):  # kernels queued behind the copy on the same stream
+    for _ in range(20):  # kernels queued after the snapshot on the training stream
         w.mul_(3.0).add_(1.0)
     assert torch.equal(snap.restore()["w"], expected)
 

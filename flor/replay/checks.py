@@ -9,8 +9,9 @@ when the replay should have logged it too: its statement is still in the
 program and every block execution around it ran again.
 
 The values are what statements logged (flor.log) and printed, and state
-fingerprints (``state@...``): a CRC-32C of the modules' and optimizers' tensors
-at each checkpointed block's end and at each main-loop iteration's end.
+fingerprints (``state@...``): a checksum of the modules' and optimizers' tensors
+(flor/runtime/blockstate.py) at each checkpointed block's end and at each
+main-loop iteration's end.
 Where replay reaches the same point by running code again, they must be
 equal, whatever the script prints.  The random state where a top-level loop
 starts is fingerprinted too, but only to explain other differences (a
@@ -25,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..context import describe, enclosing_blocks, parse_location
+from ..runtime.blockstate import fingerprint_version
 from ..runtime.logbook import STATE_ITERATION
 from .plan import Plan
 
@@ -49,6 +51,7 @@ class CheckReport:
     random: list = field(default_factory=list)  # (loc, recorded, replayed) random states
     ambiguous: int = 0
     states_skipped: int = 0  # not compared under a tolerance
+    states_older: int = 0  # not compared: the record took them with a version 1 fingerprint
     causes: dict = field(default_factory=dict)  # loc -> likely cause
     run_causes: list = field(default_factory=list)  # likely causes for the whole run
     shown_loc: dict = field(default_factory=dict)  # recorded loc -> current file:line
@@ -78,6 +81,9 @@ class CheckReport:
         if self.states_skipped:
             clock += (f"; {self.states_skipped} state fingerprints were not compared "
                       "(--tolerance)")
+        if self.states_older:
+            clock += (f"; {self.states_older} state fingerprints were not compared (taken "
+                      "by a version of flor that fingerprinted otherwise)")
         if self.verdict == "nothing":
             return (f"deferred checks compared nothing: of the {self.recorded} values the record "
                     "logged, printed or fingerprinted, the replay logged, printed or reached none "
@@ -182,6 +188,12 @@ def _present(loc, files):
     return fmap is not None and not new and line is not None and line in fmap
 
 
+def _version(fingerprint: str) -> int:
+    """The version of a stored state fingerprint (an int, or [crc, int])."""
+    value = json.loads(fingerprint)
+    return fingerprint_version(value[-1] if isinstance(value, list) else value)
+
+
 def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> CheckReport:
     """Compare a replay's values with its record's (`plan`: the replay's
     Plan, read from the store when not given)."""
@@ -215,6 +227,9 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
     for key, value in replayed.items():
         if key in recorded and key[1] == RANDOM:
             report.random.append((key[0], json.loads(recorded[key]), json.loads(value)))
+        elif key in recorded and key[1].startswith(STATE) and \
+                _version(recorded[key]) != _version(value):
+            report.states_older += 1  # a record resumed across versions of flor
         elif key in recorded:
             report.compared += 1
             report.lines += key[1].startswith("stdout@")

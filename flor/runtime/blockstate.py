@@ -27,7 +27,23 @@ from ..checkpoint import read, restore_placed
 from ..errors import CheckpointCorrupt
 from .placement import Devices
 
-__all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state"]
+__all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state",
+           "fingerprint", "fingerprint_version", "FINGERPRINT"]
+
+#: The version of the state fingerprints a record takes (_core.fingerprint):
+#: 2 reads CUDA tensors on their device, and equals the host's for the same
+#: bytes.  Records made before it hold version 1 (run info without "fingerprint").
+FINGERPRINT = 2
+
+
+def fingerprint(objs, version=FINGERPRINT) -> int:
+    """The state fingerprint of the tensors and arrays of `objs`."""
+    return _core.fingerprint(objs, version)
+
+
+def fingerprint_version(value) -> int:
+    """The version of a recorded fingerprint: version 2 sets bit 32."""
+    return 2 if value >> 32 else 1
 
 
 def rng_state() -> dict:

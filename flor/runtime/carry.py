@@ -26,7 +26,6 @@ queue runs the segment again without it).
 """
 from __future__ import annotations
 
-from .. import _core
 from ..context import encode, iteration_key
 from ..errors import FlorReplayError
 from . import blockstate
@@ -50,9 +49,11 @@ class Carried:
         return None
 
 
-def fingerprint(scope) -> int | list:
+def fingerprint(scope, version=blockstate.FINGERPRINT) -> int:
     """Of the modules and optimizers in the scope of the loop's frame."""
-    return _core.fingerprint(blockstate.state_owners([], scope)) if scope is not None else 0
+    if scope is None:
+        return 0
+    return blockstate.fingerprint(blockstate.state_owners([], scope), version)
 
 
 def ctx_of(loop: str, run: int, i: int) -> str:
@@ -82,7 +83,7 @@ def restore(saved, carrier, loop, run, i, scope, where):
         raise FlorReplayError(f"{where} holds {saved['sig']}, and the loop at {loop} now "
                               f"carries {sig}: the program changed; it cannot be used")
     values = carrier.apply(saved, scope)
-    got = fingerprint(scope)
+    got = fingerprint(scope, blockstate.fingerprint_version(saved["fingerprint"]))
     if got != saved["fingerprint"]:
         raise FlorReplayError(
             f"{where}: the state restored from it does not have the fingerprint the record "

@@ -78,7 +78,8 @@ class RecordIterations:
         loop, run, i = frame[1:4]
 
         def make():  # only for a checkpoint: the restore is verified by the fingerprint
-            got = fp if fp is not None else carry.fingerprint(frame.scope)
+            got = fp if fp is not None else carry.fingerprint(frame.scope,
+                                                              self.fingerprint_version)
             return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord)
 
         # The checkpoint is charged its fingerprint, wherever it was taken.

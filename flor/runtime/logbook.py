@@ -18,7 +18,7 @@ import time
 
 from .. import _core
 from ..context import block_context
-from .blockstate import random_fingerprint, state_owners
+from .blockstate import fingerprint, random_fingerprint, state_owners
 from .capture import STREAMS
 
 __all__ = ["Logbook", "FingerprintBudget", "RecordedFingerprints", "jsonable"]
@@ -69,7 +69,7 @@ class FingerprintBudget:
     """Record: which main-loop iterations end with a state fingerprint.
 
     A fingerprint reads every byte of the modules and optimizers in scope
-    (on a GPU, through a copy to the host), so it is record overhead like a
+    (on a GPU, on the device: no host copy), so it is record overhead like a
     checkpoint.  Per top-level loop: the first iteration that ran blocks is
     fingerprinted; after it, one is taken where the time the loop's
     fingerprints took so far, plus the last one's time again (this one's
@@ -97,19 +97,23 @@ class FingerprintBudget:
 
 class RecordedFingerprints:
     """Replay: a fingerprint where the record took one, at `keys` (location,
-    context), since the checks compare only those; none under --tolerance."""
+    context), since the checks compare only those; none under --tolerance.
+    Of the `version` the record took (blockstate.fingerprint)."""
 
-    def __init__(self, keys):
+    def __init__(self, keys, version):
         self.keys = keys
+        self.version = version
 
     @classmethod
     def of(cls, recorded, plan) -> "RecordedFingerprints":
         """Where the record of `plan` (its rows in the store `recorded`)
         took one."""
+        info = json.loads((recorded.run(plan.record) or {}).get("info") or "{}")
+        version = info.get("fingerprint", 1)  # records before version 2 do not say
         if plan.tolerance:
-            return cls(set())
+            return cls(set(), version)
         return cls({(r["loc"], r["ctx"]) for r in recorded.logged(plan.record, [STATE_ITERATION],
-                                                                  printed=False)})
+                                                                  printed=False)}, version)
 
     def due(self, loop, key) -> bool:
         return key in self.keys
@@ -189,7 +193,7 @@ class Logbook:
             return None
         t0 = time.perf_counter()
         owners = state_owners([], frame.scope)
-        fp = _core.fingerprint(owners)
+        fp = fingerprint(owners, self.s.policy.fingerprint_version)
         self.fingerprint_s = time.perf_counter() - t0
         if budget is not None:
             budget.took(loop, self.fingerprint_s)
@@ -211,7 +215,8 @@ class Logbook:
         s = self.s
         phase, _, top, _, indices = s.info
         ctx = block_context(b.ctx, b.key, b.occurrence)
-        value = [_core.crc32c(json.dumps(sig).encode()), _core.fingerprint(list(objs))]
+        value = [_core.crc32c(json.dumps(sig).encode()),
+                 fingerprint(list(objs), self.s.policy.fingerprint_version)]
         self.logs.append((s.run_id, s.part, self.next_ord(), phase, top, ctx, "state@block",
                           indices, 0, json.dumps(value), b.key))
 

@@ -67,6 +67,7 @@ class Recording(RecordIterations):
     mode = "record"
     first_phase = None
     part = 0
+    fingerprint_version = blockstate.FINGERPRINT
 
     def __init__(self, store, script, argv, epsilon=None, adaptive=None, hands_free=None,
                  resume=None):
@@ -93,7 +94,7 @@ class Recording(RecordIterations):
                 source = f.read()
         info = {"adaptive": adaptive, "hands_free": hands_free is not None,
                 "pid": os.getpid(), "pid_start": process_start(os.getpid()),
-                "host": socket.gethostname()}
+                "host": socket.gethostname(), "fingerprint": self.fingerprint_version}
         self.point = resume  # a flor.runtime.resume.ResumePoint
         self.restored = resume is None or resume.start == 0
         if resume is None:

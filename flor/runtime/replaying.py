@@ -55,6 +55,7 @@ class Replaying:
         self._safe_noted = False
         self.recorded = type(store)(plan.store)  # the record's rows (a part may store elsewhere)
         self.fingerprints = RecordedFingerprints.of(self.recorded, plan)
+        self.fingerprint_version = self.fingerprints.version
         self._output_at, self._output = None, []  # the record's output of one iteration
         store.clear_part(self.run_id, part)
         store.set_part(self.run_id, part, "running")

@@ -1,0 +1,248 @@
+"""The device side of flor._core: snapshots and fingerprints of CUDA tensors,
+through torch's streams and events.  csrc/walk.c finds the CUDA storages of
+what it walks and calls the two functions below; nothing else does, and this
+module is imported only once a CUDA tensor has been met.
+
+copy(arena, blobs, pinned) queues the copy of every storage into the pinned
+staging arena and returns a Pending, which every reader of the arena waits
+on first (the writer thread, Snapshot.restore, flor.save).  Training is not
+stopped: the copy runs on a stream of flor's own, after the work the
+training stream has queued so far, and a later in-place update never
+reaches the snapshot, by one of two orders:
+
+  staged   the training stream first copies the storages into one device
+           buffer (device-to-device: a few hundred microseconds per GiB on a
+           current GPU), then flor's stream copies that buffer to the host
+           while training goes on;
+  ordered  flor's stream copies the storages themselves, and the training
+           stream waits for that copy before its next kernel.
+
+FLOR_CUDA_COPY=auto (the default) stages where the device has room for the
+buffer (half its free memory), else orders; staged and ordered force one.
+Storages under SMALL bytes are coalesced into one copy.  BENCHMARKS.md ("The
+CUDA path on a GPU") has what each costs the training stream.
+
+digest(blobs) is the sum under a version 2 state fingerprint (csrc/crc32c.c,
+flor_digest64) of storages, computed where they live with int64 kernels:
+no host copy, one synchronisation for the 8-byte result.  On CPU storages it
+gives what the C code gives, which tests/test_snapshot.py checks.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["copy", "digest", "Pending", "MODES", "ENV"]
+
+ENV = "FLOR_CUDA_COPY"
+MODES = ("auto", "staged", "ordered")
+ALIGN = 64  # FLOR_ALIGN in csrc/flor.h: each blob starts at a multiple of it
+SMALL = 1 << 20  # storages under this are coalesced into one copy (ordered mode)
+PASS = 1 << 22  # int64 words a fingerprint pass reads: bounds its temporaries (32 MiB each)
+K1 = 0x9E3779B97F4A7C15 - (1 << 64)  # D1 and D2 in csrc/crc32c.c, as int64
+K2 = 0xBF58476D1CE4E5B9 - (1 << 64)
+MASK = (1 << 64) - 1
+
+_streams: dict = {}  # device -> flor's copy stream
+_zeros: dict = {}  # device -> ALIGN zero bytes, for padding
+
+
+def mode() -> str:
+    """The order copies keep, from FLOR_CUDA_COPY."""
+    m = os.environ.get(ENV, "auto")
+    if m not in MODES:
+        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, not {m!r}")
+    return m
+
+
+class Pending:
+    """The copies of one snapshot still in flight: one event per device."""
+
+    __slots__ = ("events",)
+
+    def __init__(self):
+        self.events: list = []
+
+    def wait(self):
+        """Return once every copy has landed (the GIL is released meanwhile)."""
+        for device, event in self.events:
+            with torch.cuda.device(device):  # no context made on another device
+                event.synchronize()
+
+
+def _bytes(storage) -> torch.Tensor:
+    """A storage's bytes as a uint8 tensor on its device (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _pad(device, n) -> torch.Tensor:
+    """n (< ALIGN) zero bytes on a device."""
+    z = _zeros.get(device)
+    if z is None:
+        z = _zeros[device] = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+    return z[:n]
+
+
+def _stream(device) -> torch.cuda.Stream:
+    s = _streams.get(device)
+    if s is None:
+        s = _streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+def _aligned(n) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _runs(group, small=None) -> list:
+    """Blobs (storage, offset, nbytes) in runs that are contiguous in the
+    arena: [(start, end, blobs)].  With small set, only runs of blobs under
+    it, and each larger blob alone."""
+    runs: list = []
+    for b in sorted(group, key=lambda b: b[1]):
+        alone = small is not None and b[2] >= small
+        last = runs[-1] if runs else None
+        if last and not alone and not last[3] and last[1] == b[1]:
+            last[1] = b[1] + _aligned(b[2])
+            last[2].append(b)
+        else:
+            runs.append([b[1], b[1] + _aligned(b[2]), [b], alone])
+    return [(start, end, blobs) for start, end, blobs, _ in runs]
+
+
+def _pieces(blobs) -> list:
+    """The bytes of a contiguous run, padded as the arena lays them out."""
+    out = []
+    for storage, _, nbytes in blobs:
+        out.append(_bytes(storage))
+        if _aligned(nbytes) > nbytes:
+            out.append(_pad(out[-1].device, _aligned(nbytes) - nbytes))
+    return out
+
+
+def _room(device, nbytes) -> bool:
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= free // 2
+
+
+def _staged(host, device, runs, cur, side, pinned):
+    stages = []
+    for start, end, blobs in runs:  # on the training stream: after its queued work
+        stage = torch.empty(end - start, dtype=torch.uint8, device=device)
+        torch.cat(_pieces(blobs), out=stage)
+        stages.append((start, end, stage))
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for start, end, stage in stages:
+            host[start:end].copy_(stage, non_blocking=pinned)
+            stage.record_stream(side)  # its memory is reused only after the copy
+
+
+def _ordered(host, runs, cur, side, pinned):
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for start, end, blobs in runs:
+            for storage, _, _ in blobs:
+                # Freed by the script meanwhile, its memory is not reused
+                # before this copy has read it.
+                _bytes(storage).record_stream(side)
+            if len(blobs) == 1:
+                storage, offset, nbytes = blobs[0]
+                host[offset:offset + nbytes].copy_(_bytes(storage), non_blocking=pinned)
+            else:  # small ones, coalesced on the device first
+                host[start:end].copy_(torch.cat(_pieces(blobs)), non_blocking=pinned)
+
+
+def copy(arena, blobs, pinned) -> Pending:
+    """Queue the copy of CUDA storages into the arena (a writable memoryview).
+    blobs: [(storage, offset, nbytes)]; the arena's padding after each blob
+    is zero already.  The copies land once the Pending's wait() returns."""
+    host = torch.frombuffer(arena, dtype=torch.uint8)
+    chosen = mode()
+    devices: dict = {}
+    for b in blobs:
+        devices.setdefault(b[0].device, []).append(b)
+    pending = Pending()
+    for device, group in devices.items():
+        cur, side = torch.cuda.current_stream(device), _stream(device)
+        runs = _runs(group)
+        staged = chosen == "staged" or (
+            chosen == "auto" and _room(device, sum(end - start for start, end, _ in runs)))
+        done = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, never spins
+        try:
+            if staged:
+                _staged(host, device, runs, cur, side, pinned)
+            else:
+                _ordered(host, _runs(group, SMALL), cur, side, pinned)
+            done.record(side)
+        except BaseException:
+            # Nothing may still write into the arena once it can be reused.
+            side.synchronize()
+            pending.wait()
+            raise
+        if not staged:
+            cur.wait_event(done)  # the training stream's next kernels come after the copy
+        pending.events.append((device, done))
+    return pending
+
+
+def _terms(words, first) -> torch.Tensor:
+    """The sum of the digest terms of int64 words, the first at word index
+    first (flor_digest64 in csrc/crc32c.c), as a 0-d tensor on their device."""
+    x = torch.arange(first + 1, first + 1 + words.numel(), dtype=torch.int64,
+                     device=words.device)
+    x.mul_(K1).bitwise_xor_(words).mul_(K2)
+    x.bitwise_xor_(x >> 31)  # arithmetic shift, as the C code's
+    return x.sum()
+
+
+def _whole(u8, first) -> list:
+    """The terms of one storage's bytes (a last partial word zero-padded)."""
+    n = u8.numel()
+    words = n // 8
+    out = []
+    if words:
+        w = u8[:words * 8].view(torch.int64)
+        for s in range(0, words, PASS):
+            out.append(_terms(w[s:s + PASS], first + s))
+    if n % 8:
+        tail = torch.zeros(8, dtype=torch.uint8, device=u8.device)
+        tail[:n % 8] = u8[words * 8:]
+        out.append(_terms(tail.view(torch.int64), first + words))
+    return out
+
+
+def digest(blobs) -> int:
+    """The digest of storages [(storage, first word index)], each storage's
+    bytes starting at a fresh 8-byte word, modulo 2**64.  Storages under a
+    pass are copied together (consecutive words of one device, a pass at
+    most) and read in one pass; larger ones are read where they are."""
+    parts: dict = {}  # device -> 0-d tensors
+    run: list = []  # the storages of the pass being gathered, padded to whole words
+    first = end = None
+
+    def close_run():
+        if run:
+            parts.setdefault(run[0].device, []).extend(_whole(torch.cat(run), first))
+            run.clear()
+
+    for storage, at in blobs:
+        u8 = _bytes(storage)
+        n = u8.numel()
+        words = (n + 7) // 8
+        if words > PASS // 2:
+            parts.setdefault(u8.device, []).extend(_whole(u8, at))
+            continue
+        if not run or at != end or u8.device != run[0].device or at + words - first > PASS:
+            close_run()
+            first = at
+        run.append(u8)
+        if n % 8:
+            run.append(_pad(u8.device, 8 - n % 8))
+        end = at + words
+    close_run()
+    total = 0
+    for tensors in parts.values():
+        total += int(torch.stack(tensors).sum())  # one synchronisation per device
+    return total & MASK

@@ -1,0 +1,150 @@
+"""State fingerprints: version 2 is the CRC-32C of the blobs' lengths and of
+a 64-bit digest of their bytes (csrc/crc32c.c), which a GPU computes where
+the tensors live (flor/_cuda.py).  Its torch kernels run here on CPU
+storages and must give what the C code gives, so that a state fingerprinted
+on the GPU in record and on the host in replay (or the reverse) compares.
+Records made before version 2 keep being replayed with version 1."""
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from flor import _core, _cuda
+
+from conftest import flor, plain, runs, store, write_script
+
+M = (1 << 64) - 1
+
+
+def digest_spec(data: bytes, first: int) -> int:
+    """The digest, straight from its definition (csrc/crc32c.c)."""
+    data = bytes(data) + b"\0" * (-len(data) % 8)
+    total = 0
+    for k in range(len(data) // 8):
+        w = int.from_bytes(data[8 * k:8 * k + 8], "little")
+        x = ((w ^ ((first + k + 1) * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & M
+        signed = x - (1 << 64) if x >> 63 else x
+        total = (total + (x ^ ((signed >> 31) & M))) & M
+    return total
+
+
+def blob_bytes(t) -> bytes:
+    """A tensor's whole storage, as a snapshot holds it."""
+    s = t.untyped_storage()
+    return bytes(torch.empty(0, dtype=torch.uint8).set_(s).numpy())
+
+
+STATE = [torch.randn(1001), torch.arange(13, dtype=torch.uint8), torch.randn(5, 3).double().t(),
+         torch.arange(7, dtype=torch.int16), torch.zeros(0)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 1000])
+def test_the_digest_is_its_specification(n):
+    data = np.random.default_rng(n).bytes(n)
+    for first in (0, 3, 1 << 40):
+        assert _core.digest64(data, first) == digest_spec(data, first)
+
+
+def test_a_version_2_fingerprint_is_the_crc_of_the_lengths_and_the_digest():
+    crc, total, index = 0, 0, 0
+    for t in STATE:
+        data = blob_bytes(t)
+        crc = _core.crc32c(struct.pack("<Q", len(data)), crc)
+        total = (total + digest_spec(data, index)) & M
+        index += (len(data) + 7) // 8
+    expected = 1 << 32 | _core.crc32c(struct.pack("<Q", total), crc)
+    assert _core.fingerprint(STATE) == _core.fingerprint(STATE, 2) == expected
+    # One changed bit changes it; so does a swap of two equal-sized words.
+    changed = [t.clone() for t in STATE]
+    changed[3][2], changed[3][5] = STATE[3][5], STATE[3][2]
+    assert _core.fingerprint(changed) != expected
+
+
+def test_version_1_is_the_crc_of_the_lengths_and_the_bytes():
+    crc = 0
+    for t in STATE:
+        data = blob_bytes(t)
+        crc = _core.crc32c(data, _core.crc32c(struct.pack("<Q", len(data)), crc))
+    assert _core.fingerprint(STATE, 1) == crc < 1 << 32
+    with pytest.raises(ValueError, match="version must be 1 or 2"):
+        _core.fingerprint(STATE, 3)
+
+
+def test_the_device_digest_equals_the_host_digest(monkeypatch):
+    """flor/_cuda.digest on CPU storages: small ones are read together
+    (runs of consecutive word indices, a pass at most), large ones in
+    several passes, and partial last words are zero-padded, as the C code
+    does."""
+    monkeypatch.setattr(_cuda, "PASS", 1000)  # words: several passes over the large ones
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=g) for n in (3, 1, 5000, 17, 2, 1025, 9, 900, 700, 900)]
+    tensors.append(torch.randint(0, 255, (4099,), dtype=torch.uint8, generator=g))
+    blobs, expected, index = [], 0, 0
+    for k, t in enumerate(tensors):
+        if k == 4:
+            index += 11  # a host blob between them: a gap in the device's words
+        data = blob_bytes(t)
+        blobs.append((t.untyped_storage(), index))
+        expected = (expected + _core.digest64(data, index)) & M
+        index += (len(data) + 7) // 8
+    assert _cuda.digest(blobs) == expected
+
+
+TRAIN = """
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(64, 8), torch.randn(64, 2)
+    for epoch in range(4):
+        for i in range(0, 64, 16):
+            opt.zero_grad()
+            loss = ((model(x[i:i + 16]) - y[i:i + 16]) ** 2).mean()
+            loss.backward()
+            opt.step()
+        print("epoch", epoch, round(loss.item(), 6))
+"""
+
+# The flor that recorded before version 2: every fingerprint of version 1,
+# and no "fingerprint" in the run's info.
+OLDER_FLOR = """
+from flor.runtime.recording import Recording
+Recording.fingerprint_version = 1
+"""
+
+
+def test_a_record_with_version_1_fingerprints_replays_with_them(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "train.py", TRAIN)
+    site = tmp_path / "older"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(OLDER_FLOR)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    flor(d, "record", "--no-adaptive", "train.py", env={"PYTHONPATH": path})
+    st = store(d)
+    rec = runs(st, "record")[0]
+    info = json.loads(rec["info"])
+    assert info.pop("fingerprint") == 1
+    st.update_run(rec["run_id"], info=json.dumps(info))
+    fps = [json.loads(r["value"]) for r in st.logs(rec["run_id"]) if r["name"] == "state@iteration"]
+    assert len(fps) == 4 and all(v < 1 << 32 for v in fps)
+    with open(os.path.join(d, "train.py")) as f:
+        src = f.read()
+    with open(os.path.join(d, "train.py"), "w") as f:
+        f.write(src.replace('    print("epoch"', '    print("w", model.weight.sum().item())\n'
+                                                 '    print("epoch"'))
+    rep = flor(d, "replay", "--jobs", "2", "train.py")
+    assert rep.stdout == plain(d, "train.py").stdout
+    # Compared, each against the record's version 1 value.
+    assert "deferred checks passed" in rep.stderr and "not compared" not in rep.stderr, \
+        rep.stderr
+    assert " 4 state fingerprints" in rep.stderr, rep.stderr
+    replay = runs(st, "replay")[-1]["run_id"]
+    parts = st.rows("parts", replay, "ORDER BY part")
+    # The second segment started from its iteration checkpoint, verified by
+    # its version 1 fingerprint.
+    assert json.loads(parts[1]["info"])["resumed_from"] is not None, parts
