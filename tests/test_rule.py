@@ -208,6 +208,24 @@ def test_the_charge_is_what_training_pays_per_checkpoint():
     assert d.cost("eval", 1000, 1000.0, 2.0) == pytest.approx((0.2 + 0.2) / 2)
 
 
+def test_bytes_in_cuda_tensors_are_predicted_as_a_copy_within_the_device():
+    """Before a checkpoint is measured, its bytes in CUDA tensors cost a copy
+    within the device and no share of the write; the host's, as before.
+    measure() tells the two apart."""
+    import torch
+
+    from flor.runtime import charge
+
+    assert _core.measure({"t": torch.zeros(5)}, True) == (20, 0)
+    c = charge.Charges()
+    c._share = 0.25
+    n, copy_bw, write_s = 10**9, 1e9, 2.0
+    assert c.cost("gpu", n, copy_bw, write_s, 1.0) == pytest.approx(n / charge.DEVICE_COPY_BPS)
+    assert c.cost("host", n, copy_bw, write_s, 0.0) == pytest.approx(1.0 + 0.5)
+    assert c.cost("half", n, copy_bw, write_s, 0.5) == pytest.approx(
+        0.5 + n / 2 / charge.DEVICE_COPY_BPS + 0.25)
+
+
 def test_a_block_is_charged_for_its_own_time_and_its_own_writes():
     """Nested blocks: the outer block's own time leaves out the inner
     executions and their checkpoints; a slowdown goes to the block whose

@@ -21,10 +21,14 @@ measured (the staging buffer is warm after the first) plus the mean
 slowdown per checkpoint.  Before a warm checkpoint of a block is measured,
 the blocking is predicted by a model: a warm copy of its bytes (the
 calibrated copy bandwidth) plus a fraction of the write time, 1/4 when the
-writer has a core that training does not use and all of it otherwise.  The
-first checkpoint's own blocking includes one-time costs (the staging
-buffer's first touch), so it caps the model's figure rather than replacing
-it; what it cost stays in `spent`.
+writer has a core that training does not use and all of it otherwise.
+Bytes in CUDA tensors are modelled apart: training pays for them a copy
+within the device (flor/_cuda.py; DEVICE_COPY_BPS), and the writer's work
+competes with a host thread that mostly waits for the GPU, so no share of
+their write is charged before a slowdown is measured.  The first
+checkpoint's own blocking includes one-time costs (the staging buffer's
+first touch), so it caps the model's figure rather than replacing it; what
+it cost stays in `spent`.
 """
 from __future__ import annotations
 
@@ -34,6 +38,11 @@ import sys
 __all__ = ["Charges"]
 
 SPARE_CORE_SHARE = 0.25  # of the write time, charged before any measure
+# What training pays per byte of a CUDA tensor before a checkpoint is
+# measured: the staged copy within the device runs at over 1e12 B/s on
+# current GPUs, and flor's side of the call is about 1 ms per GiB
+# (BENCHMARKS.md, "The CUDA path on a GPU"); 1e11 B/s covers both.
+DEVICE_COPY_BPS = 1e11
 
 
 class _Block:
@@ -108,14 +117,18 @@ class Charges:
             if extra > 0:
                 self._blocks.setdefault(overlapped, _Block()).slowdown += extra
 
-    def cost(self, key, nbytes: int, copy_bw: float, write_s: float) -> float:
+    def cost(self, key, nbytes: int, copy_bw: float, write_s: float,
+             on_device: float = 0.0) -> float:
         """M for the rule: the block's training overhead after one more
-        checkpoint of `nbytes`, per checkpoint."""
+        checkpoint of `nbytes`, a fraction `on_device` of them in CUDA
+        tensors, per checkpoint."""
         b = self._blocks.setdefault(key, _Block())
         k = len(b.blocking)
         if self._share is None:
             self._share = _share()
-        prior = nbytes / copy_bw + self._share * write_s
+        host = 1.0 - on_device
+        prior = nbytes * (host / copy_bw + on_device / DEVICE_COPY_BPS) + \
+            self._share * write_s * host
         if k == 0:
             marginal = prior
         elif k == 1:

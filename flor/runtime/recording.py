@@ -118,6 +118,7 @@ class Recording(RecordIterations):
         self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
             if source is not None and hands_free is None else set()
         self.last_bytes: dict[str, int] = {}  # block -> bytes of its last checkpoint
+        self.on_device: dict[str, float] = {}  # block -> share of its bytes in CUDA tensors
         self.charges = Charges()
         self._submitted: list[str] = []  # the block of each checkpoint submitted, in order
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
@@ -185,10 +186,11 @@ class Recording(RecordIterations):
         stand_in = self.group is not None and not self.group.owner
         nbytes = None if stand_in else self.last_bytes.get(key)
         if nbytes is None:
-            nbytes = _core.measure(objs)
+            nbytes, on_device = _core.measure(objs, True)
+            self.on_device[key] = on_device / nbytes if nbytes else 0.0
         bw, copy_bw = self.bandwidth()
         write_s = nbytes / bw
-        M = self.charges.cost(key, nbytes, copy_bw, write_s)
+        M = self.charges.cost(key, nbytes, copy_bw, write_s, self.on_device.get(key, 0.0))
         ok, reason, ratio, limit, M = self.machine.decide(handle, nbytes, M, write_s)
         if self.group is not None:  # every rank follows the first to get here
             ok, reason = self.group.follow(self.machine, handle, key, ctx, occurrence,
