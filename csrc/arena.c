@@ -219,7 +219,9 @@ flor_pool_give(flor_state *st, flor_arena *a)
     a->next = st->pool.free_list;
     st->pool.free_list = a;
     st->pool.free_bytes += a->cap;
-    flor_pool_trim(st, 2 * st->pool.high_water);
+    /* In whole arenas: below one grain, twice the largest request would
+     * keep none, and every small snapshot would map (and pin) a fresh one. */
+    flor_pool_trim(st, 2 * round_grain(st->pool.high_water));
 }
 
 void

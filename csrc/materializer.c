@@ -452,7 +452,7 @@ parse_results(flor_child *c)
                 /* step names are static strings on this side */
                 static const char *const steps[] = {"create", "write", "fsync", "close",
                                                     "rename", "fsync directory", "pickle",
-                                                    "allocate"};
+                                                    "allocate", "copy"};
                 size_t s;
                 j->step = "write";
                 for (s = 0; s < sizeof(steps) / sizeof(steps[0]); s++) {

@@ -1482,8 +1482,8 @@ copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx, int h
     double t0;
     char *base;
 
-    /* CUDA blobs first: one device's bytes are one run of the arena, which
-     * a single copy fills (flor._cuda). */
+    /* CUDA blobs first: with one device (the usual case) they are one run
+     * of the arena, which a single copy fills (flor._cuda). */
     for (i = 0; i < s->n_blobs; i++) {
         if (s->blobs[i].where == FLOR_BLOB_CUDA) {
             s->blobs[i].offset = total;

@@ -21,6 +21,7 @@ import traceback
 
 from .cli import build_parser, options_of, parse
 from .errors import FlorError, note, unusable
+from . import _cuda
 from .materializer import mode_from_env
 
 
@@ -33,6 +34,7 @@ def cmd_record(o) -> int:
         raise FlorError("--force goes with --resume")
     try:
         mode_from_env()
+        _cuda.mode()  # imports no torch
     except ValueError as e:
         raise FlorError(str(e)) from None
     code = record_script(o.script, o.args if o.explicit_args or not o.resume else None,

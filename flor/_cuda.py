@@ -18,20 +18,22 @@ reaches the snapshot, by one of two orders:
            stream waits for that copy before its next kernel.
 
 FLOR_CUDA_COPY=auto (the default) stages where the device has room for the
-buffer (half its free memory), else orders; staged and ordered force one.
-Storages under SMALL bytes are coalesced into one copy.  BENCHMARKS.md ("The
-CUDA path on a GPU") has what each costs the training stream.
+buffer (half its free memory), else orders; staged and ordered force one
+(staged orders where the buffer cannot be allocated).  Storages under SMALL
+bytes are coalesced into one copy.  BENCHMARKS.md ("The CUDA path on a
+GPU") has what each costs the training stream.
 
 digest(blobs) is the sum under a version 2 state fingerprint (csrc/crc32c.c,
 flor_digest64) of storages, computed where they live with int64 kernels:
 no host copy, one synchronisation for the 8-byte result.  On CPU storages it
-gives what the C code gives, which tests/test_snapshot.py checks.
+gives what the C code gives, which tests/test_fingerprint.py checks.
+
+torch is imported by the functions that use it: record checks FLOR_CUDA_COPY
+(mode()) before the script runs, and must not import torch before it does.
 """
 from __future__ import annotations
 
 import os
-
-import torch
 
 __all__ = ["copy", "digest", "Pending", "MODES", "ENV"]
 
@@ -66,25 +68,33 @@ class Pending:
 
     def wait(self):
         """Return once every copy has landed (the GIL is released meanwhile)."""
+        import torch
+
         for device, event in self.events:
             with torch.cuda.device(device):  # no context made on another device
                 event.synchronize()
 
 
-def _bytes(storage) -> torch.Tensor:
+def _bytes(storage):
     """A storage's bytes as a uint8 tensor on its device (no copy)."""
+    import torch
+
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _pad(device, n) -> torch.Tensor:
+def _pad(device, n):
     """n (< ALIGN) zero bytes on a device."""
+    import torch
+
     z = _zeros.get(device)
     if z is None:
         z = _zeros[device] = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
     return z[:n]
 
 
-def _stream(device) -> torch.cuda.Stream:
+def _stream(device):
+    import torch
+
     s = _streams.get(device)
     if s is None:
         s = _streams[device] = torch.cuda.Stream(device=device)
@@ -122,24 +132,35 @@ def _pieces(blobs) -> list:
 
 
 def _room(device, nbytes) -> bool:
+    import torch
+
     free, _ = torch.cuda.mem_get_info(device)
     return nbytes <= free // 2
 
 
-def _staged(host, device, runs, cur, side, pinned):
-    stages = []
-    for start, end, blobs in runs:  # on the training stream: after its queued work
-        stage = torch.empty(end - start, dtype=torch.uint8, device=device)
+def _staged(host, device, runs, cur, side, pinned) -> bool:
+    """Queue the staged copies; False, with nothing queued, where the device
+    has no memory for the buffers."""
+    import torch
+
+    try:
+        stages = [torch.empty(end - start, dtype=torch.uint8, device=device)
+                  for start, end, _ in runs]
+    except torch.cuda.OutOfMemoryError:
+        return False
+    for stage, (_, _, blobs) in zip(stages, runs):  # on the training stream
         torch.cat(_pieces(blobs), out=stage)
-        stages.append((start, end, stage))
     side.wait_stream(cur)
     with torch.cuda.stream(side):
-        for start, end, stage in stages:
+        for stage, (start, end, _) in zip(stages, runs):
             host[start:end].copy_(stage, non_blocking=pinned)
             stage.record_stream(side)  # its memory is reused only after the copy
+    return True
 
 
 def _ordered(host, runs, cur, side, pinned):
+    import torch
+
     side.wait_stream(cur)
     with torch.cuda.stream(side):
         for start, end, blobs in runs:
@@ -158,38 +179,42 @@ def copy(arena, blobs, pinned) -> Pending:
     """Queue the copy of CUDA storages into the arena (a writable memoryview).
     blobs: [(storage, offset, nbytes)]; the arena's padding after each blob
     is zero already.  The copies land once the Pending's wait() returns."""
+    import torch
+
     host = torch.frombuffer(arena, dtype=torch.uint8)
     chosen = mode()
     devices: dict = {}
     for b in blobs:
         devices.setdefault(b[0].device, []).append(b)
-    pending = Pending()
-    for device, group in devices.items():
-        cur, side = torch.cuda.current_stream(device), _stream(device)
-        runs = _runs(group)
-        staged = chosen == "staged" or (
-            chosen == "auto" and _room(device, sum(end - start for start, end, _ in runs)))
-        done = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, never spins
-        try:
-            if staged:
-                _staged(host, device, runs, cur, side, pinned)
-            else:
+    pending, used = Pending(), []
+    try:
+        for device, group in devices.items():
+            cur, side = torch.cuda.current_stream(device), _stream(device)
+            used.append(side)
+            runs = _runs(group)
+            staged = chosen != "ordered" and (
+                chosen == "staged" or _room(device, sum(end - start for start, end, _ in runs))
+            ) and _staged(host, device, runs, cur, side, pinned)
+            if not staged:
                 _ordered(host, _runs(group, SMALL), cur, side, pinned)
+            done = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, never spins
             done.record(side)
-        except BaseException:
-            # Nothing may still write into the arena once it can be reused.
+            pending.events.append((device, done))
+            if not staged:
+                cur.wait_event(done)  # the training stream's next kernels come after the copy
+    except BaseException:
+        # Nothing may still write into the arena once it can be reused.
+        for side in used:
             side.synchronize()
-            pending.wait()
-            raise
-        if not staged:
-            cur.wait_event(done)  # the training stream's next kernels come after the copy
-        pending.events.append((device, done))
+        raise
     return pending
 
 
-def _terms(words, first) -> torch.Tensor:
+def _terms(words, first):
     """The sum of the digest terms of int64 words, the first at word index
     first (flor_digest64 in csrc/crc32c.c), as a 0-d tensor on their device."""
+    import torch
+
     x = torch.arange(first + 1, first + 1 + words.numel(), dtype=torch.int64,
                      device=words.device)
     x.mul_(K1).bitwise_xor_(words).mul_(K2)
@@ -199,6 +224,8 @@ def _terms(words, first) -> torch.Tensor:
 
 def _whole(u8, first) -> list:
     """The terms of one storage's bytes (a last partial word zero-padded)."""
+    import torch
+
     n = u8.numel()
     words = n // 8
     out = []
@@ -218,6 +245,8 @@ def digest(blobs) -> int:
     bytes starting at a fresh 8-byte word, modulo 2**64.  Storages under a
     pass are copied together (consecutive words of one device, a pass at
     most) and read in one pass; larger ones are read where they are."""
+    import torch
+
     parts: dict = {}  # device -> 0-d tensors
     run: list = []  # the storages of the pass being gathered, padded to whole words
     first = end = None

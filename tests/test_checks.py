@@ -107,6 +107,29 @@ def test_a_check_that_compared_nothing_is_not_a_pass(tmp_path):
     assert flor(d, "replay", "--check", "strict", "quiet.py", check=False).returncode == 1
 
 
+def test_fingerprints_left_uncompared_are_not_counted_as_compared(tmp_path):
+    """Under --tolerance, the fingerprints of the blocks that ran again are
+    not compared: a replay whose only values are those compared nothing."""
+    d = str(tmp_path)
+    write_script(d, "train.py", """
+        import torch
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for epoch in range(3):
+            for i in range(2):
+                opt.zero_grad()
+                model(torch.randn(8, 4)).sum().backward()
+                opt.step()
+    """)
+    flor(d, "record", "--no-adaptive", "train.py")
+    edit(os.path.join(d, "train.py"), "opt.step()", 'print("step", i)')
+    rep = flor(d, "replay", "--tolerance", "1e-6", "--check", "strict", "train.py", check=False)
+    assert "state fingerprints were not compared (--tolerance)" in rep.stderr, rep.stderr
+    assert "deferred checks compared nothing" in rep.stderr and rep.returncode == 1, rep.stderr
+
+
 def test_lines_that_differ_only_where_they_read_the_clock_are_set_apart(tmp_path):
     d = str(tmp_path)
     write_script(d, "timed.py", """

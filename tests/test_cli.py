@@ -50,6 +50,12 @@ def test_every_command_has_help_with_its_options_and_environment(tmp_path):
     assert not os.path.exists(tmp_path / ".flor")
     bad = flor(str(tmp_path), "replay", "--jobs", "zero", "train.py", check=False)
     assert bad.returncode == 2 and "--jobs" in bad.stderr and "Traceback" not in bad.stderr
+    # Settings read at the first checkpoint (of GPU state) are checked before the script runs.
+    (tmp_path / "ok.py").write_text("print('ran')\n")
+    for var, value in (("FLOR_MATERIALIZER", "forks"), ("FLOR_CUDA_COPY", "stage")):
+        bad = flor(str(tmp_path), "record", "ok.py", env={var: value}, check=False)
+        assert bad.returncode == 2 and f"{var} must be" in bad.stderr, bad.stderr
+        assert "ran" not in bad.stdout and not os.path.exists(tmp_path / ".flor")
 
 
 def test_the_flor_console_script():

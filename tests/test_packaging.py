@@ -114,7 +114,7 @@ def unpacked(sdist, tmp_path_factory):
 
 
 def test_the_sdist_holds_the_test_suite_and_no_build_artefacts(sdist, members):
-    assert os.path.basename(str(sdist)) == "flor_hindsight-0.1.0.tar.gz"
+    assert os.path.basename(str(sdist)) == "flor_hindsight-0.2.0.tar.gz"
     assert [f for f in REQUIRED if f not in members] == []
     artefacts = [m for m in members
                  if m.endswith((".so", ".o", ".pyc")) or "__pycache__" in m.split("/")

@@ -140,6 +140,15 @@ class Charges:
             marginal = min(b.blocking) + b.slowdown / k
         return (b.spent + marginal) / (k + 1)
 
+    def paid(self, key, seconds: float):
+        """Training paid `seconds` more for the checkpoint of the block just
+        charged (its state fingerprint, taken after the submit)."""
+        b = self._blocks.setdefault(key, _Block())
+        if b.blocking:
+            b.blocking[-1] += seconds
+        if self._open:
+            self._open[-1].inner += seconds
+
     def charged(self, key, blocking: float):
         """A checkpoint of the block was submitted; it blocked `blocking` s."""
         self._blocks.setdefault(key, _Block()).blocking.append(blocking)

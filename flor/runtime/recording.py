@@ -169,7 +169,9 @@ class Recording(RecordIterations):
         if self._checkpoint(session, b.key, b.handle, b.ctx, b.occurrence, seconds,
                             [list(objs), grads], lambda: blockstate.payload(
                                 b.key, b.ctx, b.occurrence, sig, objs, grads)):
+            t0 = time.perf_counter()
             session.logbook.state(b, sig, objs)
+            self.charges.paid(b.key, time.perf_counter() - t0)
 
     def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make,
                     made_s=0.0):
