@@ -5,7 +5,7 @@ set apart."""
 import json
 import os
 
-from conftest import edit, flor, plain, runs, store, write_script
+from conftest import edit, flor, plain, read, runs, store, write_script
 
 ACCUM = """
     import torch
@@ -149,6 +149,47 @@ def test_lines_that_differ_only_where_they_read_the_clock_are_set_apart(tmp_path
     assert ("deferred checks passed: 0 logged values and 3 printed lines of unchanged "
             "statements equal the record's; 3 printed lines differ only in fields that read "
             "the clock (not compared)") in rep.stderr, rep.stderr
+
+
+def test_a_line_that_reads_the_clock_is_compared_in_its_other_fields(tmp_path):
+    """The replay is wrong (the optimizer steps in another module, so the
+    restored block lacks the gradients) and the line that shows it also
+    prints the time: its weight field is compared, only its time is not."""
+    d = str(tmp_path)
+    _accum_stepping_elsewhere(d)
+    src = read(os.path.join(d, "accum.py")).replace(
+        "import torch\n", "import time\nimport torch\nt0 = time.time()\n", 1)
+    with open(os.path.join(d, "accum.py"), "w") as f:
+        f.write(src + '    print(f"it {it} w {model.weight.sum().item():.6f} '
+                      'time {time.time() - t0:.6f}")\n')
+    flor(d, "record", "--no-adaptive", "accum.py")
+    edit(os.path.join(d, "accum.py"), "helpers.apply(opt)", 'print("iteration", it)')
+    rep = flor(d, "replay", "accum.py")
+    assert "deferred checks FAILED" in rep.stderr, rep.stderr
+    assert "(printed) at iteration 0 of the loop at accum.py:11: recorded 'it 0 w " \
+        in rep.stderr, rep.stderr
+    assert "differ only in fields that read the clock" not in rep.stderr, rep.stderr
+
+
+def test_clock_fields_are_told_apart_in_print_arguments_and_f_strings():
+    import ast
+
+    from flor.replay.causes import _clock_fields_only
+
+    def clock_only(src, rec, rep):
+        stmt = ast.parse(src).body[0]
+        return _clock_fields_only(stmt, {"dt"}, json.dumps(rec), json.dumps(rep), 0.0)
+
+    assert clock_only('print("loss", loss, "time", dt)', "loss 1.5 time 3.2", "loss 1.5 time 9.9")
+    assert not clock_only('print("loss", loss, "time", dt)', "loss 1.5 time 3", "loss 1.6 time 9")
+    assert clock_only('print(dt, loss, sep=", ")', "3.2, 1.5", "4.1, 1.5")
+    assert clock_only('log.info(f"loss {loss:.2f} took {time.time() - t0:.1f}s")',
+                      "loss 1.50 took 3.2s", "loss 1.50 took 4.0s")
+    assert not clock_only('log.info(f"loss {loss:.2f} took {time.time() - t0:.1f}s")',
+                          "loss 1.50 took 3.2s", "loss 1.51 took 3.2s")
+    # Fields it cannot tell apart: the line is compared whole.
+    assert not clock_only('print("loss %.2f time %.1f" % (loss, dt))',
+                          "loss 1.50 time 3.2", "loss 1.50 time 4.0")
 
 
 def test_large_logged_arrays_are_stored_as_files_and_compared(tmp_path):

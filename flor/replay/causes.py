@@ -1,11 +1,13 @@
 """Why a replay's values differ from the record's: every likely-cause
 heuristic of the deferred checks, in one place.
 
-- A printed line whose statement reads the clock (it calls time.time(),
+- A printed line that differs from the recorded one only in fields whose
+  values come from the clock (an expression that calls time.time(),
   perf_counter(), datetime.now() ..., or reads a variable computed from
-  one, in any function of the script), and that differs from the recorded
-  one only in its numbers, is not a failure: it is set apart as "reads the
-  clock".
+  one, in any function of the script) is not a failure: it is set apart as
+  "reads the clock".  Its other fields are compared: the statement's
+  f-strings and print() arguments give the fields; a line whose fields
+  cannot be told apart is compared whole.
 - State fingerprints tell where replay first diverged: a block that ran
   again and ended in another state, or an iteration whose end state differs
   although every block that ran again in it ended as in record (then a
@@ -29,7 +31,7 @@ import re
 from ..context import parse_location
 from ..program.analysis import Script
 from ..program.syntax import path_of, root
-from .checks import STATE
+from .checks import STATE, equal
 
 __all__ = ["explain", "clock_names"]
 
@@ -37,7 +39,6 @@ _BUILTINS = set(dir(builtins))
 _CLOCK = re.compile(r"\btime\b|perf_counter|monotonic|datetime|elapsed|\bnow\(")
 _CLOCK_CALLS = {"time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic",
                 "monotonic_ns", "process_time", "now", "utcnow", "today"}
-_NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|nan|inf")
 
 
 def _calls_clock(node) -> bool:
@@ -82,11 +83,91 @@ def _reads_clock(stmt, text, tainted) -> bool:
     return any(isinstance(n, ast.Name) and n.id in tainted for n in ast.walk(stmt))
 
 
-def _same_but_numbers(recorded, replayed) -> bool:
+def _reads_clock_expr(expr, tainted) -> bool:
+    """Whether an expression reads the clock."""
+    return (_calls_clock(expr) or bool(_CLOCK.search(ast.unparse(expr)))
+            or any(isinstance(n, ast.Name) and n.id in tainted for n in ast.walk(expr)))
+
+
+_PACKS = (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.JoinedStr)
+
+
+def _clock_field(expr, tainted) -> bool:
+    """Whether a printed field's value comes from the clock: it reads the
+    clock and does not pack several values into its text (a tuple, an
+    f-string, % or .format(), a join), whose other values would go
+    uncompared."""
+    for n in ast.walk(expr):
+        if isinstance(n, _PACKS) or (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)
+                                     and isinstance(n.left, (ast.Constant, ast.JoinedStr))):
+            return False
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                n.func.attr in ("format", "join"):
+            return False
+    return _reads_clock_expr(expr, tainted)
+
+
+def _pieces(arg) -> list | None:
+    """What one argument prints: literal strings and formatted expressions."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return [arg.value]
+    if isinstance(arg, ast.JoinedStr):  # literal strings and FormattedValues' expressions
+        return [v.value for v in arg.values]
+    if isinstance(arg, ast.Starred):
+        return None
+    return [arg]
+
+
+def _template(stmt) -> list | None:
+    """The text a statement prints, as literal strings and the expressions
+    formatted between them: print(...) and a call of one f-string (a
+    logger's, tqdm.write's).  None where the fields cannot be told apart."""
+    call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
+    if call is None:
+        return None
+    if isinstance(call.func, ast.Name) and call.func.id == "print":
+        sep = " "
+        for kw in call.keywords:
+            if kw.arg == "sep" and isinstance(kw.value, ast.Constant) and \
+                    isinstance(kw.value.value, str):
+                sep = kw.value.value
+            elif kw.arg == "sep" and not (isinstance(kw.value, ast.Constant)
+                                          and kw.value.value is None):
+                return None
+        out = []
+        for i, arg in enumerate(call.args):
+            pieces = _pieces(arg)
+            if pieces is None:
+                return None
+            out += ([sep] if i else []) + pieces
+        return out
+    if len(call.args) == 1 and isinstance(call.args[0], ast.JoinedStr):
+        return _pieces(call.args[0])
+    return None
+
+
+def _clock_fields_only(stmt, tainted, recorded, replayed, tolerance) -> bool:
+    """Whether a value printed by `stmt` differs from the recorded one only
+    in fields whose values come from the clock."""
     a, b = json.loads(recorded), json.loads(replayed)
-    if isinstance(a, str) and isinstance(b, str):
-        return _NUMBER.sub("#", a) == _NUMBER.sub("#", b)
-    return isinstance(a, (int, float)) and isinstance(b, (int, float))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return _reads_clock_expr(stmt, tainted)  # the number logged is the clock's
+    template = _template(stmt) if isinstance(a, str) and isinstance(b, str) else None
+    if template is None:
+        return False
+    pattern, fields = "", []
+    for piece in template:
+        if isinstance(piece, str):
+            pattern += re.escape(piece)
+        else:
+            pattern += "(.*?)"
+            fields.append(piece)
+    pattern = re.compile(pattern, re.S)
+    ma, mb = pattern.fullmatch(a.rstrip("\n")), pattern.fullmatch(b.rstrip("\n"))
+    if ma is None or mb is None:
+        return False
+    return all(_clock_field(expr, tainted) or equal(x, y, tolerance)
+               for expr, x, y in zip(fields, ma.groups(), mb.groups()))
 
 
 def _statement_at(tree, line):
@@ -158,7 +239,8 @@ def explain(report, store, plan, source, rec=None):
         if cur is None or rel != script:
             continue
         stmt, text = prog.statement(cur)
-        if _reads_clock(stmt, text, prog.clock) and _same_but_numbers(recorded, replayed):
+        if _reads_clock(stmt, text, prog.clock) and \
+                _clock_fields_only(stmt, prog.clock, recorded, replayed, plan.tolerance or 0.0):
             report.mismatches.remove(m)
             report.clock.append(m)
     states = [m for m in report.mismatches if m[1].startswith(STATE)]
