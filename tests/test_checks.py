@@ -187,9 +187,22 @@ def test_clock_fields_are_told_apart_in_print_arguments_and_f_strings():
                       "loss 1.50 took 3.2s", "loss 1.50 took 4.0s")
     assert not clock_only('log.info(f"loss {loss:.2f} took {time.time() - t0:.1f}s")',
                           "loss 1.50 took 3.2s", "loss 1.51 took 3.2s")
-    # Fields it cannot tell apart: the line is compared whole.
+    # str.format and % (the PyTorch examples' own lines)
+    fmt = 'print("| epoch {:3d} | time: {:5.2f}s | loss {:5.2f}".format(epoch, dt, loss))'
+    assert clock_only(fmt, "| epoch   1 | time:  0.29s | loss  5.51",
+                      "| epoch   1 | time:  0.01s | loss  5.51")
+    assert not clock_only(fmt, "| epoch   1 | time:  0.29s | loss  5.51",
+                          "| epoch   1 | time:  0.29s | loss  5.52")
+    assert clock_only('print("loss %.2f time %.1f%%" % (loss, dt))',
+                      "loss 1.50 time 3.2%", "loss 1.50 time 4.0%")
     assert not clock_only('print("loss %.2f time %.1f" % (loss, dt))',
-                          "loss 1.50 time 3.2", "loss 1.50 time 4.0")
+                          "loss 1.50 time 3.2", "loss 1.51 time 3.2")
+    # Fields it cannot tell apart: the line is compared whole.
+    assert not clock_only('print(line(loss, dt))', "loss 1.50 time 3.2", "loss 1.50 time 4.0")
+    assert not clock_only('print(line(loss, time.time()))', "loss 1.50 time 3.2",
+                          "loss 1.50 time 4.0")
+    assert clock_only('print("ms/batch", elapsed * 1000 / args.log_interval)',
+                      "ms/batch 3.2", "ms/batch 4.0")
 
 
 def test_large_logged_arrays_are_stored_as_files_and_compared(tmp_path):

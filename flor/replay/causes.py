@@ -27,6 +27,7 @@ import builtins
 import json
 import os
 import re
+import string
 
 from ..context import parse_location
 from ..program.analysis import Script
@@ -94,17 +95,68 @@ _PACKS = (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.JoinedStr)
 
 def _clock_field(expr, tainted) -> bool:
     """Whether a printed field's value comes from the clock: it reads the
-    clock and does not pack several values into its text (a tuple, an
-    f-string, % or .format(), a join), whose other values would go
-    uncompared."""
+    clock, and packs no other value into its text (a tuple, an f-string, %
+    or .format(), a call that also takes a value not from the clock), which
+    would then go uncompared.  Arithmetic with other numbers (per batch,
+    in ms) still comes from the clock."""
     for n in ast.walk(expr):
         if isinstance(n, _PACKS) or (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)
                                      and isinstance(n.left, (ast.Constant, ast.JoinedStr))):
             return False
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
-                n.func.attr in ("format", "join"):
+        name = getattr(n.func, "attr", getattr(n.func, "id", None)) \
+            if isinstance(n, ast.Call) else None
+        if isinstance(n, ast.Call) and name not in _CLOCK_CALLS and not all(
+                isinstance(a, ast.Constant) or _reads_clock_expr(a, tainted)
+                for a in n.args + [k.value for k in n.keywords]):
             return False
     return _reads_clock_expr(expr, tainted)
+
+
+_PERCENT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[hlL]?([diouxXeEfFgGcrsa%])")
+
+
+def _format_pieces(fmt, args, keywords) -> list | None:
+    """str.format: the literal text and each field's argument."""
+    out, auto = [], 0
+    try:
+        parsed = list(string.Formatter().parse(fmt))
+    except ValueError:
+        return None
+    for literal, field, spec, _ in parsed:
+        out.append(literal)
+        if field is None:
+            continue
+        if spec and "{" in spec:
+            return None
+        head = re.match(r"[^.\[]*", field).group(0)
+        if head == "":
+            head, auto = str(auto), auto + 1
+        if head.isdigit():
+            if int(head) >= len(args):
+                return None
+            out.append(args[int(head)])
+        elif head in keywords:
+            out.append(keywords[head])
+        else:
+            return None
+    return out
+
+
+def _percent_pieces(fmt, right) -> list | None:
+    """printf-style %: the literal text and each specifier's argument."""
+    values = right.elts if isinstance(right, ast.Tuple) else [right]
+    out, pos, i = [], 0, 0
+    for m in _PERCENT.finditer(fmt):
+        out.append(fmt[pos:m.start()])
+        pos = m.end()
+        if m.group(1) == "%":
+            out.append("%")
+            continue
+        if "(" in m.group(0) or "*" in m.group(0) or i >= len(values):
+            return None
+        out.append(values[i])
+        i += 1
+    return out + [fmt[pos:]] if i == len(values) else None
 
 
 def _pieces(arg) -> list | None:
@@ -115,13 +167,25 @@ def _pieces(arg) -> list | None:
         return [v.value for v in arg.values]
     if isinstance(arg, ast.Starred):
         return None
+    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and \
+            arg.func.attr == "format" and isinstance(arg.func.value, ast.Constant) and \
+            isinstance(arg.func.value.value, str):
+        if any(isinstance(a, ast.Starred) for a in arg.args) or \
+                any(k.arg is None for k in arg.keywords):
+            return None
+        return _format_pieces(arg.func.value.value, arg.args,
+                              {k.arg: k.value for k in arg.keywords})
+    if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mod) and \
+            isinstance(arg.left, ast.Constant) and isinstance(arg.left.value, str):
+        return _percent_pieces(arg.left.value, arg.right)
     return [arg]
 
 
 def _template(stmt) -> list | None:
     """The text a statement prints, as literal strings and the expressions
-    formatted between them: print(...) and a call of one f-string (a
-    logger's, tqdm.write's).  None where the fields cannot be told apart."""
+    formatted between them: print(...), and a call of one formatted string
+    (a logger's, tqdm.write's); f-strings, str.format and %.  None where the
+    fields cannot be told apart."""
     call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
     if call is None:
         return None
@@ -141,8 +205,9 @@ def _template(stmt) -> list | None:
                 return None
             out += ([sep] if i else []) + pieces
         return out
-    if len(call.args) == 1 and isinstance(call.args[0], ast.JoinedStr):
-        return _pieces(call.args[0])
+    if len(call.args) == 1 and isinstance(call.args[0], (ast.JoinedStr, ast.Call, ast.BinOp)):
+        pieces = _pieces(call.args[0])
+        return pieces if pieces is not None and pieces != [call.args[0]] else None
     return None
 
 
