@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from .analysis import GiveUp, Script, block_effects
 from .gradients import gradients_live, scheduler_names
+from .liveness import exposed, reads, target_names
 from .syntax import assigned_names, bodies, called_names, functions, root, walk_scope
 
 __all__ = ["instrument", "Instrumented", "uses_flor", "RUNTIME"]
@@ -250,13 +251,21 @@ class _Instrumenter:
 
     def _carried(self, loop, scope):
         """(names, paths, globals, rebound): what the loop's body carries
-        into its next iteration, or None if analysis gives up."""
+        into its next iteration, or None if analysis gives up.  Only what an
+        iteration hands to the next: names the body reads before it assigns
+        them (never one the header binds) and objects reached through them
+        (program/liveness.py)."""
         try:
             eff = block_effects(self.script, loop.body, scope)
         except GiveUp:
             return None
+        if isinstance(loop, ast.For):
+            live = exposed(loop.body, target_names(loop.target))
+        else:  # the condition is evaluated after the restore, at the top of the body
+            live = exposed(loop.body) | reads(loop.test)
         names, paths, globals_ = self._sets(eff, scope)
-        return names, paths, globals_, [p for p in eff.paths if p in eff.assigned]
+        return ([n for n in names if n in live], [p for p in paths if root(p) in live],
+                globals_, [p for p in eff.paths if p in eff.assigned and root(p) in live])
 
     def _sets(self, eff, scope):
         """(names rebound by the instrumented code, paths set in place or
