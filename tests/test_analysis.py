@@ -501,3 +501,39 @@ def test_methods_of_the_script_s_classes_are_analysed_with_self_as_the_receiver(
     assert blocks[14].names == ["loss"] and blocks[14].kind == "call"
     assert blocks[14].paths == ["self.model", "self.opt", "self.steps"]
     assert blocks[18].paths == ["trainer.model", "trainer.opt", "trainer.steps"]
+
+
+def test_what_a_loop_body_reads_before_it_assigns():
+    """program/liveness.py: names read on some path before an assignment
+    on that path; the header's targets and definite assignments are not."""
+    from flor.program.liveness import exposed
+
+    def live(src, bound=()):
+        return exposed(ast.parse(textwrap.dedent(src)).body, set(bound))
+
+    assert live("""
+        x = x.to(device)
+        total += (model(x) == y).sum()
+        lr = get_lr(it)
+        t0, dt = t1, t1 - t0
+    """, bound={"x", "y"}) == {"device", "model", "total", "get_lr", "it", "t1", "t0"}
+    # An assignment in one branch, a loop or a try is not definite.
+    assert live("""
+        if step % 10 == 0:
+            lr = compute()
+        else:
+            lr = lr
+        for k in range(3):
+            acc = 0
+        try:
+            best = new()
+        except ValueError:
+            pass
+        use(lr, acc, best, k)
+    """) == {"step", "compute", "lr", "range", "new", "ValueError", "use", "acc", "best", "k"}
+    # Comprehensions and lambdas have their own names; x += 1 reads x.
+    assert live("""
+        norms = [p.grad.norm() for p in params if p.grad is not None]
+        f = lambda q: q + bias
+        count += 1
+    """) == {"params", "bias", "count"}
