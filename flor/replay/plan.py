@@ -380,6 +380,14 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     resume, restart = resume_points(store, rec, iterations, total)
     segments = partition(total, segments_for(jobs, work, rec) if part is None else jobs,
                          resumable, work, pseudo, restart)
+    runs = {r["run"] for r in loops if r["loop"] == rec["main_loop"] and r["depth"] == 0}
+    if len(runs) > 1:
+        # A worker would have to find its segment's execution among the
+        # others, and start it from a checkpoint of that execution alone.
+        segments, resume = [[0, total]], {}
+        notes.append(f"the main loop ({rec['main_loop']}) ran {len(runs)} times in the "
+                     "record: replay neither splits it nor starts it from an iteration "
+                     "checkpoint")
     group_plan = None
     if group is not None:  # every rank replays rank 0's segments
         segments, ports = ranking.share_plan(segments)
