@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from flor.replay.checks import compare_logs
-from flor.runtime.recording import FALLBACK_WRITE_BPS
+from flor.runtime.writes import FALLBACK_WRITE_BPS
 
 from conftest import ROOT, block_stats, edit, flor, read, runs, store, values, write_script
 

@@ -377,7 +377,20 @@ def _add_targets(eff, targets, rule, script):
                     eff.assigned.add(p)  # rebound, not changed in place
 
 
+def _advanced(script, expr, eff):
+    """next(it) advances the iterator `it`: a change in place (rule 1)."""
+    for n in ast.walk(expr) if expr is not None else ():
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "next" \
+                and "next" not in script.functions and n.args:
+            obj = path_of(n.args[0])
+            if obj is not None and root(obj) not in script.not_state:
+                eff.add(obj, 1)
+
+
 def _rule(script, s, eff, scope, depth, stack, handled):
+    _advanced(script, getattr(s, "value", None) if isinstance(
+        s, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)) else
+        getattr(s, "iter", None), eff)
     value, targets = None, None
     if isinstance(s, ast.Assign):
         value, targets = s.value, s.targets

@@ -183,6 +183,22 @@ def resume_points(store, rec, iterations, total):
     return resume, restart
 
 
+SEGMENTS_ENV = "FLOR_SEGMENTS"  # the tests' seam: where segments start, "0,5,9"
+
+
+def forced_segments(starts: str, total: int) -> list:
+    """The segments that start at the iterations `starts` names (and 0)."""
+    try:
+        at = sorted({0} | {int(x) for x in starts.split(",") if x.strip()})
+    except ValueError:
+        raise FlorError(f"{SEGMENTS_ENV} must list iterations, as 0,5,9: not {starts!r}") \
+            from None
+    if at[-1] >= total or at[0] < 0:
+        raise FlorError(f"{SEGMENTS_ENV}={starts}: the main loop has iterations 0 to "
+                        f"{total - 1}")
+    return [[a, b] for a, b in zip(at, at[1:] + [total])]
+
+
 def segments_for(jobs, work, rec) -> int:
     """How many segments a local replay on `jobs` workers splits the main
     loop into: one per worker, and more (up to 4 per worker, for the queue
@@ -380,6 +396,8 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     resume, restart = resume_points(store, rec, iterations, total)
     segments = partition(total, segments_for(jobs, work, rec) if part is None else jobs,
                          resumable, work, pseudo, restart)
+    if os.environ.get(SEGMENTS_ENV):
+        segments = forced_segments(os.environ[SEGMENTS_ENV], total)
     runs = {r["run"] for r in loops if r["loop"] == rec["main_loop"] and r["depth"] == 0}
     if len(runs) > 1:
         # A worker would have to find its segment's execution among the

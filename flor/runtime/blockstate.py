@@ -28,7 +28,19 @@ from ..errors import CheckpointCorrupt
 from .placement import Devices
 
 __all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state",
-           "fingerprint", "fingerprint_version", "FINGERPRINT"]
+           "fingerprint", "fingerprint_version", "FINGERPRINT", "UNHELD", "unheld"]
+
+#: How a signature (the labels of what a block or a main loop changes) ends
+#: the label of a value no checkpoint holds though it matters: an iterator
+#: (a generator, a DataLoader's iterator, a file read as it goes), whose
+#: position decides what the code after it draws.  Such an execution is
+#: never checkpointed, and replay runs it again (flor/runtime/handsfree.py).
+UNHELD = "whose position no checkpoint holds"
+
+
+def unheld(sig) -> list[str]:
+    """The labels of a signature that name values no checkpoint holds."""
+    return [label for label in sig if isinstance(label, str) and label.endswith(UNHELD)]
 
 #: The version of the state fingerprints a record takes (_core.fingerprint):
 #: 2 reads CUDA tensors on their device, and equals the host's for the same

@@ -79,6 +79,10 @@ def restore(saved, carrier, loop, run, i, scope, where):
         raise FlorReplayError(f"{where} is not the checkpoint of iteration {i} of the loop "
                               f"at {loop}")
     _, sig, _ = carrier.capture(scope)
+    unheld = blockstate.unheld(sig)
+    if unheld:  # a record made before flor told these apart
+        raise FlorReplayError(f"{where}: the loop at {loop} carries what no checkpoint holds "
+                              f"({'; '.join(unheld)}): it cannot be used")
     if sig != saved["sig"]:
         raise FlorReplayError(f"{where} holds {saved['sig']}, and the loop at {loop} now "
                               f"carries {sig}: the program changed; it cannot be used")

@@ -23,6 +23,7 @@ changes through method calls are restored in place.
 from __future__ import annotations
 
 import ast
+import collections.abc
 import io
 import itertools
 import logging
@@ -32,6 +33,7 @@ import threading
 import types
 
 from ..program.syntax import root as root_of
+from .blockstate import UNHELD
 from .session import Session
 
 __all__ = ["UNBOUND", "loop", "resume", "step_into", "end", "abandon", "count"]
@@ -162,6 +164,19 @@ def _state(value) -> bool:
     return not any(mod == m or mod.startswith(m + ".") for m in _NOT_STATE_MODULES)
 
 
+def _unheld(value) -> bool:
+    """A value flor does not capture whose position matters: an iterator
+    (a file only where it is read)."""
+    if value is UNBOUND or _state(value):
+        return False
+    if isinstance(value, io.IOBase):
+        try:
+            return value.readable()
+        except (ValueError, OSError):  # closed
+            return False
+    return isinstance(value, collections.abc.Iterator)
+
+
 def _completion(values, ns, g):
     """(label, object) pairs that PyTorch's relations add to `values`."""
     torch = sys.modules.get("torch")
@@ -246,6 +261,8 @@ def _capture(s, names, paths, globals_, rebound, frame):
     captured = [i for i, (_, v, _) in enumerate(items) if _state(v)]
     extra = _completion([items[i][1] for i in captured if items[i][1] is not UNBOUND], ns, g)
     labels = [items[i][0] for i in captured] + [label for label, _ in extra]
+    labels += [f"{label}: a {type(v).__name__}, {UNHELD}" for label, v, _ in items
+               if _unheld(v)]
     return items, captured, extra, labels
 
 

@@ -53,7 +53,7 @@ class RecordIterations:
             key = iteration_key(frame[1])
             frame.handle = self.machine.block(key)
             self.machine.enter(frame.handle, False, False)
-            self.charges.started(key, self._writer())
+            self.charges.started(key, self.writes.writing())
         self._loop_t0.setdefault((frame[1], frame[2]), time.time())
         if self._startup is None:  # what a replay worker pays before the main loop
             self._startup = time.time() - session.started
@@ -84,7 +84,8 @@ class RecordIterations:
 
         # The checkpoint is charged its fingerprint, wherever it was taken.
         self._checkpoint(session, iteration_key(loop), handle, session.info[1], 0, seconds,
-                         objs, make, session.logbook.fingerprint_s if fp is not None else 0.0)
+                         objs, make, session.logbook.fingerprint_s if fp is not None else 0.0,
+                         unheld=blockstate.unheld(sig))
 
     def iteration_committed(self, session, frame):
         """What the run stored so far is committed: the run row says how far

@@ -19,27 +19,22 @@ import socket
 import sys
 import time
 
-from .. import _core, trust
+from .. import _core
 from ..context import checkpoint_name, is_iteration, is_outermost, location
 from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
-from ..materializer import Materializer, mode_from_env
 from ..program.gradients import manual_gradients
 from ..store import new_run_id, process_start
 from . import blockstate, ranks
 from .charge import Charges
 from .iterations import RecordIterations
 from .logbook import FingerprintBudget
+from .writes import Writes
 
 __all__ = ["Recording", "record_script", "summary", "never_checkpointed", "DEFAULT_EPSILON",
            "DEFAULT_C"]
 
 DEFAULT_EPSILON = 1 / 15
 DEFAULT_C = 1.38
-CALIBRATION_BYTES = 32 << 20
-# What the rule assumes where the store's calibration could not be measured:
-# a slow disk (so few checkpoints) and an ordinary memory copy.
-FALLBACK_WRITE_BPS = 20 << 20
-FALLBACK_COPY_BPS = 1 << 30
 
 
 def estimate_c(store, script_name) -> float:
@@ -120,10 +115,8 @@ class Recording(RecordIterations):
         self.last_bytes: dict[str, int] = {}  # block -> bytes of its last checkpoint
         self.on_device: dict[str, float] = {}  # block -> share of its bytes in CUDA tensors
         self.charges = Charges()
-        self._submitted: list[str] = []  # the block of each checkpoint submitted, in order
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
-        self._mat = None
-        self._bw = None
+        self.writes = Writes(store, self.run_id, adaptive)
         self._loop_t0: dict = {}  # (top-level loop, run) -> when its first iteration began
         self._main_so_far = None  # (loop, run, iterations) of the main loop so far
         self._startup = None
@@ -148,7 +141,7 @@ class Recording(RecordIterations):
     # -- loops and blocks ---------------------------------------------------
 
     def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
-        self.charges.started(key, self._writer())
+        self.charges.started(key, self.writes.writing())
         return None, 0.0, probed  # record runs every block
 
     def entered(self, session, key, ctx, occurrence, state):
@@ -168,18 +161,20 @@ class Recording(RecordIterations):
             grads = None
         if self._checkpoint(session, b.key, b.handle, b.ctx, b.occurrence, seconds,
                             [list(objs), grads], lambda: blockstate.payload(
-                                b.key, b.ctx, b.occurrence, sig, objs, grads)):
+                                b.key, b.ctx, b.occurrence, sig, objs, grads),
+                            unheld=blockstate.unheld(sig)):
             t0 = time.perf_counter()
             session.logbook.state(b, sig, objs)
             self.charges.paid(b.key, time.perf_counter() - t0)
 
     def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make,
-                    made_s=0.0):
+                    made_s=0.0, unheld=()):
         """The adaptive rule for this execution of `key` (of `seconds`,
         changing `objs`); if it says yes, submit the checkpoint `make()`
         (`made_s`: what training already paid towards it).  Stores the
-        decision; returns the checkpoint's name or None."""
-        self.charges.ended(key, seconds, self._writer())
+        decision; returns the checkpoint's name or None.  An execution that
+        changes what no checkpoint holds (`unheld`) is never checkpointed."""
+        self.charges.ended(key, seconds, self.writes.writing())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
         # A rank that leaves the replicated state to rank 0 weighs what rank 0
@@ -190,10 +185,12 @@ class Recording(RecordIterations):
         if nbytes is None:
             nbytes, on_device = _core.measure(objs, True)
             self.on_device[key] = on_device / nbytes if nbytes else 0.0
-        bw, copy_bw = self.bandwidth()
+        bw, copy_bw = self.writes.bandwidth()
         write_s = nbytes / bw
         M = self.charges.cost(key, nbytes, copy_bw, write_s, self.on_device.get(key, 0.0))
         ok, reason, ratio, limit, M = self.machine.decide(handle, nbytes, M, write_s)
+        if unheld:  # replay runs it again (a worker: the iterations before its segment)
+            ok, reason = False, f"no checkpoint: none holds {'; '.join(unheld)}"
         if self.group is not None:  # every rank follows the first to get here
             ok, reason = self.group.follow(self.machine, handle, key, ctx, occurrence,
                                            (ok, reason), write_s, nbytes)
@@ -201,7 +198,7 @@ class Recording(RecordIterations):
         _, _, top, top_iter, indices = session.info
         if ok:
             fname = checkpoint_name(key, ctx, occurrence, json.loads(indices))
-            mat = self._materializer()  # made before the clock starts: once per run
+            mat = self.writes.materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
             payload = make()
             if self.group is not None:  # replicated state: written by rank 0 alone
@@ -213,7 +210,7 @@ class Recording(RecordIterations):
                                                   blockstate.payload_tag(payload))
                 self.charges.charged(key, made_s + (nbytes / copy_bw if stand_in and "replicated"
                                                     in payload else time.perf_counter() - t1))
-                self._submitted.append(key)
+                self.writes.submitted.append(key)
             except CheckpointWriteError as e:
                 note(f"checkpoint of block {key!r} failed: {e}")
                 fname = None
@@ -225,60 +222,11 @@ class Recording(RecordIterations):
             fname + ".flor" if fname else None))
         return fname
 
-    # -- checkpoint writing -------------------------------------------------
-
-    def _materializer(self):
-        if self._mat is None:
-            # batch_count=1: fork mode writes each checkpoint now, not at exit,
-            # so that a killed record keeps what it checkpointed.  Incremental:
-            # a checkpoint refers to the unchanged tensor bytes of earlier ones.
-            try:
-                signed = trust.signer() is not None
-            except (OSError, FlorError) as e:
-                note(f"checkpoints of this run are not signed ({e}); replay will load them "
-                     "in safe mode")
-                signed = False
-            self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode_from_env(),
-                                     batch_count=1, incremental=True, signed=signed)
-        return self._mat
-
-    def _writer(self):
-        """The block whose checkpoint is being written now, or None: the
-        oldest submitted that has not finished (writes finish in order)."""
-        if self._mat is None:
-            return None
-        st = self._mat.stats()
-        if not st["writing"]:
-            return None
-        done = st["written"] + st["failed"]
-        return self._submitted[min(done, len(self._submitted) - 1)] if self._submitted else None
-
-    def bandwidth(self) -> tuple[float, float]:
-        """(write, copy) bytes per second: the write bandwidth measured by the
-        run's own writes once there are some, else both by a one-time
-        calibration of this machine."""
-        if self._bw is None:
-            self._bw = calibration(self.store, self.machine.adaptive)
-        write_bw, copy_bw = self._bw
-        if self._mat is not None:
-            st = self._mat.stats()
-            # Checkpoints of numbers alone carry no data bytes: no measure.
-            if st["written"] >= 2 and st["write_seconds"] > 0 and st["bytes_written"] > 0:
-                write_bw = st["bytes_written"] / st["write_seconds"]
-        return write_bw, copy_bw
-
     # -- the end ------------------------------------------------------------
 
     def close(self) -> list:
         """Make every checkpoint durable; returns the failed writes."""
-        if self._mat is None:
-            return []
-        try:
-            self._mat.close()
-        except CheckpointWriteError as e:
-            note(str(e))
-            return e.failures
-        return []
+        return self.writes.close()
 
     def finish(self, session, error, failures):
         failed = error is not None and not isinstance(error, SegmentDone)
@@ -313,43 +261,6 @@ class Recording(RecordIterations):
             main_loop=main[0] if main else None, main_run=main[1] if main else None,
             iterations=main[3] if main else 0, versions=json.dumps(versions()),
             info=json.dumps(self.info))
-
-
-def calibration(store, adaptive) -> tuple[float, float]:
-    """(write, copy) bytes per second of this machine, measured once per
-    store.  Without adaptivity nothing is measured: the rule decides
-    nothing, and the run's own writes measure it soon enough.  A calibration
-    that cannot write (a full disk, a read-only store) never stops the
-    training: the rule then assumes a slow disk, and says so."""
-    if not adaptive:
-        return FALLBACK_WRITE_BPS, FALLBACK_COPY_BPS
-    try:
-        cal = store.calibration(write_bytes_per_s=lambda: _calibrate_write(store.root),
-                                copy_bytes_per_s=_calibrate_copy)
-    except OSError as e:
-        note(f"could not measure how fast this machine writes checkpoints ({e}); the "
-             f"adaptive rule assumes {FALLBACK_WRITE_BPS / 2**20:.0f} MiB/s until this "
-             "run's own checkpoints measure it")
-        return FALLBACK_WRITE_BPS, FALLBACK_COPY_BPS
-    return cal["write_bytes_per_s"], cal["copy_bytes_per_s"]
-
-
-def _calibrate_write(root) -> float:
-    from ..checkpoint import save
-
-    path = os.path.join(root, f"calibrate.{os.getpid()}.flor")
-    t0 = time.perf_counter()
-    save({"bytes": bytearray(CALIBRATION_BYTES)}, path)
-    dt = time.perf_counter() - t0
-    os.unlink(path)
-    return CALIBRATION_BYTES / dt
-
-
-def _calibrate_copy() -> float:
-    """A snapshot's copy into a warm staging buffer (the second of two)."""
-    data = bytearray(CALIBRATION_BYTES)
-    _core.snapshot(data)
-    return CALIBRATION_BYTES / max(_core.snapshot(data).copy_seconds, 1e-9)
 
 
 def _evicted(signum, frame):
@@ -441,15 +352,28 @@ def summary(store, run_id) -> list[str]:
 def never_checkpointed(decisions):
     """A note for each outermost block that ran but was never checkpointed:
     what the adaptive rule weighed at its last execution, and the way out."""
-    last, taken = {}, set()
+    last, taken, unheld_loops = {}, set(), {}
     for d in decisions:
         if is_outermost(d["ctx"]) and not is_iteration(d["block"]):
             last[d["block"]] = d
             if d["checkpoint"]:
                 taken.add(d["block"])
+        elif is_iteration(d["block"]) and blockstate.UNHELD in (d["reason"] or ""):
+            unheld_loops.setdefault(d["block"], d)
+    unheld_loops = unheld_loops.values()
     for block, d in last.items():
-        if block not in taken:
+        if block in taken:
+            continue
+        if blockstate.UNHELD in d["reason"]:
+            yield (f"block {block} ran {d['n']} times and was never checkpointed, so replay "
+                   f"re-executes it: it changes what no checkpoint holds "
+                   f"({d['reason'].split('none holds ', 1)[-1]})")
+        else:
             yield (f"block {block} ran {d['n']} times and was never checkpointed, so replay "
                    f"re-executes it (the rule at its last execution: {d['reason']}); "
                    "`python -m flor record --no-adaptive` checkpoints every execution, a "
                    "larger --epsilon allows more record overhead")
+    for d in unheld_loops:
+        yield (f"the main loop {d['block'][:-len(' (iteration)')]} carries what no checkpoint "
+               f"holds ({d['reason'].split('none holds ', 1)[-1]}): replay workers reach "
+               "their segments by running the iterations before them")
