@@ -8,7 +8,7 @@ ASAN_VENV ?= .venv-asan
 TORCH := torch==2.13.0
 PIP := pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test test-asan bench clean
+.PHONY: setup demo test test-fast test-asan bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,15 @@ test: setup
 	$(BIN)/$(PIP) 'ray>=2.9'
 	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
 
+# The edit-test loop: the suite without the differential replays of every
+# segment boundary (tests/test_exactness.py), which CI's `make test` runs.
+test-fast: setup
+	$(BIN)/python -m pytest -q $(PYTEST_JOBS) -m "not differential"
+
 # The suite against an AddressSanitizer + UndefinedBehaviorSanitizer build,
-# installed (not editable) in its own environment and built in build/sanitize.
+# installed (not editable) in its own environment and built in build/sanitize,
+# less the differential replays (they exercise Python, not the C core; `make
+# test` runs them).
 # Leak reports are off (CPython and torch hold memory until exit); the
 # quarantine stays on so that use-after-free is caught. FLOR_SANITIZED tells
 # the RSS leak checks that RSS is not meaningful under that quarantine.
@@ -47,7 +54,8 @@ test-asan:
 	FLOR_SANITIZE=1 $(ASAN_VENV)/bin/$(PIP) --no-build-isolation --force-reinstall --no-deps .
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/python -c \
 		"import flor._core as c, sys; sys.exit(0 if '$(ASAN_VENV)' in c.__file__ else 'not the sanitizer build: ' + c.__file__)"
-	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_JOBS) .
+	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_JOBS) \
+		-m "not differential" .
 
 bench: setup
 	$(BIN)/$(PIP) --no-build-isolation -e '.[bench]'

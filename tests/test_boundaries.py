@@ -6,26 +6,7 @@ import json
 import os
 
 from conftest import edit, flor, plain, read, runs, store, write_script
-
-HEADER_REBOUND = """
-    import torch
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(12)]
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    score = 0
-    for b, (x, y) in enumerate(data):
-        x = x * 2.0
-        for _ in range(3):
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-        correct = int((model(x).argmax(-1) == y).sum())
-        score += correct
-    print("score", score)
-"""
+from loop_shapes import CALLBACK, HEADER_REBOUND, INFINITE_LOADER, ITERATOR_IN_BLOCK, TRAINER
 
 
 def _resumed(st):
@@ -53,47 +34,6 @@ def test_a_name_the_header_binds_and_the_body_rebinds_is_not_put_back(tmp_path):
     assert {"score", "opt"} <= set(names) and not {"x", "y", "b"} & set(names), carried
 
 
-TRAINER = """
-    class Trainer:
-        def __init__(self, callbacks):
-            self.callbacks = callbacks
-
-        def fit(self, model, epochs):
-            for epoch in range(epochs):
-                for cb in self.callbacks:
-                    cb.on_epoch(self, model, epoch)
-"""
-
-CALLBACK = """
-    import torch
-    from mylib import Trainer
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    data = [(torch.randn(16, 4), torch.randint(0, 2, (16,))) for _ in range(20)]
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-
-
-    def train_epoch(model, opt, data):
-        correct = 0
-        for x, y in data:
-            for _ in range(2):
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            correct += int((model(x).argmax(-1) == y).sum())
-        return correct
-
-
-    class Printer:
-        def on_epoch(self, trainer, model, epoch):
-            print("epoch", epoch, "correct", train_epoch(model, opt, data))
-
-
-    Trainer([Printer()]).fit(model, 3)
-"""
-
-
 def test_a_main_loop_that_runs_several_times_is_not_split(tmp_path):
     """The training loop lives in a library trainer, which calls the
     script back: the loop flor takes for the main loop runs once per epoch.
@@ -110,61 +50,6 @@ def test_a_main_loop_that_runs_several_times_is_not_split(tmp_path):
     assert "in segments [0, 20)\n" in rep.stderr and _resumed(store(d)) == [None]
     assert rep.stdout == plain(d, "train.py").stdout
     assert "deferred checks passed" in rep.stderr, rep.stderr
-
-
-INFINITE_LOADER = """
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-
-    class InfiniteDataLoader:
-        def __init__(self, dataset, **kwargs):
-            sampler = torch.utils.data.RandomSampler(dataset, replacement=True,
-                                                     num_samples=int(1e10))
-            self.train_loader = DataLoader(dataset, sampler=sampler, **kwargs)
-            self.data_iter = iter(self.train_loader)
-
-        def next(self):
-            try:
-                batch = next(self.data_iter)
-            except StopIteration:
-                self.data_iter = iter(self.train_loader)
-                batch = next(self.data_iter)
-            return batch
-
-
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    X = torch.randn(256, 8)
-    Y = (X.sum(1) > 0).long()
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch_loader = InfiniteDataLoader(TensorDataset(X, Y), batch_size=16, num_workers=2)
-
-
-    def evaluate(model):
-        total = 0.0
-        for x, y in DataLoader(TensorDataset(X, Y), batch_size=64):
-            total += torch.nn.functional.cross_entropy(model(x), y).item()
-        return round(total, 4)
-
-
-    step = 0
-    while True:
-        x, y = batch_loader.next()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step % 10 == 0:
-            print(f"step {step} | loss {loss.item():.4f}")
-        if step % 20 == 0:
-            val = evaluate(model)
-            print("eval", val)
-        step += 1
-        if step >= 60:
-            break
-"""
 
 
 def test_a_loop_that_carries_a_data_iterator_is_not_restored_without_it(tmp_path):
@@ -188,25 +73,6 @@ def test_a_loop_that_carries_a_data_iterator_is_not_restored_without_it(tmp_path
     assert rep.stdout == plain(d, "train.py").stdout
     assert "deferred checks passed" in rep.stderr, rep.stderr
     assert "in segments [0, 30), [30, 60)" in rep.stderr and _resumed(st) == [None, None]
-
-
-ITERATOR_IN_BLOCK = """
-    import torch
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(100)]
-    train_iter = iter(data)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for epoch in range(4):
-        for step in range(10):
-            x, y = next(train_iter)
-            opt.zero_grad()
-            loss = ((model(x) - y) ** 2).mean()
-            loss.backward()
-            opt.step()
-        print("epoch", epoch, round(loss.item(), 6))
-"""
 
 
 def test_a_block_that_draws_from_an_iterator_holds_its_position(tmp_path):
