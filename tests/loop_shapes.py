@@ -211,3 +211,74 @@ LOOP_VARIABLE_AFTER = """
         print(epoch, round(loss.item(), 6))
     print("last", epoch, i, round(model.weight.sum().item(), 6))
 """
+
+READ_BY_A_FUNCTION = """
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    X, Y = torch.randn(32, 4), torch.randn(32, 1)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    history = []
+    last = 0.0
+
+
+    def report(epoch):
+        history.append(round(last, 6))
+        print("report", epoch, history[-1], len(history))
+
+
+    for epoch in range(5):
+        report(epoch)
+        for i in range(0, 32, 8):
+            opt.zero_grad()
+            loss = ((model(X[i:i + 8]) - Y[i:i + 8]) ** 2).mean()
+            loss.backward()
+            opt.step()
+        last = loss.item()
+"""
+
+SOMETIMES_ASSIGNED = """
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    X, Y = torch.randn(32, 4), torch.randn(32, 1)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    best, best_epoch, snap = float("inf"), -1, None
+    for epoch in range(5):
+        for i in range(0, 32, 8):
+            opt.zero_grad()
+            loss = ((model(X[i:i + 8]) - Y[i:i + 8]) ** 2).mean()
+            loss.backward()
+            opt.step()
+        val = round(loss.item(), 6)
+        if val < best:
+            best = val
+            best_epoch = epoch
+        if epoch % 2 == 0 and (snap := val):
+            pass
+        print(epoch, val, snap)
+    print("best", best, "at", best_epoch)
+"""
+
+ITERATOR_EACH_EPOCH = """
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    X, Y = torch.randn(64, 4), torch.randn(64, 1)
+    loader = DataLoader(TensorDataset(X, Y), batch_size=8, shuffle=True)
+    batches = enumerate(DataLoader(TensorDataset(X, Y), batch_size=8))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch in range(5):
+        it = iter(loader)
+        for _ in range(len(loader)):
+            x, y = next(it)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        k, (x, y) = next(batches)
+        print(epoch, k, round(((model(x) - y) ** 2).mean().item(), 6))
+"""

@@ -6,7 +6,8 @@ import json
 import os
 
 from conftest import edit, flor, plain, read, runs, store, write_script
-from loop_shapes import CALLBACK, HEADER_REBOUND, INFINITE_LOADER, ITERATOR_IN_BLOCK, TRAINER
+from loop_shapes import (CALLBACK, HEADER_REBOUND, INFINITE_LOADER, ITERATOR_EACH_EPOCH,
+                         ITERATOR_IN_BLOCK, TRAINER)
 
 
 def _resumed(st):
@@ -92,3 +93,18 @@ def test_a_block_that_draws_from_an_iterator_holds_its_position(tmp_path):
     rep = flor(d, "replay", "train.py")
     assert rep.stdout == plain(d, "train.py").stdout
     assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
+def test_an_iterator_nothing_reads_after_the_block_does_not_stop_its_checkpoint(tmp_path):
+    """`it = iter(loader)` at the top of each epoch, drawn from in the
+    training loop only: no one reads it after the block, so the block is
+    checkpointed (and skipped in replay); the loop's enumerate(...) over
+    another loader, drawn from in the body, is what no checkpoint holds."""
+    d = str(tmp_path)
+    write_script(d, "train.py", ITERATOR_EACH_EPOCH)
+    rec = flor(d, "record", "--no-adaptive", "train.py")
+    assert "the main loop train.py:10 carries what no checkpoint holds (batches: a " \
+        "enumerate" in rec.stderr, rec.stderr
+    st = store(d)
+    decisions = st.rows("decisions", runs(st, "record")[0]["run_id"])
+    assert all(d["checkpoint"] for d in decisions if d["block"] == "train.py:12"), decisions

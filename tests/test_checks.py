@@ -197,6 +197,19 @@ def test_clock_fields_are_told_apart_in_print_arguments_and_f_strings():
                       "loss 1.50 time 3.2%", "loss 1.50 time 4.0%")
     assert not clock_only('print("loss %.2f time %.1f" % (loss, dt))',
                           "loss 1.50 time 3.2", "loss 1.51 time 3.2")
+    # Padded fields, logger arguments, + of strings; a value that differs
+    # beside a clock field never shifts into it.
+    line = 'print(f"{epoch:5d} {last:.4f} {time.time() - t0:.2f}")'
+    assert not clock_only(line, "    3 0.7793 0.00", "    3 0.0000 0.00")
+    assert clock_only(line, "    3 0.7793 0.01", "    3 0.7793 2.50")
+    assert clock_only('print("%5d %8.3f %8.4f" % (epoch, dt, loss))',
+                      "    3    0.012   1.2345", "    3    0.020   1.2345")
+    assert clock_only('log.info("epoch %d took %.2fms", epoch, dt)',
+                      "epoch 3 took 1.20ms", "epoch 3 took 9.90ms")
+    assert clock_only('print("epoch " + str(e) + " took " + str(time.time() - t0))',
+                      "epoch 3 took 1.2", "epoch 3 took 9.9")
+    assert not clock_only('print("epoch", e, "status", s, dt)', "epoch 3 status ok fine 1.2",
+                          "epoch 3 status ok bad 9.9")
     # Fields it cannot tell apart: the line is compared whole.
     assert not clock_only('print(line(loss, dt))', "loss 1.50 time 3.2", "loss 1.50 time 4.0")
     assert not clock_only('print(line(loss, time.time()))', "loss 1.50 time 3.2",

@@ -43,6 +43,9 @@ SHAPES = {
     "while_rebinds_its_condition": loop_shapes.WHILE_REBINDS_ITS_CONDITION,
     "generator_loader": loop_shapes.GENERATOR_LOADER,
     "loop_variable_after": loop_shapes.LOOP_VARIABLE_AFTER,
+    "read_by_a_function": loop_shapes.READ_BY_A_FUNCTION,
+    "sometimes_assigned": loop_shapes.SOMETIMES_ASSIGNED,
+    "iterator_each_epoch": loop_shapes.ITERATOR_EACH_EPOCH,
 }
 
 

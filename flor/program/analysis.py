@@ -379,7 +379,8 @@ def _add_targets(eff, targets, rule, script):
 
 def _advanced(script, expr, eff):
     """next(it) advances the iterator `it`: a change in place (rule 1)."""
-    for n in ast.walk(expr) if expr is not None else ():
+    for n in ([] if expr is None else [x for e in (expr if isinstance(expr, list) else [expr])
+                                       for x in ast.walk(e)]):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "next" \
                 and "next" not in script.functions and n.args:
             obj = path_of(n.args[0])
@@ -388,9 +389,8 @@ def _advanced(script, expr, eff):
 
 
 def _rule(script, s, eff, scope, depth, stack, handled):
-    _advanced(script, getattr(s, "value", None) if isinstance(
-        s, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)) else
-        getattr(s, "iter", None), eff)
+    for attr in ("value", "iter", "test", "items"):  # the statement's own expressions
+        _advanced(script, getattr(s, attr, None), eff)
     value, targets = None, None
     if isinstance(s, ast.Assign):
         value, targets = s.value, s.targets

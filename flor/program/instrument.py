@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from .analysis import GiveUp, Script, block_effects
 from .gradients import gradients_live, scheduler_names
-from .liveness import exposed, reads, target_names
+from .liveness import definite, exposed, function_reads, reads, target_names
 from .syntax import assigned_names, bodies, called_names, functions, root, walk_scope
 
 __all__ = ["instrument", "Instrumented", "uses_flor", "RUNTIME"]
@@ -222,6 +222,10 @@ class _Instrumenter:
         self.out.loops.append(Loop(key, loop.lineno, loop.end_lineno, qualname,
                                    carried=list(map(list, carried)) if carried else None))
         self.loop_body = loop.body
+        header = target_names(loop.target) if isinstance(loop, ast.For) else set()
+        # What a block changes matters after it if the loop carries it, code
+        # after the loop or another statement of the body reads it.
+        self.after_block = (self._live(loop, header, scope) - header) | _loads_outside(scope, loop)
         loop.body = self._main_body(loop.body, key, scope)
         line = loop.lineno
         extra = [_strs(x) for x in carried] if carried else []
@@ -259,13 +263,31 @@ class _Instrumenter:
             eff = block_effects(self.script, loop.body, scope)
         except GiveUp:
             return None
-        if isinstance(loop, ast.For):
-            live = exposed(loop.body, target_names(loop.target))
-        else:  # the condition is evaluated after the restore, at the top of the body
-            live = exposed(loop.body) | reads(loop.test)
+        header = target_names(loop.target) if isinstance(loop, ast.For) else set()
+        live = self._live(loop, header, scope)
+        keep = live - header
         names, paths, globals_ = self._sets(eff, scope)
-        return ([n for n in names if n in live], [p for p in paths if root(p) in live],
-                globals_, [p for p in eff.paths if p in eff.assigned and root(p) in live])
+        # := binds names the side-effect analysis of statements does not see.
+        bindable = _bindable(scope)
+        names += sorted(n for n in {x.target.id for x in walk_scope(loop.body)
+                                    if isinstance(x, ast.NamedExpr)} - set(names) - header
+                        if bindable is None or n in bindable)
+        return ([n for n in names if n in keep], [p for p in paths if root(p) in keep],
+                globals_, [p for p in eff.paths if p in eff.assigned and root(p) in keep])
+
+    def _live(self, loop, header, scope) -> set[str]:
+        """Names whose value one iteration of `loop` may hand to what comes
+        after it (program/liveness.py): read before assigned (a while loop's
+        condition is read at the top of the body, after a restore), assigned
+        on some paths only, or read by a function or lambda of the script."""
+        body = loop.body
+        live = exposed(body, header) | function_reads(self.tree, scope)
+        if isinstance(loop, ast.While):
+            live |= reads(loop.test)
+        exits = any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Raise))
+                    for n in walk_scope(body))
+        made = set() if exits else definite(body, header)
+        return live | (assigned_names(body) - made)
 
     def _sets(self, eff, scope):
         """(names rebound by the instrumented code, paths set in place or
@@ -330,9 +352,14 @@ class _Instrumenter:
             paths=paths, globals=globals_, rebound=rebound, dropped=eff.dropped,
             unknown=eff.unknown, calls=sorted(called_names([s])), reads=sorted(eff.reads),
             grads=grads))
+        # An iterator the block advances is of no account where nothing reads
+        # it after the block (`it = iter(loader)` at the top of each epoch).
+        live = self.after_block | _loads_outside(self.loop_body, s)
+        dead = [p for p in names + paths if root(p) not in live]
         sets = [_strs(names), _strs(paths), _strs(globals_), _strs(rebound)]
         guarded = ast.If(
-            test=_call("step_into", ast.Constant(value=key), ast.Constant(value=owner), *sets),
+            test=_call("step_into", ast.Constant(value=key), ast.Constant(value=owner), *sets,
+                       _strs(dead)),
             body=[ast.Try(body=[s], handlers=[ast.ExceptHandler(
                 type=ast.Name(id="BaseException", ctx=ast.Load()), name=None,
                 body=[ast.Expr(value=_call("abandon")), ast.Raise(exc=None, cause=None)])],
@@ -340,7 +367,7 @@ class _Instrumenter:
             orelse=[])
         end = _call("end", ast.Constant(value=key), *[_strs(x) for x in
                                                     (names, paths, globals_, rebound)],
-                    ast.Constant(value=grads))
+                    ast.Constant(value=grads), _strs(dead))
         if names:
             after = ast.Assign(targets=[ast.Tuple(
                 elts=[ast.Name(id=n, ctx=ast.Store()) for n in names], ctx=ast.Store())],
@@ -348,6 +375,22 @@ class _Instrumenter:
         else:
             after = ast.Expr(value=end)
         return [_at(guarded, line), _at(after, s.end_lineno)]
+
+
+def _loads_outside(where, node) -> set[str]:
+    """Names read in `where` (a scope: its body; or a list of statements)
+    outside `node`, not entering nested functions."""
+    stmts = where if isinstance(where, list) else where.body
+    stack, out = list(stmts), set()
+    while stack:
+        n = stack.pop()
+        if n is node:
+            continue
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            out.add(n.id)
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(n))
+    return out
 
 
 def _bindable(scope):

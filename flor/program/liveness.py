@@ -5,20 +5,23 @@ hands to the next.
         `body`, before an assignment of them on that path; `bound` are
         assigned first (a for loop's targets: the header binds them
         before every iteration)
+    definite(body, bound) -> the names it assigns on every path
 
-A name the header binds, or the body assigns before it reads, is not carried
-into the next iteration: putting back last iteration's value would replace
-the one the header (or body) is about to use.  The analysis errs towards
-exposure: a branch that leaves early (break, continue, return, raise) is
-taken to fall through, and an assignment inside a loop, a try or one branch
-of an if is not counted as made.  Comprehensions and lambdas read the names
-of their own scope apart.
+program/instrument.py carries into the next iteration what the body reads
+before it assigns it, what it assigns on some paths only (last iteration's
+value may live on, after the loop too), and what a function or lambda reads
+(it may run anywhere); never a name the loop header binds: putting back last
+iteration's value would replace the one the header has just bound.  The
+analysis errs towards exposure: a branch that leaves early (break,
+continue, return, raise) is taken to fall through, and an assignment inside
+a loop, a try, a with or one branch of an if, or by :=, is not counted as
+made.  Comprehensions and lambdas read the names of their own scope apart.
 """
 from __future__ import annotations
 
 import ast
 
-__all__ = ["exposed", "reads", "target_names"]
+__all__ = ["exposed", "definite", "function_reads", "reads", "target_names"]
 
 
 def target_names(target) -> set[str]:
@@ -61,13 +64,34 @@ def reads(node) -> set[str]:
 
 
 def _walrus(node) -> set[str]:
-    """Names bound by := inside an expression (outside comprehensions too)."""
-    return {n.target.id for n in ast.walk(node) if isinstance(n, ast.NamedExpr)}
+    """Names := binds inside an expression: none counts as made, since the
+    expression may not evaluate it (a short-circuit `and`)."""
+    return set()
 
 
 def exposed(stmts, bound=frozenset()) -> set[str]:
     """Names read in `stmts` before they are assigned (see the module)."""
     out, _ = _block(stmts, frozenset(bound))
+    return out
+
+
+def definite(stmts, bound=frozenset()) -> set[str]:
+    """Names `stmts` assign on every path (`bound` included)."""
+    _, made = _block(stmts, frozenset(bound))
+    return set(made)
+
+
+def function_reads(tree, scope=None) -> set[str]:
+    """Names read inside any function, lambda or class of `tree` but the
+    function `scope` itself (its nested ones count): such a reader may run
+    at any point of a loop body (a callback, a scheduler's lambda), so its
+    names count as read there."""
+    out = set()
+    for n in ast.walk(tree):
+        if n is not scope and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda,
+                                             ast.ClassDef)):
+            out |= {x.id for x in ast.walk(n) if isinstance(x, ast.Name)
+                    and isinstance(x.ctx, ast.Load)}
     return out
 
 
@@ -111,7 +135,7 @@ def _stmt(s, defined):
         for item in s.items:
             out |= reads(item.context_expr) - defined
             defined = defined | target_names(item.optional_vars)
-        a, defined = _block(s.body, defined)
+        a, _ = _block(s.body, defined)  # a context manager may suppress what raised
         return out | a, defined
     if isinstance(s, (ast.Try, getattr(ast, "TryStar", ast.Try))):
         out, _ = _block(s.body, defined)  # any of it may not have run

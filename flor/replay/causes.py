@@ -91,6 +91,7 @@ def _reads_clock_expr(expr, tainted) -> bool:
 
 
 _PACKS = (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.JoinedStr)
+_CLOCK_TEXT = r"\s*([-+]?(?:\d[\d.:eE+-]*|\.\d[\d.eE+-]*|nan|inf))\s*"
 
 
 def _clock_field(expr, tainted) -> bool:
@@ -178,7 +179,21 @@ def _pieces(arg) -> list | None:
     if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mod) and \
             isinstance(arg.left, ast.Constant) and isinstance(arg.left.value, str):
         return _percent_pieces(arg.left.value, arg.right)
+    if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add) and _is_text(arg):
+        left, right = _pieces(arg.left), _pieces(arg.right)  # "took " + str(dt)
+        return None if left is None or right is None else left + right
+    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id == "str" \
+            and len(arg.args) == 1 and not arg.keywords:
+        return [arg.args[0]]
     return [arg]
+
+
+def _is_text(node) -> bool:
+    """Whether a + of strings: one side is a literal string, an f-string or str()."""
+    return any(isinstance(n, (ast.JoinedStr,)) or (isinstance(n, ast.Constant) and
+                                                   isinstance(n.value, str)) or
+               (isinstance(n, ast.Call) and getattr(n.func, "id", None) == "str")
+               for n in (node.left, node.right))
 
 
 def _template(stmt) -> list | None:
@@ -205,6 +220,11 @@ def _template(stmt) -> list | None:
                 return None
             out += ([sep] if i else []) + pieces
         return out
+    if len(call.args) > 1 and isinstance(call.args[0], ast.Constant) and \
+            isinstance(call.args[0].value, str) and "%" in call.args[0].value and \
+            not any(isinstance(a, ast.Starred) for a in call.args):
+        # logger.info("epoch %d took %.2fs", epoch, dt): % formatting of the rest
+        return _percent_pieces(call.args[0].value, ast.Tuple(elts=call.args[1:], ctx=ast.Load()))
     if len(call.args) == 1 and isinstance(call.args[0], (ast.JoinedStr, ast.Call, ast.BinOp)):
         pieces = _pieces(call.args[0])
         return pieces if pieces is not None and pieces != [call.args[0]] else None
@@ -220,19 +240,18 @@ def _clock_fields_only(stmt, tainted, recorded, replayed, tolerance) -> bool:
     template = _template(stmt) if isinstance(a, str) and isinstance(b, str) else None
     if template is None:
         return False
-    pattern, fields = "", []
-    for piece in template:
-        if isinstance(piece, str):
-            pattern += re.escape(piece)
-        else:
-            pattern += "(.*?)"
-            fields.append(piece)
-    pattern = re.compile(pattern, re.S)
-    ma, mb = pattern.fullmatch(a.rstrip("\n")), pattern.fullmatch(b.rstrip("\n"))
-    if ma is None or mb is None:
-        return False
-    return all(_clock_field(expr, tainted) or equal(x, y, tolerance)
-               for expr, x, y in zip(fields, ma.groups(), mb.groups()))
+    # A clock field is one number (padded), pinned between the literals, so
+    # that no other value's text can shift into it; the other fields are one
+    # word each where both lines read so (padded numbers), else any text.
+    fields = [None if isinstance(p, str) else _clock_field(p, tainted) for p in template]
+    for other in (r"\s*(\S+?)\s*", "(.*?)"):
+        pattern = re.compile("".join(re.escape(p) if c is None else _CLOCK_TEXT if c else other
+                                     for p, c in zip(template, fields)), re.S)
+        ma, mb = pattern.fullmatch(a.rstrip("\n")), pattern.fullmatch(b.rstrip("\n"))
+        if ma is not None and mb is not None:
+            return all(c or equal(x, y, tolerance) for c, x, y in
+                       zip([c for c in fields if c is not None], ma.groups(), mb.groups()))
+    return False
 
 
 def _statement_at(tree, line):

@@ -114,7 +114,7 @@ class _Carried:
         return _put_back(items, captured, out, len(self.sets[0]), scope)
 
 
-def step_into(key, owner, names, paths, globals_, rebound) -> bool:
+def step_into(key, owner, names, paths, globals_, rebound, dead=()) -> bool:
     """A session SkipBlock when its own loop is the innermost one tracked;
     otherwise the block runs as plain code."""
     s = Session.get()
@@ -124,7 +124,7 @@ def step_into(key, owner, names, paths, globals_, rebound) -> bool:
     frame = sys._getframe(1)
     expect = None
     if s.replaying:  # what end() would capture if the block were skipped
-        expect = _capture(s, names, paths, globals_, rebound, frame)[3]
+        expect = _capture(s, names, paths, globals_, rebound, frame, dead)[3]
     return s.step_into(key, False, frame, expect_sig=expect)
 
 
@@ -164,17 +164,27 @@ def _state(value) -> bool:
     return not any(mod == m or mod.startswith(m + ".") for m in _NOT_STATE_MODULES)
 
 
+# Iterators a snapshot holds with their position (they pickle with it).
+_HELD_ITERATORS = tuple({type(iter(x)) for x in ([], (), range(0), "", b"", bytearray(), {},
+                                                  {}.values(), {}.items(), set())})
+
+
 def _unheld(value) -> bool:
-    """A value flor does not capture whose position matters: an iterator
-    (a file only where it is read)."""
-    if value is UNBOUND or _state(value):
+    """A value whose position matters and no checkpoint holds: an iterator
+    other than a plain sequence's (a generator, a DataLoader's, enumerate
+    or itertools over one), a file read as it goes (not one written, nor an
+    in-memory buffer)."""
+    if value is UNBOUND:
+        return False
+    if isinstance(value, (io.StringIO, io.BytesIO)):
         return False
     if isinstance(value, io.IOBase):
         try:
-            return value.readable()
+            mode = getattr(value, "mode", "r")
+            return value.readable() and not any(c in str(mode) for c in "wax")
         except (ValueError, OSError):  # closed
             return False
-    return isinstance(value, collections.abc.Iterator)
+    return isinstance(value, collections.abc.Iterator) and not isinstance(value, _HELD_ITERATORS)
 
 
 def _completion(values, ns, g):
@@ -251,31 +261,33 @@ def _completion(values, ns, g):
     return extra
 
 
-def _capture(s, names, paths, globals_, rebound, frame):
+def _capture(s, names, paths, globals_, rebound, frame, dead=()):
     """(items, indices of the captured ones, completion, labels): what a
     block's end() hands to the session, read from the caller's frame."""
     ns, g = frame.f_locals, frame.f_globals
     items = [(n, ns[n] if n in ns else g.get(n, UNBOUND), n in rebound) for n in names]
     items += [(p, _value(p, g, ns), p in rebound) for p in paths]
     items += [(f"global {p}", _value(p, g, g), False) for p in globals_]
-    captured = [i for i, (_, v, _) in enumerate(items) if _state(v)]
+    captured = [i for i, (_, v, _) in enumerate(items) if _state(v) and not _unheld(v)]
     extra = _completion([items[i][1] for i in captured if items[i][1] is not UNBOUND], ns, g)
     labels = [items[i][0] for i in captured] + [label for label, _ in extra]
     labels += [f"{label}: a {type(v).__name__}, {UNHELD}" for label, v, _ in items
-               if _unheld(v)]
+               if _unheld(v) and label not in dead]  # dead: nothing reads it after the block
     return items, captured, extra, labels
 
 
-def end(key, names, paths, globals_, rebound, grads=False):
+def end(key, names, paths, globals_, rebound, grads=False, dead=()):
     """Close the block: checkpoint (record) or restore (replay, skipped) its
     side effects, and return the values of `names` to rebind.  `grads`: the
-    block's parameters' gradients are read after it, and are state too."""
+    block's parameters' gradients are read after it, and are state too;
+    `dead`: what nothing reads after the block (an iterator there does not
+    stop its checkpoint)."""
     s = Session.get()
     frame = sys._getframe(1)
     if s.close_plain():
         ns, g = frame.f_locals, frame.f_globals
         return tuple(ns[n] if n in ns else g.get(n, UNBOUND) for n in names)
-    items, captured, extra, labels = _capture(s, names, paths, globals_, rebound, frame)
+    items, captured, extra, labels = _capture(s, names, paths, globals_, rebound, frame, dead)
     objs = [items[i][1] for i in captured]
     s.block_labels.setdefault(key, labels)
     out = s.end(objs + [o for _, o in extra], frame, sig=labels,
