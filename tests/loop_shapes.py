@@ -282,3 +282,52 @@ ITERATOR_EACH_EPOCH = """
         k, (x, y) = next(batches)
         print(epoch, k, round(((model(x) - y) ** 2).mean().item(), 6))
 """
+
+# Each epoch's training loop takes the next three batches of one generator
+# (itertools.islice), and an evaluation draws with `for ... break` from a
+# DataLoader iterator kept across epochs: the blocks advance both.
+SLICED_GENERATOR = """
+    import itertools
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+
+    def batches(n):
+        g = torch.Generator().manual_seed(1)
+        while True:
+            yield torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = batches(8)
+    held_out = iter(DataLoader(TensorDataset(torch.randn(40, 4), torch.randn(40, 1)),
+                               batch_size=8))
+    for epoch in range(5):
+        for x, y in itertools.islice(gen, 3):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        for x, y in held_out:
+            break
+        print(epoch, round(((model(x) - y) ** 2).mean().item(), 6))
+"""
+
+# The same training loop over a list of batches made before it: a list is
+# iterated afresh by each epoch, and its blocks are checkpointed.
+LIST_OF_BATCHES = """
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch in range(5):
+        for x, y in data:
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        print(epoch, round(model.weight.sum().item(), 6))
+"""

@@ -291,8 +291,10 @@ def test_instrumentation_finds_main_loop_candidates_and_blocks():
         ("s.py:10", "loop", "s.py:9", [], ["opt"]), ("s.py:12", "call", "s.py:9", ["acc"], [])]
     # What the main loop carries into its next iteration (iteration
     # checkpoints): opt, changed in place (it is not bound in main()).
-    assert [l.carried for l in inst.loops] == [[[], [], [], []], [[], ["opt"], [], []]]
-    assert "__flor__.loop(range(3), 's.py:9', (), ('opt',), (), ())" in inst.text
+    # `data` is what it loops over (held by no checkpoint, were it an iterator).
+    assert [l.carried for l in inst.loops] == [[[], [], [], [], []],
+                                               [[], ["opt"], [], [], ["data"]]]
+    assert "__flor__.loop(range(3), 's.py:9', (), ('opt',), (), (), ('data',))" in inst.text
 
 
 def test_while_loops_become_tracked_for_loops():

@@ -7,7 +7,7 @@ import os
 
 from conftest import edit, flor, plain, read, runs, store, write_script
 from loop_shapes import (CALLBACK, HEADER_REBOUND, INFINITE_LOADER, ITERATOR_EACH_EPOCH,
-                         ITERATOR_IN_BLOCK, TRAINER)
+                         ITERATOR_IN_BLOCK, LIST_OF_BATCHES, SLICED_GENERATOR, TRAINER)
 
 
 def _resumed(st):
@@ -108,3 +108,109 @@ def test_an_iterator_nothing_reads_after_the_block_does_not_stop_its_checkpoint(
     st = store(d)
     decisions = st.rows("decisions", runs(st, "record")[0]["run_id"])
     assert all(d["checkpoint"] for d in decisions if d["block"] == "train.py:12"), decisions
+
+
+COUNTING_MODULE = '''
+import torch
+import flor
+
+class Tally:
+    def __init__(self):
+        self.n = 0
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+        self.tally = Tally()  # an object: no checkpoint of the module holds it
+
+    def forward(self, x):
+        if self.training:
+            self.tally.n += 1
+        return self.fc(x) * (1 + 0.01 * self.tally.n)
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+net = Net()
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+X, Y = torch.randn(32, 4), torch.randn(32, 1)
+for epoch in flor.generator(range(6), state=(net, opt)):
+    for i in range(0, 32, 8):
+        loss = ((net(X[i:i + 8]) - Y[i:i + 8]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print("epoch", epoch, net.tally.n, round(loss.item(), 6))
+'''
+
+
+def test_a_restore_that_misses_part_of_the_state_is_found_and_the_segment_runs_again(tmp_path):
+    """The module counts its updates in an object its state dict does not
+    hold, so the iteration checkpoint of state=(net, opt) restores the
+    weights and loses the count.  The worker compares what it put back with
+    the digest the record took, refuses the checkpoint, and its segment
+    runs again from the start; the checks say so."""
+    d = str(tmp_path)
+    write_script(d, "train.py", COUNTING_MODULE)
+    flor(d, "record", "--no-adaptive", "train.py")
+    edit(f"{d}/train.py", "opt.step()", 'print("w", round(net.fc.weight.sum().item(), 6))')
+    rep = flor(d, "replay", "--jobs", "2", "train.py", env={"FLOR_SEGMENTS": "3"})
+    assert rep.stdout == plain(d, "train.py").stdout
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    assert ("segment 1 ran again from its start, without its iteration checkpoint: "
+            in rep.stderr and "differs from what the record had at the end of iteration 2: "
+            "state[0] (a Net)" in rep.stderr), rep.stderr
+    assert _resumed(store(d)) == [None, None]
+
+
+
+def test_the_likely_cause_names_the_segment_that_started_from_a_checkpoint(tmp_path):
+    """The loop counts its epochs in another module's global, which flor
+    cannot see and no checkpoint holds: the segment that starts from an
+    iteration checkpoint prints other counts from its first iteration on,
+    and the likely cause says that this is where the values start to
+    differ, and what the restore put back."""
+    d = str(tmp_path)
+    write_script(d, "tally.py", "count = 0\n\n\ndef bump():\n    global count\n"
+                                "    count += 1\n")
+    write_script(d, "train.py", COUNTING_MODULE.replace("import flor\n", "import tally\n")
+                 .replace("flor.generator(range(6), state=(net, opt))", "range(6)")
+                 .replace("    for i in", "    tally.bump()\n    for i in")
+                 .replace("net.tally.n,", "tally.count,").replace("self.tally.n += 1", "pass"))
+    flor(d, "record", "--no-adaptive", "train.py")
+    edit(f"{d}/train.py", "opt.step()", 'print("w", round(net.fc.weight.sum().item(), 6))')
+    rep = flor(d, "replay", "--jobs", "2", "train.py", env={"FLOR_SEGMENTS": "3"})
+    assert "deferred checks FAILED" in rep.stderr, rep.stderr
+    assert ("likely cause: the first iteration whose values differ, 3, is in segment 1, which "
+            "started from the iteration checkpoint of iteration 2 (earlier iterations are "
+            "equal): the restore put back what the loop carries (opt, net: a module whose "
+            "parameters an optimizer holds) as the record had it") in rep.stderr, rep.stderr
+    assert "no block was restored before it" not in rep.stderr
+
+
+def test_a_block_that_loops_over_an_iterator_kept_across_epochs_is_not_skipped(tmp_path):
+    """`for x, y in itertools.islice(gen, 3)` and `for x, y in held_out:
+    break` advance iterators the next epoch reads again: no checkpoint
+    holds them, so neither these blocks nor the main loop are checkpointed,
+    and a replay draws what the record drew.  A list of batches is
+    iterated afresh by each epoch: its blocks are checkpointed."""
+    d = str(tmp_path)
+    write_script(d, "train.py", SLICED_GENERATOR)
+    rec = flor(d, "record", "--no-adaptive", "train.py")
+    assert ("it changes what no checkpoint holds (gen: a generator it loops over, whose "
+            "position no checkpoint holds)") in rec.stderr, rec.stderr
+    assert "held_out: a _SingleProcessDataLoaderIter it loops over" in rec.stderr, rec.stderr
+    assert "the main loop train.py:19 carries what no checkpoint holds" in rec.stderr
+    edit(f"{d}/train.py", "opt.zero_grad()", 'print("probe", round(x.sum().item(), 5))',
+         after=False)
+    rep = flor(d, "replay", "--jobs", "2", "train.py", env={"FLOR_SEGMENTS": "2"})
+    assert rep.stdout == plain(d, "train.py").stdout
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+
+    d = str(tmp_path / "list")
+    os.makedirs(d)
+    write_script(d, "train.py", LIST_OF_BATCHES)
+    rec = flor(d, "record", "--no-adaptive", "train.py")
+    assert "no checkpoint holds" not in rec.stderr, rec.stderr
+    assert "5 checkpoints" in rec.stderr and "5 iteration checkpoints" in rec.stderr, rec.stderr

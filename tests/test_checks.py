@@ -174,7 +174,7 @@ def test_a_line_that_reads_the_clock_is_compared_in_its_other_fields(tmp_path):
 def test_clock_fields_are_told_apart_in_print_arguments_and_f_strings():
     import ast
 
-    from flor.replay.causes import _clock_fields_only
+    from flor.replay.clock import clock_fields_only as _clock_fields_only
 
     def clock_only(src, rec, rep):
         stmt = ast.parse(src).body[0]

@@ -3,8 +3,9 @@ hands-free and manual-API test scripts, and the loop shapes that once gave
 wrong values in parallel replay, tests/loop_shapes.py) is recorded, then
 replayed with its main loop split at each iteration in turn (two workers)
 and into three segments on three workers, the boundaries forced through
-FLOR_SEGMENTS.  Every replay must print what a plain run prints, and its
-deferred checks (state fingerprints included) must pass."""
+FLOR_SEGMENTS.  Every replay must print what a plain run prints, its
+deferred checks (state fingerprints included) must pass, and every segment
+that starts from an iteration checkpoint must verify all it puts back."""
 import os
 import shutil
 
@@ -46,6 +47,8 @@ SHAPES = {
     "read_by_a_function": loop_shapes.READ_BY_A_FUNCTION,
     "sometimes_assigned": loop_shapes.SOMETIMES_ASSIGNED,
     "iterator_each_epoch": loop_shapes.ITERATOR_EACH_EPOCH,
+    "sliced_generator": loop_shapes.SLICED_GENERATOR,
+    "list_of_batches": loop_shapes.LIST_OF_BATCHES,
 }
 
 
@@ -77,3 +80,6 @@ def test_every_segment_boundary_replays_exactly(tmp_path, case):
                    env={"FLOR_SEGMENTS": starts})
         assert rep.stdout == expected, (starts, rep.stderr)
         assert "deferred checks passed" in rep.stderr, (starts, rep.stderr)
+        # Every segment that started from an iteration checkpoint verified all it put back.
+        assert "ran again from its start" not in rep.stderr, (starts, rep.stderr)
+        assert "could not verify" not in rep.stderr, (starts, rep.stderr)

@@ -208,6 +208,44 @@ def test_module_training_mode_is_restored(tmp_path):
     replay_matches_plain(d, "s.py")
 
 
+def test_a_modules_counter_outside_its_state_dict_is_restored(tmp_path):
+    """The module's forward() counts its training steps and decays a rate
+    in attributes (as an EMA or a warm-up schedule does), in another module
+    of the project, where flor sees no assignment: a skipped block restores
+    them with the weights, and so does an iteration checkpoint."""
+    d = str(tmp_path)
+    write_script(d, "netlib.py", """
+        import torch
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(4, 1)
+                self.updates, self.rate = 0, 1.0
+            def forward(self, x):
+                if self.training:
+                    self.updates += 1
+                    self.rate *= 0.9
+                return self.fc(x) * (1 + 0.01 * self.updates) * self.rate
+    """)
+    write_script(d, "s.py", """
+        import torch
+        from netlib import Net
+        torch.manual_seed(0); torch.set_num_threads(1)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        X, Y = torch.randn(32, 4), torch.randn(32, 1)
+        for epoch in range(4):
+            for i in range(0, 32, 8):
+                loss = ((model(X[i:i + 8]) - Y[i:i + 8]) ** 2).mean()
+                opt.zero_grad(); loss.backward(); opt.step()
+            print(epoch, model.updates, round(model.rate, 6), round(loss.item(), 6))
+    """)
+    flor(d, "record", "--no-adaptive", "s.py")
+    edit(f"{d}/s.py", "    print(epoch", '    print("w", round(model.fc.weight.sum().item(), 6))',
+         after=False)
+    replay_matches_plain(d, "s.py", env={"FLOR_SEGMENTS": "2"})
+
+
 def test_an_explicit_generator_passed_to_end_is_restored_in_place(tmp_path):
     d = str(tmp_path)
     write_script(d, "s.py", """

@@ -44,6 +44,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
+from .iterators import advanced, iterated
 from .syntax import (assigned_names, free_names, own_nodes, path_of, root, simple_statements,
                      walk_scope)
 from .syntax import targets as single_targets
@@ -68,6 +69,7 @@ class Effects:
     unknown: list[int] = field(default_factory=list)  # lines of calls with no estimate
     calls: set[str] = field(default_factory=set)  # script functions called, transitively
     reads: set[str] = field(default_factory=set)  # names the block references
+    iterated: set[str] = field(default_factory=set)  # what it loops over (iterators.py)
 
     def add(self, path, rule):
         if path not in self.rules:
@@ -377,20 +379,10 @@ def _add_targets(eff, targets, rule, script):
                     eff.assigned.add(p)  # rebound, not changed in place
 
 
-def _advanced(script, expr, eff):
-    """next(it) advances the iterator `it`: a change in place (rule 1)."""
-    for n in ([] if expr is None else [x for e in (expr if isinstance(expr, list) else [expr])
-                                       for x in ast.walk(e)]):
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "next" \
-                and "next" not in script.functions and n.args:
-            obj = path_of(n.args[0])
-            if obj is not None and root(obj) not in script.not_state:
-                eff.add(obj, 1)
-
-
 def _rule(script, s, eff, scope, depth, stack, handled):
     for attr in ("value", "iter", "test", "items"):  # the statement's own expressions
-        _advanced(script, getattr(s, attr, None), eff)
+        advanced(script, getattr(s, attr, None), eff)
+    iterated(script, s, eff)
     value, targets = None, None
     if isinstance(s, ast.Assign):
         value, targets = s.value, s.targets
@@ -482,15 +474,15 @@ def block_effects(script: Script, block: list, scope) -> Effects:
     declared = {g for n in ast.walk(scope) if isinstance(n, (ast.Global, ast.Nonlocal))
                 for g in n.names} if not isinstance(scope, ast.Module) else set()
     module_level = isinstance(scope, ast.Module)
+    def scoped(p):
+        r = root(p)
+        return (r in inside and r not in outside and r not in declared
+                and not (module_level and r in script.global_reads))
+
     kept = []
     for p in eff.paths:
-        r = root(p)
-        scoped = (r in inside and r not in outside and r not in declared
-                  and not (module_level and r in script.global_reads))
-        if scoped:
-            eff.dropped.append(p)
-        else:
-            kept.append(p)
+        (eff.dropped if scoped(p) else kept).append(p)
+    eff.iterated = {p for p in eff.iterated if not scoped(p) and p not in eff.rules}
     # A path under another kept path is captured with it.
     eff.paths = [p for p in kept if not any(
         q != p and (p.startswith(q + ".") or p.startswith(q + "[")) for q in kept)]

@@ -254,7 +254,7 @@ class _Instrumenter:
         return [_at(ast.copy_location(new, loop), line)]
 
     def _carried(self, loop, scope):
-        """(names, paths, globals, rebound): what the loop's body carries
+        """(names, paths, globals, rebound, iterated): what the loop's body carries
         into its next iteration, or None if analysis gives up.  Only what an
         iteration hands to the next: names the body reads before it assigns
         them (never one the header binds) and objects reached through them
@@ -273,7 +273,8 @@ class _Instrumenter:
                                     if isinstance(x, ast.NamedExpr)} - set(names) - header
                         if bindable is None or n in bindable)
         return ([n for n in names if n in keep], [p for p in paths if root(p) in keep],
-                globals_, [p for p in eff.paths if p in eff.assigned and root(p) in keep])
+                globals_, [p for p in eff.paths if p in eff.assigned and root(p) in keep],
+                sorted(p for p in eff.iterated if root(p) in keep))
 
     def _live(self, loop, header, scope) -> set[str]:
         """Names whose value one iteration of `loop` may hand to what comes
@@ -356,10 +357,13 @@ class _Instrumenter:
         # it after the block (`it = iter(loader)` at the top of each epoch).
         live = self.after_block | _loads_outside(self.loop_body, s)
         dead = [p for p in names + paths if root(p) not in live]
+        # What it loops over, and what reads after it: an iterator there is
+        # advanced by the block, and no checkpoint of the block holds it.
+        iterated = sorted(p for p in eff.iterated if root(p) in live)
         sets = [_strs(names), _strs(paths), _strs(globals_), _strs(rebound)]
         guarded = ast.If(
             test=_call("step_into", ast.Constant(value=key), ast.Constant(value=owner), *sets,
-                       _strs(dead)),
+                       _strs(dead), _strs(iterated)),
             body=[ast.Try(body=[s], handlers=[ast.ExceptHandler(
                 type=ast.Name(id="BaseException", ctx=ast.Load()), name=None,
                 body=[ast.Expr(value=_call("abandon")), ast.Raise(exc=None, cause=None)])],
@@ -367,7 +371,7 @@ class _Instrumenter:
             orelse=[])
         end = _call("end", ast.Constant(value=key), *[_strs(x) for x in
                                                     (names, paths, globals_, rebound)],
-                    ast.Constant(value=grads), _strs(dead))
+                    ast.Constant(value=grads), _strs(dead), _strs(iterated))
         if names:
             after = ast.Assign(targets=[ast.Tuple(
                 elts=[ast.Name(id=n, ctx=ast.Store()) for n in names], ctx=ast.Store())],

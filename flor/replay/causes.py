@@ -2,12 +2,8 @@
 heuristic of the deferred checks, in one place.
 
 - A printed line that differs from the recorded one only in fields whose
-  values come from the clock (an expression that calls time.time(),
-  perf_counter(), datetime.now() ..., or reads a variable computed from
-  one, in any function of the script) is not a failure: it is set apart as
-  "reads the clock".  Its other fields are compared: the statement's
-  f-strings and print() arguments give the fields; a line whose fields
-  cannot be told apart is compared whole.
+  values come from the clock (flor/replay/clock.py) is not a failure: it
+  is set apart as "reads the clock".
 - State fingerprints tell where replay first diverged: a block that ran
   again and ended in another state, or an iteration whose end state differs
   although every block that ran again in it ended as in record (then a
@@ -27,231 +23,16 @@ import builtins
 import json
 import os
 import re
-import string
 
 from ..context import parse_location
 from ..program.analysis import Script
 from ..program.syntax import path_of, root
-from .checks import STATE, equal
+from .checks import STATE
+from .clock import clock_fields_only, clock_names, reads_clock
 
-__all__ = ["explain", "clock_names"]
+__all__ = ["explain"]
 
 _BUILTINS = set(dir(builtins))
-_CLOCK = re.compile(r"\btime\b|perf_counter|monotonic|datetime|elapsed|\bnow\(")
-_CLOCK_CALLS = {"time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic",
-                "monotonic_ns", "process_time", "now", "utcnow", "today"}
-
-
-def _calls_clock(node) -> bool:
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call):
-            f = n.func
-            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-            if name in _CLOCK_CALLS:
-                return True
-    return False
-
-
-def clock_names(tree) -> set[str]:
-    """Names assigned, anywhere in the script, from an expression that reads
-    the clock or another such name (to a fixpoint)."""
-    assigns = []
-    for n in ast.walk(tree):
-        if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and n.value is not None:
-            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
-            names = {t.id for tt in targets for t in ast.walk(tt) if isinstance(t, ast.Name)}
-            assigns.append((names, n.value, {x.id for x in ast.walk(n.value)
-                                             if isinstance(x, ast.Name)}))
-    tainted = set()
-    for names, value, _ in assigns:
-        if _calls_clock(value):
-            tainted |= names
-    grew = True
-    while grew:
-        grew = False
-        for names, _, reads in assigns:
-            if reads & tainted and not names <= tainted:
-                tainted |= names
-                grew = True
-    return tainted
-
-
-def _reads_clock(stmt, text, tainted) -> bool:
-    if stmt is None:
-        return False
-    if _calls_clock(stmt) or _CLOCK.search(text):
-        return True
-    return any(isinstance(n, ast.Name) and n.id in tainted for n in ast.walk(stmt))
-
-
-def _reads_clock_expr(expr, tainted) -> bool:
-    """Whether an expression reads the clock."""
-    return (_calls_clock(expr) or bool(_CLOCK.search(ast.unparse(expr)))
-            or any(isinstance(n, ast.Name) and n.id in tainted for n in ast.walk(expr)))
-
-
-_PACKS = (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.JoinedStr)
-_CLOCK_TEXT = r"\s*([-+]?(?:\d[\d.:eE+-]*|\.\d[\d.eE+-]*|nan|inf))\s*"
-
-
-def _clock_field(expr, tainted) -> bool:
-    """Whether a printed field's value comes from the clock: it reads the
-    clock, and packs no other value into its text (a tuple, an f-string, %
-    or .format(), a call that also takes a value not from the clock), which
-    would then go uncompared.  Arithmetic with other numbers (per batch,
-    in ms) still comes from the clock."""
-    for n in ast.walk(expr):
-        if isinstance(n, _PACKS) or (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)
-                                     and isinstance(n.left, (ast.Constant, ast.JoinedStr))):
-            return False
-        name = getattr(n.func, "attr", getattr(n.func, "id", None)) \
-            if isinstance(n, ast.Call) else None
-        if isinstance(n, ast.Call) and name not in _CLOCK_CALLS and not all(
-                isinstance(a, ast.Constant) or _reads_clock_expr(a, tainted)
-                for a in n.args + [k.value for k in n.keywords]):
-            return False
-    return _reads_clock_expr(expr, tainted)
-
-
-_PERCENT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[hlL]?([diouxXeEfFgGcrsa%])")
-
-
-def _format_pieces(fmt, args, keywords) -> list | None:
-    """str.format: the literal text and each field's argument."""
-    out, auto = [], 0
-    try:
-        parsed = list(string.Formatter().parse(fmt))
-    except ValueError:
-        return None
-    for literal, field, spec, _ in parsed:
-        out.append(literal)
-        if field is None:
-            continue
-        if spec and "{" in spec:
-            return None
-        head = re.match(r"[^.\[]*", field).group(0)
-        if head == "":
-            head, auto = str(auto), auto + 1
-        if head.isdigit():
-            if int(head) >= len(args):
-                return None
-            out.append(args[int(head)])
-        elif head in keywords:
-            out.append(keywords[head])
-        else:
-            return None
-    return out
-
-
-def _percent_pieces(fmt, right) -> list | None:
-    """printf-style %: the literal text and each specifier's argument."""
-    values = right.elts if isinstance(right, ast.Tuple) else [right]
-    out, pos, i = [], 0, 0
-    for m in _PERCENT.finditer(fmt):
-        out.append(fmt[pos:m.start()])
-        pos = m.end()
-        if m.group(1) == "%":
-            out.append("%")
-            continue
-        if "(" in m.group(0) or "*" in m.group(0) or i >= len(values):
-            return None
-        out.append(values[i])
-        i += 1
-    return out + [fmt[pos:]] if i == len(values) else None
-
-
-def _pieces(arg) -> list | None:
-    """What one argument prints: literal strings and formatted expressions."""
-    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-        return [arg.value]
-    if isinstance(arg, ast.JoinedStr):  # literal strings and FormattedValues' expressions
-        return [v.value for v in arg.values]
-    if isinstance(arg, ast.Starred):
-        return None
-    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and \
-            arg.func.attr == "format" and isinstance(arg.func.value, ast.Constant) and \
-            isinstance(arg.func.value.value, str):
-        if any(isinstance(a, ast.Starred) for a in arg.args) or \
-                any(k.arg is None for k in arg.keywords):
-            return None
-        return _format_pieces(arg.func.value.value, arg.args,
-                              {k.arg: k.value for k in arg.keywords})
-    if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mod) and \
-            isinstance(arg.left, ast.Constant) and isinstance(arg.left.value, str):
-        return _percent_pieces(arg.left.value, arg.right)
-    if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add) and _is_text(arg):
-        left, right = _pieces(arg.left), _pieces(arg.right)  # "took " + str(dt)
-        return None if left is None or right is None else left + right
-    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id == "str" \
-            and len(arg.args) == 1 and not arg.keywords:
-        return [arg.args[0]]
-    return [arg]
-
-
-def _is_text(node) -> bool:
-    """Whether a + of strings: one side is a literal string, an f-string or str()."""
-    return any(isinstance(n, (ast.JoinedStr,)) or (isinstance(n, ast.Constant) and
-                                                   isinstance(n.value, str)) or
-               (isinstance(n, ast.Call) and getattr(n.func, "id", None) == "str")
-               for n in (node.left, node.right))
-
-
-def _template(stmt) -> list | None:
-    """The text a statement prints, as literal strings and the expressions
-    formatted between them: print(...), and a call of one formatted string
-    (a logger's, tqdm.write's); f-strings, str.format and %.  None where the
-    fields cannot be told apart."""
-    call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
-    if call is None:
-        return None
-    if isinstance(call.func, ast.Name) and call.func.id == "print":
-        sep = " "
-        for kw in call.keywords:
-            if kw.arg == "sep" and isinstance(kw.value, ast.Constant) and \
-                    isinstance(kw.value.value, str):
-                sep = kw.value.value
-            elif kw.arg == "sep" and not (isinstance(kw.value, ast.Constant)
-                                          and kw.value.value is None):
-                return None
-        out = []
-        for i, arg in enumerate(call.args):
-            pieces = _pieces(arg)
-            if pieces is None:
-                return None
-            out += ([sep] if i else []) + pieces
-        return out
-    if len(call.args) > 1 and isinstance(call.args[0], ast.Constant) and \
-            isinstance(call.args[0].value, str) and "%" in call.args[0].value and \
-            not any(isinstance(a, ast.Starred) for a in call.args):
-        # logger.info("epoch %d took %.2fs", epoch, dt): % formatting of the rest
-        return _percent_pieces(call.args[0].value, ast.Tuple(elts=call.args[1:], ctx=ast.Load()))
-    if len(call.args) == 1 and isinstance(call.args[0], (ast.JoinedStr, ast.Call, ast.BinOp)):
-        pieces = _pieces(call.args[0])
-        return pieces if pieces is not None and pieces != [call.args[0]] else None
-    return None
-
-
-def _clock_fields_only(stmt, tainted, recorded, replayed, tolerance) -> bool:
-    """Whether a value printed by `stmt` differs from the recorded one only
-    in fields whose values come from the clock."""
-    a, b = json.loads(recorded), json.loads(replayed)
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return _reads_clock_expr(stmt, tainted)  # the number logged is the clock's
-    template = _template(stmt) if isinstance(a, str) and isinstance(b, str) else None
-    if template is None:
-        return False
-    # A clock field is one number (padded), pinned between the literals, so
-    # that no other value's text can shift into it; the other fields are one
-    # word each where both lines read so (padded numbers), else any text.
-    fields = [None if isinstance(p, str) else _clock_field(p, tainted) for p in template]
-    for other in (r"\s*(\S+?)\s*", "(.*?)"):
-        pattern = re.compile("".join(re.escape(p) if c is None else _CLOCK_TEXT if c else other
-                                     for p, c in zip(template, fields)), re.S)
-        ma, mb = pattern.fullmatch(a.rstrip("\n")), pattern.fullmatch(b.rstrip("\n"))
-        if ma is not None and mb is not None:
-            return all(c or equal(x, y, tolerance) for c, x, y in
-                       zip([c for c in fields if c is not None], ma.groups(), mb.groups()))
-    return False
 
 
 def _statement_at(tree, line):
@@ -323,30 +104,67 @@ def explain(report, store, plan, source, rec=None):
         if cur is None or rel != script:
             continue
         stmt, text = prog.statement(cur)
-        if _reads_clock(stmt, text, prog.clock) and \
-                _clock_fields_only(stmt, prog.clock, recorded, replayed, plan.tolerance or 0.0):
+        if reads_clock(stmt, text, prog.clock) and \
+                clock_fields_only(stmt, prog.clock, recorded, replayed, plan.tolerance or 0.0):
             report.mismatches.remove(m)
             report.clock.append(m)
     states = [m for m in report.mismatches if m[1].startswith(STATE)]
     values = [m for m in report.mismatches + report.missing if not m[1].startswith(STATE)]
     blockruns = store.run_rows("blockruns", plan.replay_id)
     parts = store.rows("parts", plan.replay_id)
+    boundary = _boundary_cause(values, plan, parts) if values else None
     for loc in {m[0] for m in values}:
         rel, cur = current(loc)
         if cur is None or rel != script:
             continue
-        report.causes[loc] = _statement_cause(report, prog, cur, rel, plan, blockruns, parts)
-        if report.causes[loc] is None:
-            del report.causes[loc]
+        cause = _statement_cause(report, prog, cur, rel, plan, blockruns, parts)
+        if cause is not None and not (boundary and not cause.startswith(_CLOCK)):
+            report.causes[loc] = cause  # with a segment start to blame, not the blocks
     for m in states:
         current(m[0])
     if states:
         report.run_causes.append(_state_cause(states, blockruns))
+    if boundary:
+        report.run_causes.append(boundary)
     if report.mismatches or report.missing:
         for cause in (_random_cause(report, source), _thread_cause(rec, parts, blockruns),
                       _gpu_cause(rec, plan.tolerance)):
             if cause:
                 report.run_causes.append(cause)
+
+
+def _boundary_cause(values, plan, parts):
+    """Named when the first main-loop iteration whose values differ is in a
+    segment that started from an iteration checkpoint (and no iteration
+    before that segment's start differs): the iteration starts from what
+    the restore put back, and something it reads is not what the record's
+    iteration started from."""
+    first = None
+    for m in values:
+        frames = json.loads(m[2])
+        if frames and frames[0][0] == "L" and frames[0][1:3] == [plan.main_loop, plan.main_run]:
+            first = frames[0][3] if first is None else min(first, frames[0][3])
+    if first is None:
+        return None
+    for p in parts:
+        start, end = plan.segments[p["part"]]
+        info = json.loads(p["info"] or "{}")
+        if start <= first < end and info.get("resumed_from"):
+            part, restored = p["part"], info.get("restored") or []
+            unverified = info.get("unverified") or []
+            break
+    else:
+        return None
+    put_back = f" ({', '.join(restored)})" if restored else ""
+    if unverified:
+        put_back += f" (not verified: {'; '.join(unverified)})"
+    return (f"the first iteration whose values differ, {first}, is in segment {part}, which "
+            f"started from the iteration checkpoint of iteration {start - 1} (earlier "
+            f"iterations are equal): the restore put back what the loop carries{put_back} as "
+            f"the record had it, but the iterations from {start} on read something else "
+            "that was not as the record's: state the loop changes outside what it carries, "
+            "or a value the restore put back over one the loop had just bound (its header's "
+            "targets)")
 
 
 _USES = {"torch": None, "numpy": re.compile(r"\b(np|numpy)\.random\b"),
@@ -422,11 +240,15 @@ def _thread_cause(rec, parts, blockruns):
             "count (set it in the script with torch.set_num_threads)")
 
 
+_NO_BLOCK = "no block was restored before it"
+_CLOCK = "the statement reads the clock"
+
+
 def _statement_cause(report, prog, cur, rel, plan, blockruns, parts):
     """The likely cause of a difference in the statement at line `cur`."""
     stmt, text = prog.statement(cur)
-    if _reads_clock(stmt, text, prog.clock):
-        return "the statement reads the clock, so its values differ between runs"
+    if reads_clock(stmt, text, prog.clock):
+        return f"{_CLOCK}, so its values differ between runs"
     hands_free = plan.hands_free or {}
     restored = {b["block"] for b in blockruns if b["state"] in ("skip", "pseudoresume")}
     blocks = [b for b in hands_free.get("blocks", []) if b["key"] in restored]
@@ -434,8 +256,8 @@ def _statement_cause(report, prog, cur, rel, plan, blockruns, parts):
     if not before:
         if not hands_free:
             return None
-        return ("no block was restored before it: the difference comes from outside "
-                "flor's blocks (nondeterminism, the clock, other processes or files)")
+        return (f"{_NO_BLOCK}: the difference comes from outside flor's blocks "
+                "(nondeterminism, the clock, other processes or files)")
     captured = {}  # block -> what the replay captured, completion included
     for part in parts:
         for key, labels in (json.loads(part["info"] or "{}").get("captured") or {}).items():

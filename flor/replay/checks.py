@@ -52,6 +52,7 @@ class CheckReport:
     ambiguous: int = 0
     states_skipped: int = 0  # not compared under a tolerance
     states_older: int = 0  # not compared: the record took them with a version 1 fingerprint
+    boundaries: list = field(default_factory=list)  # what a segment's start did not verify
     causes: dict = field(default_factory=dict)  # loc -> likely cause
     run_causes: list = field(default_factory=list)  # likely causes for the whole run
     shown_loc: dict = field(default_factory=dict)  # recorded loc -> current file:line
@@ -76,6 +77,9 @@ class CheckReport:
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 
     def summary(self, limit=10) -> str:
+        return "\n".join([self._summary(limit)] + [f"  {b}" for b in self.boundaries])
+
+    def _summary(self, limit) -> str:
         clock = (f"; {len(self.clock)} printed lines differ only in fields that read the clock "
                  "(not compared)" if self.clock else "")
         if self.states_skipped:
@@ -260,4 +264,20 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
             report.states_skipped += 1  # a replay under --tolerance takes none
         elif reran[ctx]:
             report.missing.append((*key, value))
+    report.boundaries = _boundaries(store, replay_id)
     return report
+
+
+def _boundaries(store, replay_id) -> list[str]:
+    """What the starts of the replay's segments did not verify: a segment
+    whose iteration checkpoint put back state unlike the record's ran again
+    from its start; one that restored what it could not verify says so."""
+    info = json.loads((store.run(replay_id) or {}).get("info") or "{}")
+    out = [f"segment {part} ran again from its start, without its iteration checkpoint: {why}"
+           for part, why in sorted(info.get("restarted", {}).items(), key=lambda kv: int(kv[0]))]
+    for p in store.rows("parts", replay_id, "ORDER BY part"):
+        unverified = json.loads(p["info"] or "{}").get("unverified")
+        if unverified:
+            out.append(f"segment {p['part']} started from an iteration checkpoint and could "
+                       f"not verify what it restored of {'; '.join(unverified)}")
+    return out

@@ -153,6 +153,7 @@ class _Queue:
         self.gpus = _gpus()
         self.threads = str(plan.threads or max(1, (os.cpu_count() or 1) // slots))
         self.shown = [0] * len(plan.segments)  # iterations of each segment on the progress bar
+        self.restarted: dict[int, str] = {}  # part -> why it ran again from its start
 
     def _launch(self, part, resume, copy_of=None):
         used = {a.slot for a in self.running}
@@ -238,6 +239,7 @@ class _Queue:
             a.log.seek(0)
             lines = [l for l in a.log.read().splitlines() if l.strip()]
             why = f" ({lines[-1].strip()})" if lines else ""
+            self.restarted[a.part] = lines[-1].strip() if lines else f"exit {code}"
         note(f"replay worker of segment {a.part} {how} (exit {code}){why}; running it again"
              + ("" if died else " from the start"))
         self.todo.insert(0, (a.part, a.resume if died else False))
@@ -344,6 +346,10 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
         return code if code > 0 else 128 - code if code < 0 else 1  # killed: 128 + signal
     for part in range(nparts):
         store.import_part(queue.won[part].db)
+    if queue.restarted:  # for the checks' report
+        info = json.loads(store.run(plan.replay_id)["info"] or "{}")
+        info["restarted"] = {str(p): why for p, why in queue.restarted.items()}
+        store.update_run(plan.replay_id, info=json.dumps(info))
     for a in [*queue.won.values(), *queue.lost]:
         for path in (a.db, a.db + "-wal", a.db + "-shm"):
             if os.path.exists(path):

@@ -4,6 +4,9 @@
      "sig": ["torch.nn.modules...Net", ...],         # what end() received
      "objs": [model, optimizer, ...],                # the objects (flor.snapshot)
      "modes": [{submodule: training flag}, ...],     # per nn.Module, else None
+     "attrs": [{submodule: {name: value}}, ...],     # per nn.Module, else None: its int
+                                                     # and float attributes (no state
+                                                     # dict holds them)
      "ddp": [flag or None, ...],                     # per DistributedDataParallel: whether
                                                      # its next forward syncs buffers
      "rng": {"random": ..., "numpy": ..., "torch": ..., "cuda": ...},
@@ -113,6 +116,39 @@ def set_module_modes(objs, modes):
                     m.training = mode[name]
 
 
+def module_attributes(objs):
+    """The attributes of every submodule of every nn.Module in objs that
+    its state dict leaves out though they may change as it trains (a step
+    counter its forward() increments): those not named with a leading
+    underscore whose values are ints or floats.  (Not strings, which are
+    mostly settings of this machine, such as a device; not tensors, which
+    may share memory with a parameter or be a batch the module kept; not
+    containers, which may be large.)"""
+    torch = sys.modules.get("torch")
+    out = []
+    for o in objs:
+        found = {}
+        if torch is not None and isinstance(o, torch.nn.Module):
+            for name, m in o.named_modules():
+                attrs = {k: v for k, v in vars(m).items()
+                         if not k.startswith("_") and type(v) in (int, float)}
+                if attrs:
+                    found[name] = attrs
+        out.append(found or None)
+    return out
+
+
+def set_module_attributes(objs, attrs):
+    for o, found in zip(objs, attrs or []):
+        for name, values in (found or {}).items():
+            try:
+                m = o.get_submodule(name)
+            except AttributeError:  # not in the edited program's module
+                continue
+            for k, v in values.items():
+                setattr(m, k, v)
+
+
 def ddp_flags(objs):
     """Whether each DistributedDataParallel among objs broadcasts rank 0's
     buffers at its next forward: DDP sets it in a forward with gradients and
@@ -188,6 +224,9 @@ def gradients(owners) -> list:
 def payload(key: str, ctx: str, occurrence: int, sig: list, objs, grads=None) -> dict:
     out = {"block": key, "ctx": ctx, "occurrence": occurrence, "sig": sig,
            "objs": list(objs), "modes": module_modes(objs), "rng": rng_state()}
+    attrs = module_attributes(objs)
+    if any(a is not None for a in attrs):
+        out["attrs"] = attrs
     flags = ddp_flags(objs)
     if any(f is not None for f in flags):
         out["ddp"] = flags
@@ -256,6 +295,7 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
         if devices is not None:
             devices.done()
     set_module_modes(out, saved.get("modes"))
+    set_module_attributes(out, saved.get("attrs"))
     set_ddp_flags(out, saved.get("ddp"))
     if "grads" in saved:
         params = parameters(state_owners(out, frame))

@@ -17,20 +17,25 @@ An iteration checkpoint is a block checkpoint (flor/runtime/blockstate.py)
 of the block ``iteration_key(loop)`` at the context of the iteration, plus
 
     {"fingerprint": ...,  # of the modules and optimizers in the loop's scope
+     "carried": [...],    # the digest of each carried object (flor/runtime/digest.py),
+                          # None where it has none
      "ord": n,            # the run's order counter at the end of the iteration
      "iteration": i}
 
 A restore is verified: the state in scope after it must have the recorded
-fingerprint, or the worker stops with FlorReplayError (and the replay
-queue runs the segment again without it).
+fingerprint, and every object put back (in place or to rebind) its
+recorded digest, or the worker stops with FlorReplayError (and the replay
+queue runs the segment again from its start, without the checkpoint).
+What could not be verified (an object with no digest, a record that took
+none) is returned, for the worker to say so.
 """
 from __future__ import annotations
 
 from ..context import encode, iteration_key
-from ..errors import FlorReplayError
-from . import blockstate
+from ..errors import FlorReplayError, note
+from . import blockstate, digest
 
-__all__ = ["Carried", "payload", "ctx_of", "restore", "fingerprint"]
+__all__ = ["Carried", "payload", "ctx_of", "restore", "resume_at", "fingerprint", "digests"]
 
 
 class Carried:
@@ -43,10 +48,13 @@ class Carried:
         """(objects, signature, rebind flags) to checkpoint."""
         return list(self.objs), blockstate.signature(self.objs), [False] * len(self.objs)
 
+    def labels(self, sig) -> list[str]:
+        """How errors name the objects."""
+        return [f"state[{i}] (a {label.rsplit('.', 1)[-1]})" for i, label in enumerate(sig)]
+
     def apply(self, saved, scope):
-        """Restore the objects in place; nothing to rebind."""
-        blockstate.apply(saved, list(self.objs), None, scope)
-        return None
+        """Restore the objects in place: (nothing to rebind, the restored objects)."""
+        return None, blockstate.apply(saved, list(self.objs), None, scope)
 
 
 def fingerprint(scope, version=blockstate.FINGERPRINT) -> int:
@@ -54,6 +62,45 @@ def fingerprint(scope, version=blockstate.FINGERPRINT) -> int:
     if scope is None:
         return 0
     return blockstate.fingerprint(blockstate.state_owners([], scope), version)
+
+
+def _covered(scope) -> set:
+    """The tensors the fingerprint of the loop's scope reads."""
+    return digest.covered(blockstate.state_owners([], scope) if scope is not None else [])
+
+
+def digests(objs, scope) -> list:
+    """The digest of each of `objs` (None where it has none); the tensors of
+    the modules and optimizers in scope count by shape only, as their
+    fingerprint covers them."""
+    skip = _covered(scope)
+    out = []
+    for o in objs:
+        try:
+            out.append(digest.digest(o, skip))
+        except digest.Opaque:
+            out.append(None)
+    return out
+
+
+def _unverified(objs, scope, sig, recorded) -> tuple[list, list]:
+    """(labels whose restored state differs from the record's, labels
+    that could not be verified, with why)."""
+    if recorded is None:
+        return [], [f"{label} (the record took no digest of it)" for label in sig]
+    skip = _covered(scope)
+    differ, unverified = [], []
+    for label, o, want in zip(sig, objs, recorded):
+        try:
+            got = digest.digest(o, skip)
+        except digest.Opaque as e:
+            unverified.append(f"{label} ({e}: flor cannot digest it)")
+            continue
+        if want is None:
+            unverified.append(f"{label} (the record could not digest it)")
+        elif got != want:
+            differ.append(label)
+    return differ, unverified
 
 
 def ctx_of(loop: str, run: int, i: int) -> str:
@@ -66,15 +113,16 @@ def tag(loop: str, run: int, i: int) -> bytes:
     return blockstate.tag(iteration_key(loop), ctx_of(loop, run, i), 0)
 
 
-def payload(loop, run, i, objs, sig, fp, ord_) -> dict:
+def payload(loop, run, i, objs, sig, fp, ord_, carried) -> dict:
     out = blockstate.payload(iteration_key(loop), ctx_of(loop, run, i), 0, sig, objs)
-    out.update(fingerprint=fp, ord=ord_, iteration=i)
+    out.update(fingerprint=fp, carried=carried, ord=ord_, iteration=i)
     return out
 
 
 def restore(saved, carrier, loop, run, i, scope, where):
     """Put the state carried out of iteration i back, from its checkpoint
-    `saved` (named `where` in errors).  Returns what to rebind, or None."""
+    `saved` (named `where` in errors), and verify it.  Returns (what to
+    rebind or None, the labels of what could not be verified)."""
     if not blockstate.belongs(saved, iteration_key(loop), ctx_of(loop, run, i), 0):
         raise FlorReplayError(f"{where} is not the checkpoint of iteration {i} of the loop "
                               f"at {loop}")
@@ -86,11 +134,41 @@ def restore(saved, carrier, loop, run, i, scope, where):
     if sig != saved["sig"]:
         raise FlorReplayError(f"{where} holds {saved['sig']}, and the loop at {loop} now "
                               f"carries {sig}: the program changed; it cannot be used")
-    values = carrier.apply(saved, scope)
+    values, objs = carrier.apply(saved, scope)
     got = fingerprint(scope, blockstate.fingerprint_version(saved["fingerprint"]))
     if got != saved["fingerprint"]:
         raise FlorReplayError(
             f"{where}: the state restored from it does not have the fingerprint the record "
             f"computed at the end of iteration {i} (the loop carries state flor did not "
             "capture); it cannot be used")
-    return values
+    differ, unverified = _unverified(objs, scope, carrier.labels(sig), saved.get("carried"))
+    if differ:
+        raise FlorReplayError(
+            f"{where}: what it put back differs from what the record had at the end of "
+            f"iteration {i}: {', '.join(differ)} (the checkpoint does not hold all of their "
+            "state); it cannot be used")
+    return values, unverified
+
+
+def resume_at(session, it, frame, carrier, start, read, where):
+    """Start the main loop `frame` at iteration `start` from the iteration
+    checkpoint of start - 1 (a replay segment, or ``record --resume``):
+    draw (and drop) the loop's items before it from `it`, read the
+    checkpoint (``read(tag)``), restore and verify it, and leave the names
+    to rebind for the body's first statement (session.resumed).  Returns
+    the labels of what it put back and of what it could not verify."""
+    loop, run = frame[1], frame[2]
+    for i in range(start):
+        session.context.set_index(frame, i)
+        try:
+            next(it)
+        except StopIteration:
+            raise FlorReplayError(f"the main loop at {loop} ended after {i} iterations; "
+                                  f"its iteration checkpoint is of iteration {start - 1}") from None
+    saved = read(tag(loop, run, start - 1))
+    values, unverified = restore(saved, carrier, loop, run, start - 1, frame.scope, where)
+    if unverified:
+        note(f"{where}: restored without verifying {'; '.join(unverified)}")
+    if values is not None:
+        session.resumed = (loop, values)
+    return carrier.labels(saved["sig"]), unverified

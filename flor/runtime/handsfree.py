@@ -27,6 +27,7 @@ import collections.abc
 import io
 import itertools
 import logging
+import os
 import random
 import sys
 import threading
@@ -74,13 +75,14 @@ _NOT_STATE_MODULES = ("tqdm", "torch.utils.tensorboard", "tensorboardX", "wandb"
                       "torch.utils.data", "logging", "csv", "_csv")
 
 
-def loop(iterable, key, names=None, paths=(), globals_=(), rebound=()):
+def loop(iterable, key, names=None, paths=(), globals_=(), rebound=(), iterated=()):
     """A candidate main loop; `names`, `paths`, `globals_`, `rebound`: what
-    its body carries into the next iteration (None when analysis gave up)."""
+    its body carries into the next iteration (None when analysis gave up);
+    `iterated`: what it loops over that the next iteration reads."""
     s = Session.get()
     if not s.at_top_level():
         return iterable
-    carrier = _Carried(names, paths, globals_, rebound) if names is not None else None
+    carrier = _Carried(names, paths, globals_, rebound, iterated) if names is not None else None
     return s.loop(iterable, key, sys._getframe(1), carrier)
 
 
@@ -93,11 +95,13 @@ def resume(key):
 class _Carried:
     """What a hands-free main loop carries, read from the loop's frame."""
 
-    def __init__(self, names, paths, globals_, rebound):
+    def __init__(self, names, paths, globals_, rebound, iterated=()):
         self.sets = (names, paths, globals_, rebound)
+        self.iterated = iterated
 
     def _read(self, scope):
-        items, captured, extra, labels = _capture(None, *self.sets, scope)
+        items, captured, extra, labels = _capture(None, *self.sets, scope,
+                                                  iterated=self.iterated)
         objs = [items[i][1] for i in captured] + [o for _, o in extra]
         rebind = [items[i][2] for i in captured] + [False] * len(extra)
         return items, captured, objs, labels, rebind
@@ -106,15 +110,18 @@ class _Carried:
         _, _, objs, labels, rebind = self._read(scope)
         return objs, labels, rebind
 
+    def labels(self, sig) -> list[str]:
+        return list(sig)
+
     def apply(self, saved, scope):
         from .blockstate import apply
 
         items, captured, objs, _, rebind = self._read(scope)
         out = apply(saved, objs, rebind, scope)
-        return _put_back(items, captured, out, len(self.sets[0]), scope)
+        return _put_back(items, captured, out, len(self.sets[0]), scope), out
 
 
-def step_into(key, owner, names, paths, globals_, rebound, dead=()) -> bool:
+def step_into(key, owner, names, paths, globals_, rebound, dead=(), iterated=()) -> bool:
     """A session SkipBlock when its own loop is the innermost one tracked;
     otherwise the block runs as plain code."""
     s = Session.get()
@@ -124,7 +131,7 @@ def step_into(key, owner, names, paths, globals_, rebound, dead=()) -> bool:
     frame = sys._getframe(1)
     expect = None
     if s.replaying:  # what end() would capture if the block were skipped
-        expect = _capture(s, names, paths, globals_, rebound, frame, dead)[3]
+        expect = _capture(s, names, paths, globals_, rebound, frame, dead, iterated)[3]
     return s.step_into(key, False, frame, expect_sig=expect)
 
 
@@ -261,33 +268,105 @@ def _completion(values, ns, g):
     return extra
 
 
-def _capture(s, names, paths, globals_, rebound, frame, dead=()):
+def _capture(s, names, paths, globals_, rebound, frame, dead=(), iterated=()):
     """(items, indices of the captured ones, completion, labels): what a
-    block's end() hands to the session, read from the caller's frame."""
+    block's end() hands to the session, read from the caller's frame.
+    `iterated`: what the block loops over and code after it reads; an
+    iterator there is captured if a checkpoint holds it (_own_iterator),
+    else labelled as held by none (a list is neither)."""
     ns, g = frame.f_locals, frame.f_globals
     items = [(n, ns[n] if n in ns else g.get(n, UNBOUND), n in rebound) for n in names]
     items += [(p, _value(p, g, ns), p in rebound) for p in paths]
     items += [(f"global {p}", _value(p, g, g), False) for p in globals_]
-    captured = [i for i, (_, v, _) in enumerate(items) if _state(v) and not _unheld(v)]
+    captured = [i for i, (_, v, _) in enumerate(items) if _state(v) and not _lost(v)]
     extra = _completion([items[i][1] for i in captured if items[i][1] is not UNBOUND], ns, g)
-    labels = [items[i][0] for i in captured] + [label for label, _ in extra]
-    labels += [f"{label}: a {type(v).__name__}, {UNHELD}" for label, v, _ in items
-               if _unheld(v) and label not in dead]  # dead: nothing reads it after the block
+    lost = [f"{label}: a {type(v).__name__}, {UNHELD}" for label, v, _ in items
+            if _lost(v) and label not in dead]  # dead: nothing reads it after the block
+    for p in iterated:
+        if any(p == label for label, _, _ in items):
+            continue
+        v = _peek(p, g, ns)
+        if _own_iterator(v):  # it keeps its position in its __dict__: held with the block
+            if all(v is not o for _, o in extra):
+                extra.append((f"{p}: an iterator it loops over", v))
+            continue
+        inner = list(v.values()) if type(v) is dict and len(v) <= 64 else \
+            list(v) if type(v) in (list, tuple) and len(v) <= 64 else [v]
+        kinds = sorted({type(x).__name__ for x in inner if _lost(x)})
+        if kinds:
+            what = f"a {kinds[0]}" if inner == [v] else f"holding {', '.join(kinds)}"
+            lost.append(f"{p}: {what} it loops over, {UNHELD}")
+    labels = [items[i][0] for i in captured] + [label for label, _ in extra] + lost
     return items, captured, extra, labels
 
 
-def end(key, names, paths, globals_, rebound, grads=False, dead=()):
+def _lost(value) -> bool:
+    """An iterator whose position no checkpoint holds."""
+    return _unheld(value) and not _own_iterator(value)
+
+
+def _peek(path, g, ns):
+    """The value of `path` read without running the program's code: names,
+    attributes in an object's own __dict__ (not properties), items of
+    dicts, lists and tuples; UNBOUND where it cannot be read so."""
+    try:
+        node = ast.parse(path, mode="eval").body
+        steps = []
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            steps.append(node)
+            node = node.value
+        if not isinstance(node, ast.Name):
+            return UNBOUND
+        v = ns[node.id] if node.id in ns else g.get(node.id, UNBOUND)
+        for step in reversed(steps):
+            if v is UNBOUND:
+                break
+            if isinstance(step, ast.Attribute):
+                own = object.__getattribute__(v, "__dict__")
+                v = own.get(step.attr, UNBOUND) if type(own) is dict else UNBOUND
+            elif type(v) in (dict, list, tuple) and isinstance(step.slice, ast.Constant):
+                v = v[step.slice.value]
+            else:
+                v = UNBOUND
+        return v
+    except Exception:  # no __dict__, a missing key: unknown, and never the script's error
+        return UNBOUND
+
+
+def _own_iterator(value) -> bool:
+    """An iterator of a class of the project's own (the script's directory),
+    whose objects keep their position in their __dict__ (and hold no
+    iterator of a library's): a checkpoint holds it as it holds any object
+    (a hand-written loader or stream)."""
+    if not _unheld(value) or isinstance(value, types.GeneratorType):
+        return False
+    try:
+        own = object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return False
+    if type(own) is not dict or any(_unheld(x) for x in own.values()):
+        return False  # it draws from an iterator no checkpoint holds
+    mod = sys.modules.get(type(value).__module__)
+    main = sys.modules.get("__main__")
+    home = os.path.dirname(os.path.abspath(getattr(main, "__file__", "") or "."))
+    path = os.path.abspath(getattr(mod, "__file__", "") or "")
+    return mod is main or (path.startswith(home + os.sep) and "site-packages" not in path)
+
+
+def end(key, names, paths, globals_, rebound, grads=False, dead=(), iterated=()):
     """Close the block: checkpoint (record) or restore (replay, skipped) its
     side effects, and return the values of `names` to rebind.  `grads`: the
     block's parameters' gradients are read after it, and are state too;
     `dead`: what nothing reads after the block (an iterator there does not
-    stop its checkpoint)."""
+    stop its checkpoint); `iterated`: what it loops over and code after it
+    reads (an iterator there stops its checkpoint)."""
     s = Session.get()
     frame = sys._getframe(1)
     if s.close_plain():
         ns, g = frame.f_locals, frame.f_globals
         return tuple(ns[n] if n in ns else g.get(n, UNBOUND) for n in names)
-    items, captured, extra, labels = _capture(s, names, paths, globals_, rebound, frame, dead)
+    items, captured, extra, labels = _capture(s, names, paths, globals_, rebound, frame, dead,
+                                              iterated)
     objs = [items[i][1] for i in captured]
     s.block_labels.setdefault(key, labels)
     out = s.end(objs + [o for _, o in extra], frame, sig=labels,

@@ -29,19 +29,13 @@ class RecordIterations:
         """Skip the main loop to `start` from the iteration checkpoint of the
         iteration before it (verified), and record from there."""
         r = self.point
-        for i in range(start):
-            session.context.set_index(frame, i)
-            next(it)
         where = f"iteration checkpoint {r.file} of run {r.run_id}"
-        saved, _ = blockstate.read_own(os.path.join(self.store.ckpt_dir(self.run_id), r.file),
-                                       carry.tag(frame[1], frame[2], start - 1))
+        path = os.path.join(self.store.ckpt_dir(self.run_id), r.file)
         try:
-            values = carry.restore(saved, frame.carrier, frame[1], frame[2], start - 1,
-                                   frame.scope, where)
+            carry.resume_at(session, it, frame, frame.carrier, start,
+                            lambda expect: blockstate.read_own(path, expect)[0], where)
         except FlorReplayError as e:
             raise FlorError(f"cannot resume: {e}") from None
-        if values is not None:
-            session.resumed = (frame[1], values)
         session.logbook.journal.ord = r.ord
         session.discard = False
         self.restored = True
@@ -77,10 +71,11 @@ class RecordIterations:
         objs, sig, _ = frame.carrier.capture(frame.scope)
         loop, run, i = frame[1:4]
 
-        def make():  # only for a checkpoint: the restore is verified by the fingerprint
+        def make():  # only for a checkpoint: its restore is verified by these
             got = fp if fp is not None else carry.fingerprint(frame.scope,
                                                               self.fingerprint_version)
-            return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord)
+            return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord,
+                                 carry.digests(objs, frame.scope))
 
         # The checkpoint is charged its fingerprint, wherever it was taken.
         self._checkpoint(session, iteration_key(loop), handle, session.info[1], 0, seconds,

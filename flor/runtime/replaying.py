@@ -39,6 +39,8 @@ class Replaying:
         self.store, self.plan, self.part = store, plan, part
         self.resume = resume  # start from an iteration checkpoint where the plan has one
         self.resumed_from = None  # [iteration, seconds] of the restore
+        self.unverified = []  # what the restore put back and could not verify
+        self.restored = []  # the labels of what it put back
         self.run_id = plan.replay_id
         self.segment = tuple(plan.segments[part])
         self.last_part = part == len(plan.segments) - 1
@@ -121,28 +123,26 @@ class Replaying:
 
     def _restore_iteration(self, session, it, frame, carrier, start) -> int:
         """Start the segment at `start` from the iteration checkpoint of
-        iteration start - 1: the loop's items before it are drawn (and
-        dropped), the carried state is restored and verified."""
+        iteration start - 1 (carry.resume_at); the items before it are
+        drawn with their output discarded."""
         fname = self.plan.resume[str(start - 1)]
-        session.discard = True
-        for i in range(start):
-            session.context.set_index(frame, i)
-            try:
-                next(it)
-            except StopIteration:
-                raise FlorReplayError(f"the main loop ended after {i} iterations; the record "
-                                      f"ran {self.plan.iterations}") from None
-        session.discard = False
-        t0 = time.perf_counter()
         where = f"iteration checkpoint {fname}"
+
+        def read(expect):
+            try:
+                saved, how = self._read(fname, expect)
+            except blockstate.UNREADABLE as e:
+                raise FlorReplayError(f"{where} cannot be read ({e})") from None
+            self._how_read(fname, how)
+            return saved
+
+        t0 = time.perf_counter()
+        session.discard = True
         try:
-            saved, how = self._read(fname, carry.tag(frame[1], frame[2], start - 1))
-        except blockstate.UNREADABLE as e:
-            raise FlorReplayError(f"{where} cannot be read ({e})") from None
-        self._how_read(fname, how)
-        values = carry.restore(saved, carrier, frame[1], frame[2], start - 1, frame.scope, where)
-        if values is not None:
-            session.resumed = (frame[1], values)
+            self.restored, self.unverified = carry.resume_at(session, it, frame, carrier, start,
+                                                             read, where)
+        finally:
+            session.discard = False
         self.resumed_from = [start - 1, time.perf_counter() - t0]
         return start
 
@@ -279,5 +279,7 @@ class Replaying:
                              "threads": torch.get_num_threads() if torch is not None else None,
                              "main_seen": self.main_seen,
                              "resumed_from": self.resumed_from,
+                             "unverified": self.unverified,
+                             "restored": self.restored,
                              "captured": session.block_labels,
                              "error": repr(error) if failed else None})
