@@ -10,8 +10,8 @@ from .checkpoint import load, restore, save
 from .errors import CheckpointCorrupt, CheckpointWriteError, FlorReplayError
 from .materializer import Materializer
 from .trust import UnsafeCheckpoint
+from .version import __version__
 
-__version__ = "0.2.0"
 
 __all__ = [
     "CheckpointCorrupt",
@@ -21,6 +21,7 @@ __all__ = [
     "SkipBlock",
     "Snapshot",
     "UnsafeCheckpoint",
+    "__version__",
     "dataframe",
     "dataframes",
     "generator",

@@ -28,7 +28,7 @@ from .materializer import mode_from_env
 # -- the commands ------------------------------------------------------------
 
 def cmd_record(o) -> int:
-    from .runtime.recording import record_script
+    from .runtime.entry import record_script
 
     if o.force and not o.resume:
         raise FlorError("--force goes with --resume")
@@ -128,7 +128,8 @@ def _plan(store, o, jobs, part=None):
 
 def cmd_replay(o) -> int:
     from .replay.plan import describe
-    from .replay.workers import run_local, run_part
+    from .replay.workers import run_local
+    from .runtime.entry import run_part
     from .store import Store
 
     strict = o.check == "strict"
@@ -297,7 +298,7 @@ def cmd_worker(rest) -> int:
     """A local replay worker: PLAN PART [PROGRESS_FD] [--db FILE] [--no-resume]
     (started by run_local)."""
     from .replay.plan import Plan
-    from .replay.workers import run_part
+    from .runtime.entry import run_part
 
     words = [w for i, w in enumerate(rest)
              if not w.startswith("--") and (i == 0 or rest[i - 1] != "--db")]

@@ -89,7 +89,7 @@ def _number(kind, least, strict=False):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .version import __version__
 
     top = _Parser(prog="flor", description="Record-replay for PyTorch training: cheap "
                   "background checkpoints, hindsight logging.\n\n" + SUMMARY,

@@ -349,7 +349,7 @@ def test_sparse_checkpoints_still_replay_faithfully(workdir, tmp_path):
 
 
 def test_only_outermost_blocks_never_checkpointed_get_a_note():
-    from flor.runtime.recording import never_checkpointed
+    from flor.runtime.entry import never_checkpointed
 
     def row(block, ctx, checkpoint, reason):
         return {"block": block, "ctx": json.dumps(ctx), "n": 3, "checkpoint": checkpoint,

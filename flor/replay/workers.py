@@ -1,10 +1,8 @@
-"""Running a replay's segments: worker processes on this machine (--jobs N),
-or one segment in this process (--part I/N, for schedulers that run the
-parts elsewhere; each part writes a database of its own, which merge
-imports).
+"""Running a replay's segments on worker processes of this machine (--jobs N).
 
-Every worker runs the edited script from the start with one segment of the
-plan (flor/runtime/replaying.py).  Local workers report each replayed
+Every worker (``flor _worker``, flor/runtime/entry.py run_part) runs the
+edited script from the start with one segment of the plan
+(flor/runtime/replaying.py).  Local workers report each replayed
 iteration on a pipe, which drives the progress bar.
 """
 from __future__ import annotations
@@ -19,45 +17,12 @@ import sys
 import time
 
 from ..errors import FlorError, Interrupted, note
-from ..runtime.script import run_main
-from ..runtime.session import Session
 from ..store import Store
-from .plan import Plan, instrument_current, register
+from .plan import Plan, register
 from .progress import Progress
 from .results import conclude
 
-__all__ = ["run_local", "run_part"]
-
-
-def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
-             resume=True) -> int:
-    """Run segment `part` of the plan in this process (a worker, or --part):
-    `tee` also shows the script's stdout, `own_db` stores into the part's
-    own database (or into the database file it names), `progress_fd`
-    reports each replayed iteration, `resume` starts from an iteration
-    checkpoint where the plan has one."""
-    store = Store(plan.store)
-    if own_db:
-        db = own_db if isinstance(own_db, str) else store.part_db(plan.replay_id, part)
-        store = Store(plan.store, db_file=db)
-        if plan.threads and "OMP_NUM_THREADS" not in os.environ:
-            os.environ["OMP_NUM_THREADS"] = str(plan.threads)  # before the script imports torch
-    session = Session.replay(plan, part, store=store, tee=tee, progress_fd=progress_fd,
-                             resume=resume)
-    script = plan.script
-    sys.argv = list(plan.argv)
-    sys.path[0] = os.path.dirname(script)
-    inst = None
-    if plan.hands_free:
-        with open(script) as f:
-            inst = instrument_current(f.read(), script,
-                                      plan.line_maps().get(os.path.basename(script), ({},))[0])
-    error, code = None, 0
-    try:
-        code, error = run_main(script, sys.__stderr__, inst)
-    finally:
-        session.finish(error)
-    return code
+__all__ = ["run_local"]
 
 
 def _gpus():
