@@ -171,10 +171,8 @@ WHILE_REBINDS_ITS_CONDITION = """
         print(step, lr, round(model.weight.sum().item(), 6))
 """
 
-GENERATOR_LOADER = """
-    import torch
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
+# A generator of random batches, the model and its optimizer (shapes below).
+_BATCHES = """    torch.set_num_threads(1)
 
 
     def batches(n):
@@ -186,7 +184,12 @@ GENERATOR_LOADER = """
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = batches(8)
-    for epoch in range(5):
+"""
+
+GENERATOR_LOADER = """
+    import torch
+    torch.manual_seed(0)
+""" + _BATCHES + """    for epoch in range(5):
         for _ in range(3):
             x, y = next(gen)
             opt.zero_grad()
@@ -291,19 +294,7 @@ SLICED_GENERATOR = """
     import torch
     from torch.utils.data import DataLoader, TensorDataset
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-
-
-    def batches(n):
-        g = torch.Generator().manual_seed(1)
-        while True:
-            yield torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
-
-
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    gen = batches(8)
-    held_out = iter(DataLoader(TensorDataset(torch.randn(40, 4), torch.randn(40, 1)),
+""" + _BATCHES + """    held_out = iter(DataLoader(TensorDataset(torch.randn(40, 4), torch.randn(40, 1)),
                                batch_size=8))
     for epoch in range(5):
         for x, y in itertools.islice(gen, 3):

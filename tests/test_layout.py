@@ -75,20 +75,24 @@ def _imports(mods) -> dict:
     return graph
 
 
-def test_python_modules_import_each_other_without_a_circle():
-    graph = _imports(_modules())
+def _assert_no_circle(deps, what):
+    """Depth-first search of `deps` (node -> the nodes it depends on)."""
     state = {}
 
     def visit(n, path):
         state[n] = "open"
-        for m in graph[n]:
-            assert state.get(m) != "open", "modules in a circle: " + " -> ".join(path + [n, m])
+        for m in sorted(deps[n]):
+            assert state.get(m) != "open", f"{what} in a circle: " + " -> ".join(path + [n, m])
             if m not in state:
                 visit(m, path + [n])
         state[n] = "done"
-    for n in sorted(graph):
+    for n in sorted(deps):
         if n not in state:
             visit(n, [])
+
+
+def test_python_modules_import_each_other_without_a_circle():
+    _assert_no_circle(_imports(_modules()), "modules")
 
 
 def test_the_circle_check_sees_imports_inside_functions(tmp_path):
@@ -162,19 +166,7 @@ def test_c_files_depend_on_each_other_without_a_circle(tmp_path):
         defined[name], used[name] = _symbols(str(obj))
     owner = {sym: name for name, syms in defined.items() for sym in syms}
     deps = {name: {owner[s] for s in used[name] if s in owner} - {name} for name in defined}
-    # Depth-first search for a circle.
-    state = {}
-
-    def visit(n, path):
-        state[n] = "open"
-        for m in sorted(deps[n]):
-            assert state.get(m) != "open", "C files in a circle: " + " -> ".join(path + [n, m])
-            if m not in state:
-                visit(m, path + [n])
-        state[n] = "done"
-    for n in sorted(deps):
-        if n not in state:
-            visit(n, [])
+    _assert_no_circle(deps, "C files")
     # Nothing depends on the registration file.
     assert not [n for n, d in deps.items() if "module.c" in d]
     with open(os.path.join(ROOT, "csrc", "flor.h")) as f:
