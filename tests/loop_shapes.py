@@ -322,3 +322,32 @@ LIST_OF_BATCHES = """
             opt.step()
         print(epoch, round(model.weight.sum().item(), 6))
 """
+
+# The main loop draws its epochs from a generator that prints, and draws
+# random numbers, while an item is drawn, and prints after its last item:
+# what runs while an item is drawn belongs to the iteration that gets it.
+GENERATOR_MAIN_LOOP = """
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+    def epochs(n):
+        print("data ready")
+        for epoch in range(n):
+            data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+            print("epoch", epoch, "drawn", round(data[0][0].sum().item(), 4))
+            yield epoch, data
+        print("every epoch drawn")
+
+
+    for epoch, data in epochs(5):
+        for x, y in data:
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        print(epoch, round(model.weight.sum().item(), 6))
+    print("done")
+"""

@@ -5,9 +5,10 @@ what a plain run prints."""
 import json
 import os
 
-from conftest import edit, flor, plain, read, runs, store, write_script
-from loop_shapes import (CALLBACK, HEADER_REBOUND, INFINITE_LOADER, ITERATOR_EACH_EPOCH,
-                         ITERATOR_IN_BLOCK, LIST_OF_BATCHES, SLICED_GENERATOR, TRAINER)
+from conftest import edit, flor, plain, read, runs, store, values, write_script
+from loop_shapes import (CALLBACK, GENERATOR_MAIN_LOOP, HEADER_REBOUND, INFINITE_LOADER,
+                         ITERATOR_EACH_EPOCH, ITERATOR_IN_BLOCK, LIST_OF_BATCHES,
+                         SLICED_GENERATOR, TRAINER)
 
 
 def _resumed(st):
@@ -214,3 +215,31 @@ def test_a_block_that_loops_over_an_iterator_kept_across_epochs_is_not_skipped(t
     rec = flor(d, "record", "--no-adaptive", "train.py")
     assert "no checkpoint holds" not in rec.stderr, rec.stderr
     assert "5 checkpoints" in rec.stderr and "5 iteration checkpoints" in rec.stderr, rec.stderr
+
+
+def test_what_a_generator_runs_while_an_item_is_drawn_belongs_to_that_iteration(tmp_path):
+    """A main loop over a generator that prints while it draws an item and
+    after its last one: a replay printed the lines drawn for an iteration
+    under the iteration before it (the record's), so its checks failed;
+    and the last worker never drew the loop to its end, so the line
+    printed after the last item was missing.  The random state a loop
+    starts with is taken before its first item is drawn, in record as in
+    replay."""
+    d = str(tmp_path)
+    write_script(d, "train.py", GENERATOR_MAIN_LOOP)
+    flor(d, "record", "--no-adaptive", "train.py")
+    st = store(d)
+    rec = runs(st, "record")[0]
+    assert json.loads(rec["info"])["main_ended"] is True
+    edit(f"{d}/train.py", "opt.step()", 'print("probe", round(loss.item(), 6))', after=False)
+    edit(f"{d}/train.py", "opt.zero_grad()", "loss = ((model(x) - y) ** 2).mean()")
+    expected = plain(d, "train.py").stdout
+    assert "every epoch drawn" in expected
+    for jobs, starts in ((1, "0"), (2, "3")):
+        rep = flor(d, "replay", "--jobs", str(jobs), "train.py", env={"FLOR_SEGMENTS": starts})
+        assert rep.stdout == expected, (starts, rep.stderr)
+        assert "deferred checks passed" in rep.stderr, rep.stderr
+    replay = runs(st, "replay")[0]["run_id"]
+    # torch's: the script seeds it, not Python's or numpy's generator
+    recorded = [v["torch"] for _, _, v in values(st, rec["run_id"], "state@random")]
+    assert recorded and [v["torch"] for _, _, v in values(st, replay, "state@random")] == recorded

@@ -49,6 +49,7 @@ SHAPES = {
     "iterator_each_epoch": loop_shapes.ITERATOR_EACH_EPOCH,
     "sliced_generator": loop_shapes.SLICED_GENERATOR,
     "list_of_batches": loop_shapes.LIST_OF_BATCHES,
+    "generator_main_loop": loop_shapes.GENERATOR_MAIN_LOOP,
 }
 
 

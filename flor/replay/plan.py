@@ -60,6 +60,8 @@ class Plan:
     # file at the end of main-loop iteration i}: a segment starting at i + 1 starts there
     ranks: dict | None = None  # a data-parallel record: {"rank", "size", "ckpt_dirs" (by
     # rank), "ports" (by segment: its process group's)}; flor/runtime/ranks.py
+    ended: bool = False  # the record's main loop ended with its iterable (not by a
+    # break): the last part draws it to its end too, so its code after the last item runs
 
     def save(self, path: str):
         data = dataclasses.asdict(self)
@@ -432,7 +434,8 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         ckpt_dir=store.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
-        workers=jobs, ranks=group_plan)
+        workers=jobs, ranks=group_plan,
+        ended=bool(json.loads(rec["info"] or "{}").get("main_ended")))
     return plan, rec, cmp, new[os.path.basename(script)], notes
 
 

@@ -45,11 +45,18 @@ class Loops:
         try:
             if start:
                 self.policy.resume(self, it, frame, start)
-            for x in it:
+            while True:
+                # What runs while the item is drawn (a generator's code)
+                # belongs to the iteration that gets it: so in replay too.
                 self.context.set_index(frame, n)
+                if depth == 0 and n == 0:
+                    self.logbook.random_state(frame)
+                try:
+                    x = next(it)
+                except StopIteration:
+                    self.ended.add((key, run))
+                    break
                 if depth == 0:
-                    if n == 0:
-                        self.logbook.random_state(frame)
                     self.policy.iteration_started(self, frame)
                 n += 1
                 yield x

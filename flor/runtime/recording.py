@@ -252,6 +252,7 @@ class Recording(RecordIterations):
                           "adaptive": self.machine.adaptive, "hands_free": self.hands_free,
                           "flor_seconds": session.flor_s, "startup_s": self._startup,
                           "captured": session.block_labels,
+                          "main_ended": main is not None and main[:2] in session.ended,
                           "error": repr(error) if failed else None})
         self.store.update_run(
             self.run_id, finished=time.time(),

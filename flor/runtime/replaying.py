@@ -112,6 +112,9 @@ class Replaying:
                 n += 1
                 yield x
                 session.end_iteration(frame, progress=not pseudo)
+            else:
+                if self.last_part and self.plan.ended and n == total:
+                    self._draw_to_end(session, it, frame, key, n)
         finally:
             session.discard = False
             self.machine.phase = _core.WORK
@@ -120,6 +123,17 @@ class Replaying:
             session.phase = "post"
         if not self.last_part:
             raise SegmentDone(self.part)
+
+    def _draw_to_end(self, session, it, frame, key, n):
+        """The record's main loop ended with its iterable: draw it once more,
+        as the record did, so that its code after the last item runs."""
+        session.context.set_index(frame, n)
+        try:
+            next(it)
+        except StopIteration:
+            return
+        note(f"the main loop at {key} yields more than the {n} items it yielded in the "
+             f"record; the replay stops it after {n}")
 
     def _restore_iteration(self, session, it, frame, carrier, start) -> int:
         """Start the segment at `start` from the iteration checkpoint of

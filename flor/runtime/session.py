@@ -158,6 +158,7 @@ class Session(Loops):
         self._blocks_run = 0  # in the current top-level iteration
         self.seen_files: set[str] = set()
         self.loop_stats = []
+        self.ended: set[tuple[str, int]] = set()  # loops whose iterable ended (not a break)
         self.block_labels: dict[str, list] = {}  # hands-free: what each block captured
         self.started = time.time()
         self.flor_s = 0.0  # seconds flor itself spent on the main thread
