@@ -134,9 +134,9 @@ def cmd_replay(o) -> int:
 
     strict = o.check == "strict"
     if o.backend == "ray":
-        from .replay.distributed import _ray
+        from .replay.distributed import import_ray
 
-        _ray()  # first: say how to install it
+        import_ray()  # first: say how to install it
     store = Store(create=False)
     if not store.exists():
         raise FlorError(f"no recorded run of {os.path.basename(o.script)}: there is no run "

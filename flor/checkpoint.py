@@ -37,7 +37,7 @@ def _location_hook(map_location, path=""):
             try:
                 return map_location(storage, recorded)
             except Exception as e:
-                raise trust._HookFailed() from e
+                raise trust.HookFailed() from e
         return call
 
     def move(storage, recorded):
@@ -46,7 +46,7 @@ def _location_hook(map_location, path=""):
         except _core.FormatError:
             raise
         except Exception as e:
-            raise trust._HookFailed() from e
+            raise trust.HookFailed() from e
 
     def _move(storage, recorded):
         import torch
@@ -120,7 +120,7 @@ def read(path, map_location=None, trusted=False, expect_tag=None, seen=None):
                           trust.policy(path, trusted, expect_tag, seen))
     except _core.FormatError as e:
         raise CheckpointCorrupt(*e.args) from None
-    except trust._HookFailed as e:
+    except trust.HookFailed as e:
         raise e.__cause__ from None
 
 

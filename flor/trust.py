@@ -31,7 +31,7 @@ import warnings
 from . import _core
 from .errors import FlorError
 
-__all__ = ["UnsafeCheckpoint", "tag_of", "signer", "policy"]
+__all__ = ["UnsafeCheckpoint", "HookFailed", "tag_of", "signer", "policy"]
 
 KEY_BYTES = 32
 _SIGN_CONTEXT = b"flor checkpoint v2\0"
@@ -192,7 +192,7 @@ def _safe_loads(path):
         try:
             return _SafeUnpickler(meta, path).load()
         except (UnsafeCheckpoint, _core.FormatError, MemoryError, KeyboardInterrupt,
-                _HookFailed):
+                HookFailed):
             raise
         except Exception as e:  # anything else is a malformed pickle
             raise _core.FormatError(path, "metadata",
@@ -200,7 +200,7 @@ def _safe_loads(path):
     return loads
 
 
-class _HookFailed(Exception):
+class HookFailed(Exception):
     """Carries an error of the caller's map_location hook through the
     unpickler unchanged."""
 

@@ -176,7 +176,7 @@ def manual_gradients(source: str, rel: str) -> set[str]:
     gradients are read after their SkipBlock.end() call."""
     from ..context import location
     from .analysis import Script
-    from .source import _is_flor_call, _literal
+    from .source import is_flor_call, literal_arg
     from .syntax import bodies
 
     try:
@@ -200,11 +200,11 @@ def manual_gradients(source: str, rel: str) -> set[str]:
                         todo.append(subs)
                     else:
                         todo.extend(part.body for part in subs)  # handlers, cases
-                if not (isinstance(stmt, ast.If) and _is_flor_call(stmt.test, "step_into")):
+                if not (isinstance(stmt, ast.If) and is_flor_call(stmt.test, "step_into")):
                     continue
                 end = next((s for s in stmts[i + 1:]
-                            if any(_is_flor_call(n, "end") for n in ast.walk(s))), None)
+                            if any(is_flor_call(n, "end") for n in ast.walk(s))), None)
                 if end is not None and gradients_live(
                         stmt, loop.body, lambda call: script.resolve(call, tree), schedulers, end):
-                    out.add(_literal(stmt.test, 0, "name") or location(rel, stmt.test.lineno))
+                    out.add(literal_arg(stmt.test, 0, "name") or location(rel, stmt.test.lineno))
     return out

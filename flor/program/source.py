@@ -29,7 +29,7 @@ from ..context import location
 from .syntax import bodies, called_names, callers_closure, functions
 
 __all__ = ["BlockSite", "FileMap", "Comparison", "map_files", "changed_functions",
-           "manual_blocks", "find_blocks", "line_map"]
+           "manual_blocks", "find_blocks", "line_map", "is_flor_call", "literal_arg"]
 
 
 @dataclass
@@ -60,7 +60,8 @@ class Comparison:
     added: set[str] = field(default_factory=set)  # blocks new in the current source
 
 
-def _is_flor_call(node, attr):
+def is_flor_call(node, attr):
+    """Whether `node` calls flor.`attr` (SkipBlock.`attr` for step_into, end)."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr == attr):
         return False
@@ -71,7 +72,8 @@ def _is_flor_call(node, attr):
     return isinstance(owner, ast.Name) and owner.id == "flor"
 
 
-def _literal(call, pos, kw):
+def literal_arg(call, pos, kw):
+    """The constant given to `call` at position `pos` or as keyword `kw`, or None."""
     if len(call.args) > pos and isinstance(call.args[pos], ast.Constant):
         return call.args[pos].value
     for k in call.keywords:
@@ -86,14 +88,14 @@ def find_blocks(source: str) -> list[BlockSite]:
     for parent in ast.walk(tree):
         for _, stmts in bodies(parent):
             for i, stmt in enumerate(stmts):
-                if not (isinstance(stmt, ast.If) and _is_flor_call(stmt.test, "step_into")):
+                if not (isinstance(stmt, ast.If) and is_flor_call(stmt.test, "step_into")):
                     continue
                 call = stmt.test
                 end = next((ast.dump(s) for s in stmts[i + 1:]
-                            if any(_is_flor_call(n, "end") for n in ast.walk(s))), None)
+                            if any(is_flor_call(n, "end") for n in ast.walk(s))), None)
                 sites.append(BlockSite(
-                    name=_literal(call, 0, "name"), line=call.lineno,
-                    forced=_literal(call, 1, "probed") is True,
+                    name=literal_arg(call, 0, "name"), line=call.lineno,
+                    forced=literal_arg(call, 1, "probed") is True,
                     body=[ast.dump(s) for s in stmt.body], end=end, calls=called_names(stmt.body)))
     return sites
 
@@ -120,8 +122,8 @@ def _call_sites(tree):
                 inner = f"{func}.{child.name}"
             if isinstance(child, ast.Call):
                 for kind, pos, kw in (("generator", 1, "name"), ("step_into", 0, "name")):
-                    if _is_flor_call(child, kind):
-                        out.append(((kind, func, _literal(child, pos, kw)), child.lineno))
+                    if is_flor_call(child, kind):
+                        out.append(((kind, func, literal_arg(child, pos, kw)), child.lineno))
             visit(child, inner)
     visit(tree, "")
     return out

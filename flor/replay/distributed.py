@@ -25,7 +25,7 @@ from ..errors import FlorError, note
 from .plan import Plan, register
 from .results import conclude
 
-__all__ = ["run_ray", "array_index"]
+__all__ = ["run_ray", "array_index", "import_ray"]
 
 RETRIES = 3
 
@@ -48,7 +48,8 @@ def _segment(plan_path: str, part: int, db_dir: str, threads: int) -> dict:
             "stderr": proc.stdout + proc.stderr}
 
 
-def _ray():
+def import_ray():
+    """The ray module, or a FlorError saying how to install it."""
     try:
         import ray
     except ImportError:
@@ -60,7 +61,7 @@ def _ray():
 
 def run_ray(store, plan: Plan, rec, notes, source, strict=False) -> int:
     """Replay every segment as a Ray task, then assemble."""
-    ray = _ray()
+    ray = import_ray()
     for line in notes:
         note(line)
     t0 = time.time()
