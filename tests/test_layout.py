@@ -1,7 +1,7 @@
 """The source layout keeps the shape docs/ARCHITECTURE.md describes: every
 module named there, Python modules and C files that depend on each other
-without a circle (imports inside functions count), every SQL statement in
-flor/store.py.  Modules over 500 lines and classes over 250 are reported
+without a circle (imports inside functions count), no mixin, no private
+name imported across modules, every SQL statement in flor/store.py.  Modules over 500 lines and classes over 250 are reported
 as warnings."""
 import ast
 import glob
@@ -103,6 +103,112 @@ def test_the_circle_check_sees_imports_inside_functions(tmp_path):
     b.write_text("def f():\n    from .a import x\n")
     graph = _imports({"p": str(tmp_path / "__init__.py"), "p.a": str(a), "p.b": str(b)})
     assert graph["p.a"] == ["p.b"] and graph["p.b"] == ["p.a"]
+
+
+def _classes(paths) -> dict:
+    """Class name -> [its ClassDef nodes] in the modules `paths`."""
+    out = {}
+    for path in paths:
+        with open(path) as f:
+            for n in ast.walk(ast.parse(f.read())):
+                if isinstance(n, ast.ClassDef):
+                    out.setdefault(n.name, []).append(n)
+    return out
+
+
+def _defines(cls) -> set:
+    """What a class's own code defines: its methods and class attributes,
+    and every `self.x` it assigns."""
+    names = set()
+    for st in cls.body:
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(st.name)
+        elif isinstance(st, (ast.Assign, ast.AnnAssign)):
+            for t in st.targets if isinstance(st, ast.Assign) else [st.target]:
+                names.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+    names.update(x.attr for x in ast.walk(cls) if isinstance(x, ast.Attribute)
+                 and isinstance(x.value, ast.Name) and x.value.id == "self"
+                 and isinstance(x.ctx, (ast.Store, ast.Del)))
+    return names
+
+
+def _mixins(paths) -> list:
+    """Classes that read `self.x` where neither they nor their bases define
+    x: a mixin, which works only inside a class that happens to define it.
+    A class with a base from outside `paths` is not judged."""
+    classes = _classes(paths)
+    found = []
+    for name, defs in classes.items():
+        for cls in defs:
+            defined, bases, judged = _defines(cls), list(cls.bases), True
+            while bases:
+                b = bases.pop()
+                if not isinstance(b, ast.Name) or b.id not in classes:
+                    judged = judged and isinstance(b, ast.Name) and b.id == "object"
+                    continue
+                for base in classes[b.id]:
+                    defined |= _defines(base)
+                    bases += base.bases
+            reads = {x.attr for x in ast.walk(cls) if isinstance(x, ast.Attribute)
+                     and isinstance(x.value, ast.Name) and x.value.id == "self"
+                     and isinstance(x.ctx, ast.Load) and not x.attr.startswith("__")}
+            if judged and reads - defined:
+                found.append(f"{name} reads {sorted(reads - defined)}")
+    return found
+
+
+def test_no_class_is_a_mixin():
+    """Each class defines what it reads of itself: a concept gets its own
+    object (composed), not a slice of another class's attributes."""
+    assert not _mixins(PY)
+
+
+def test_the_mixin_check_finds_a_class_that_reads_what_it_does_not_define(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "class Base:\n    x = 1\n\n\nclass Part:\n    def f(self):\n        return self.y\n\n\n"
+        "class Whole(Part):\n    def __init__(self):\n        self.y = 2\n\n\n"
+        "class Fine(Base):\n    def g(self):\n        return self.x\n")
+    assert _mixins([str(tmp_path / "m.py")]) == ["Part reads ['y']"]
+
+
+def _private_imports(paths, modules) -> list:
+    """Names starting with an underscore that a module imports from another
+    module of flor, or reads as an attribute of one it imported; the
+    private modules `modules` (flor._core, flor._cuda) are not such names."""
+    found = []
+    for path in paths:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        imported = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("flor")):
+                for a in n.names:
+                    if a.name in modules:
+                        imported.add(a.asname or a.name)
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{os.path.basename(path)}:{n.lineno} imports {a.name}")
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
+                    n.value.id in imported and n.attr.startswith("_") and \
+                    not n.attr.startswith("__") and n.attr not in modules:
+                found.append(f"{os.path.basename(path)}:{n.lineno} reads {n.value.id}.{n.attr}")
+    return found
+
+
+def _module_names() -> set:
+    return {name.rpartition(".")[2] for name in _modules()}
+
+
+def test_no_module_imports_private_names_of_another():
+    """What a module keeps private (a leading underscore) stays in it."""
+    assert not _private_imports(PY, _module_names())
+
+
+def test_the_private_import_check_sees_both_ways_in(tmp_path):
+    (tmp_path / "m.py").write_text("from .a import _helper, public, _core\nfrom . import b\n"
+                                   "b._hidden()\nb.shown()\n_core.x()\n")
+    assert _private_imports([str(tmp_path / "m.py")], {"a", "b", "_core"}) == [
+        "m.py:1 imports _helper", "m.py:3 reads b._hidden"]
 
 
 def test_every_module_is_named_in_the_architecture():

@@ -150,16 +150,16 @@ def restore(saved, carrier, loop, run, i, scope, where):
     return values, unverified
 
 
-def resume_at(session, it, frame, carrier, start, read, where):
+def resume_at(context, it, frame, carrier, start, read, where):
     """Start the main loop `frame` at iteration `start` from the iteration
     checkpoint of start - 1 (a replay segment, or ``record --resume``):
     draw (and drop) the loop's items before it from `it`, read the
-    checkpoint (``read(tag)``), restore and verify it, and leave the names
-    to rebind for the body's first statement (session.resumed).  Returns
-    the labels of what it put back and of what it could not verify."""
+    checkpoint (``read(tag)``), restore and verify it.  Returns the names
+    to rebind for the body's first statement (or None), the labels of what
+    it put back and of what it could not verify."""
     loop, run = frame[1], frame[2]
     for i in range(start):
-        session.context.set_index(frame, i)
+        context.set_index(frame, i)
         try:
             next(it)
         except StopIteration:
@@ -169,6 +169,4 @@ def resume_at(session, it, frame, carrier, start, read, where):
     values, unverified = restore(saved, carrier, loop, run, start - 1, frame.scope, where)
     if unverified:
         note(f"{where}: restored without verifying {'; '.join(unverified)}")
-    if values is not None:
-        session.resumed = (loop, values)
-    return carrier.labels(saved["sig"]), unverified
+    return values, carrier.labels(saved["sig"]), unverified

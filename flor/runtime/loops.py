@@ -1,89 +1,186 @@
-"""Loops of a `Session` (session.py): numbering them, tracking their
-iterations, and what happens at the end of a top-level iteration (state
-fingerprint, iteration checkpoint, flush, progress)."""
+"""The tracked loops of a session (session.py): numbering them, the index
+of each iteration, and the one iterator every tracked loop runs through.
+
+The main loop of a record, of ``record --resume`` and of a replay segment
+run through the same code; what differs between them is a `Span`, which
+the session's policy (policy.py) gives for a top-level loop: where this
+process starts the loop (from an iteration checkpoint, or pseudoresuming
+the iterations before it), where it stops, and whether it then draws the
+loop's iterable to its end.  At the end of a top-level iteration the
+policy fingerprints the training state, may checkpoint what the loop
+carries (carry.py), and the session flushes what the iteration stored.
+"""
 from __future__ import annotations
 
-import functools
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-__all__ = ["Loops"]
+from .. import _core
+from ..errors import FlorError, FlorReplayError, SegmentDone, note
+from . import carry
+
+__all__ = ["Loops", "Span"]
 
 
-def _accounted(method):
-    """Add the time spent in `method` to the session's own main-thread time
-    (once: calls nested in another accounted call are not counted twice)."""
-    @functools.wraps(method)
-    def timed(self, *args, **kwargs):
-        if self._in_flor:
-            return method(self, *args, **kwargs)
-        self._in_flor = True
-        t0 = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.flor_s += time.perf_counter() - t0
-            self._in_flor = False
-    return timed
+@dataclass(frozen=True)
+class Span:
+    """The iterations of a top-level loop that this process runs."""
+
+    start: int = 0  # the first iteration it works; those before are pseudoresumed
+    # (their output dropped), or restored when `restore` is given
+    end: int | None = None  # it stops before this iteration (None: when the iterable ends)
+    drain: bool = False  # at `end`, draw once more, so that the iterable ends as it did
+    # in the record (its code after its last item runs)
+    stop: int | None = None  # then end the process's part: SegmentDone(stop)
+    restore: Callable | None = None  # read(tag) -> the iteration checkpoint of start - 1
+    where: str = ""  # that checkpoint, in messages
+    refusal: str | None = None  # a restore that fails is FlorError(f"{refusal}: ..."),
+    # not the FlorReplayError a replay worker's queue recovers from
+    phases: bool = False  # the session's phase is "main" while it runs, "post" after
 
 
 class Loops:
-    def loop(self, iterable, name, frame, carrier=None):
-        """A tracked loop; `carrier` (flor/runtime/carry.py) says what it
-        carries from one iteration to the next, if it is the main loop."""
-        key = name or self.site(frame, structural=True)
-        run = self.context.next("L", key, self.info[1])
-        return self.policy.loop(self, iterable, key, run, frame, carrier)
+    def __init__(self, session):
+        self.s = session
+        self.stats: list = []  # (loop, run, depth, iterations, seconds), as each one closes
+        self.ended: set[tuple[str, int]] = set()  # loops whose iterable ended (not a break)
+        self.blocks_run = 0  # blocks entered in the current top-level iteration
+        self.resumed = None  # (loop, values to rebind) after an iteration restore
+        self.began: dict = {}  # top-level (loop, run) -> when its first iteration here began
+        self._main = None  # (loop, run, iterations) of the main loop so far
 
-    def iterate(self, iterable, key, run, scope, carrier=None, start=0):
-        """A tracked loop: its index is part of the context of what it runs.
-        `start`: iterations already done (``record --resume``)."""
-        depth = self.context.depth()
-        frame = self.context.push_loop(key, run, scope)
+    def loop(self, iterable, name, frame, carrier=None):
+        """A tracked loop; `carrier` (carry.py) says what it carries from one
+        iteration to the next, if it is the main loop."""
+        s = self.s
+        key = name or s.site(frame, structural=True)
+        run = s.context.next("L", key, s.info[1])
+        span = s.policy.span(s, key, run, carrier) if s.context.at_top_level() else None
+        return self._iterate(iterable, key, run, frame, carrier, span)
+
+    def _iterate(self, iterable, key, run, scope, carrier, span):
+        """Yield the loop's items, its index part of the context of what each
+        iteration runs."""
+        s = self.s
+        depth = s.context.depth()
+        frame = s.context.push_loop(key, run, scope)
         frame.carrier = carrier if depth == 0 else None
-        t0, n = time.perf_counter(), start
+        if span is not None and span.phases:
+            s.phase = "main"
+        t0, n = time.perf_counter(), 0
         it = iter(iterable)
         try:
-            if start:
-                self.policy.resume(self, it, frame, start)
-            while True:
+            if span is not None and span.restore is not None and span.start > 0:
+                n = self._restore(it, frame, span)
+            while span is None or span.end is None or n < span.end:
+                if span is not None:
+                    pseudo = n < span.start
+                    s.machine.phase = _core.PSEUDORESUME_PHASE if pseudo else _core.WORK
+                    s.discard = pseudo  # before the item is drawn: what that prints is its own
                 # What runs while the item is drawn (a generator's code)
-                # belongs to the iteration that gets it: so in replay too.
-                self.context.set_index(frame, n)
+                # belongs to the iteration that gets it.
+                s.context.set_index(frame, n)
                 if depth == 0 and n == 0:
-                    self.logbook.random_state(frame)
+                    s.logbook.random_state(frame)
                 try:
                     x = next(it)
                 except StopIteration:
                     self.ended.add((key, run))
                     break
                 if depth == 0:
-                    self.policy.iteration_started(self, frame)
+                    self.began.setdefault((key, run), time.time())
+                    s.policy.iteration_started(s, frame)
                 n += 1
                 yield x
                 if depth == 0:
-                    self.end_iteration(frame)
+                    self.end_iteration(frame, progress=span is None or n > span.start)
+            else:
+                if span.drain:
+                    self._draw_to_end(it, frame, key, n)
         finally:
             if frame.handle is not None:  # left by break or an exception
-                self.policy.iteration_abandoned(self, frame)
-            self.context.remove(frame)
-            self.loop_stats.append((key, run, depth, n, time.perf_counter() - t0))
+                s.policy.iteration_abandoned(s, frame)
+            if span is not None:
+                s.discard = False
+                s.machine.phase = _core.WORK
+            s.context.remove(frame)
+            self.stats.append((key, run, depth, n, time.perf_counter() - t0))
+            if span is not None and span.phases:
+                s.phase = "post"
+        if span is not None and span.stop is not None:
+            raise SegmentDone(span.stop)
 
-    @_accounted
-    def end_iteration(self, frame, progress=False):
+    def _restore(self, it, frame, span) -> int:
+        """Start the loop at span.start from the iteration checkpoint of the
+        iteration before it (verified: carry.resume_at); the items before it
+        are drawn with their output dropped."""
+        s = self.s
+        t0 = time.perf_counter()
+        s.discard = True
+        try:
+            values, labels, unverified = carry.resume_at(s.context, it, frame, frame.carrier,
+                                                         span.start, span.restore, span.where)
+        except FlorReplayError as e:
+            if span.refusal is None:
+                raise
+            raise FlorError(f"{span.refusal}: {e}") from None
+        finally:
+            s.discard = False
+        if values is not None:
+            self.resumed = (frame[1], values)
+        s.policy.resumed(s, frame, labels, unverified, time.perf_counter() - t0)
+        return span.start
+
+    def _draw_to_end(self, it, frame, key, n):
+        """The record's loop ended with its iterable: draw it once more, as
+        the record did."""
+        self.s.context.set_index(frame, n)
+        try:
+            next(it)
+        except StopIteration:
+            self.ended.add((key, frame[2]))
+            return
+        note(f"the main loop at {key} yields more than the {n} items it yielded in the "
+             f"record; the replay stops it after {n}")
+
+    def end_iteration(self, frame, progress):
         """A top-level loop's iteration ended: fingerprint the training state
         in its scope, if blocks ran in it, checkpoint what the loop carries
         (when the rule says so), and store what it logged.  The policy takes
         the fingerprint (`state()`) once the iteration's own time is
-        measured: it is flor's time, not the iteration's."""
-        ran, self._blocks_run = self._blocks_run, 0
+        measured: it is flor's time, not the iteration's.  `progress`: an
+        iteration of the process's own (not pseudoresumed)."""
+        s = self.s
+        with s.own_time:
+            ran, self.blocks_run = self.blocks_run, 0
 
-        def state():
-            return self.logbook.iteration_state(frame) if ran else None
+            def state():
+                return s.logbook.iteration_state(frame) if ran else None
 
-        self.policy.iteration_done(self, progress, frame, state)
-        self.context.forget_finished()
-        self._flush()
-        self.policy.iteration_committed(self, frame)
+            s.policy.iteration_done(s, progress, frame, state)
+            s.context.forget_finished()
+            s.flush()
+            s.policy.iteration_committed(s, frame)
+
+    def main_so_far(self, frame):
+        """Top-level iteration `frame` is done: (loop, run, iterations done)
+        if its loop is the main loop so far (the top-level loop running
+        longest), else None."""
+        loop, run, i = frame[1:4]
+        now = time.time()
+        mine = now - self.began.get((loop, run), now)
+        best = self._main
+        if best is None or best[:2] == (loop, run) or mine >= now - self.began[best[:2]]:
+            self._main = (loop, run, i + 1)
+            return self._main
+        return None
+
+    def startup_s(self) -> float | None:
+        """Seconds from the session's start to the first top-level iteration:
+        what a replay worker pays before its main loop."""
+        first = min(self.began.values(), default=None)
+        return None if first is None else first - self.s.started
 
     def take_resumed(self, key):
         """Hands-free: the values the loop `key` rebinds after a restore of

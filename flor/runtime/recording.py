@@ -20,15 +20,16 @@ import sys
 import time
 
 from .. import _core
-from ..context import checkpoint_name, location
-from ..errors import CheckpointWriteError, Interrupted, SegmentDone, note
+from ..context import checkpoint_name, iteration_key
+from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
 from ..program.gradients import manual_gradients
 from ..store import new_run_id, process_start
 from ..version import __version__
-from . import blockstate, ranks
+from . import blockstate, carry, ranks
 from .charge import Charges
-from .iterations import RecordIterations
 from .logbook import FingerprintBudget
+from .loops import Span
+from .policy import Policy
 from .writes import Writes
 
 __all__ = ["Recording", "DEFAULT_EPSILON", "DEFAULT_C", "versions"]
@@ -56,7 +57,7 @@ def versions() -> dict:
     return v
 
 
-class Recording(RecordIterations):
+class Recording(Policy):
     mode = "record"
     first_phase = None
     part = 0
@@ -115,14 +116,8 @@ class Recording(RecordIterations):
         self.charges = Charges()
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         self.writes = Writes(store, self.run_id, adaptive)
-        self._loop_t0: dict = {}  # (top-level loop, run) -> when its first iteration began
-        self._main_so_far = None  # (loop, run, iterations) of the main loop so far
-        self._startup = None
 
     # -- identity -----------------------------------------------------------
-
-    def location(self, rel, line, structural):
-        return location(rel, line)
 
     def saw_file(self, path, rel):
         """A file of the program called flor or printed: replay compares its
@@ -136,20 +131,84 @@ class Recording(RecordIterations):
             with open(path) as f:
                 self.store.save_module_source(self.run_id, rel, f.read())
 
-    # -- loops and blocks ---------------------------------------------------
+    # -- the main loop ------------------------------------------------------
+
+    def span(self, session, key, run, carrier):
+        """``record --resume``: the interrupted run's main loop starts at the
+        iteration after its last iteration checkpoint, from that checkpoint
+        (verified), and records from there."""
+        r = self.point
+        if self.restored or (key, run) != (r.loop, r.loop_run):
+            return None
+        if carrier is None:
+            raise FlorError(f"the main loop at {key} no longer says what it carries "
+                            f"(state=): run {r.run_id} cannot be resumed")
+        path = os.path.join(self.store.ckpt_dir(self.run_id), r.file)
+        return Span(start=r.start, restore=lambda expect: blockstate.read_own(path, expect)[0],
+                    where=f"iteration checkpoint {r.file} of run {r.run_id}",
+                    refusal="cannot resume")
+
+    def resumed(self, session, frame, labels, unverified, seconds):
+        r = self.point
+        session.logbook.journal.ord = r.ord
+        self.restored = True
+        note(f"resuming run {r.run_id} at iteration {r.start} of its main loop")
+
+    def iteration_started(self, session, frame):
+        """An iteration of a loop that carries state is a block of its own,
+        which the rule may checkpoint at its end."""
+        if frame.carrier is not None:
+            key = iteration_key(frame[1])
+            frame.handle = self.machine.block(key)
+            self.machine.enter(frame.handle, False, False)
+            self.charges.started(key, self.writes.writing())
+
+    def iteration_abandoned(self, session, frame):
+        try:
+            self.machine.leave(frame.handle)
+        except RuntimeError:
+            pass  # an exception left a block open inside the iteration
+        frame.handle = None
+
+    def iteration_done(self, session, progress, frame, state):
+        """Fingerprint the state (`state()`), and checkpoint what the main
+        loop carries out of this iteration if the adaptive rule says so."""
+        if frame.handle is None:
+            state()
+            return
+        handle, frame.handle = frame.handle, None
+        _, seconds = self.machine.leave(handle)
+        fp = state()
+        objs, sig, _ = frame.carrier.capture(frame.scope)
+        loop, run, i = frame[1:4]
+
+        def make():  # only for a checkpoint: its restore is verified by these
+            got = fp if fp is not None else carry.fingerprint(frame.scope,
+                                                              self.fingerprint_version)
+            return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord,
+                                 carry.digests(objs, frame.scope))
+
+        # The checkpoint is charged its fingerprint, wherever it was taken.
+        self._checkpoint(session, iteration_key(loop), handle, session.info[1], 0, seconds,
+                         objs, make, session.logbook.fingerprint_s if fp is not None else 0.0,
+                         unheld=blockstate.unheld(sig))
+
+    def iteration_committed(self, session, frame):
+        """What the run stored so far is committed: the run row says how far
+        it got (the main loop so far: the top-level loop running longest)."""
+        if self.point is not None and self.point.start and \
+                tuple(frame[1:3]) != (self.point.loop, self.point.loop_run):
+            return  # a record resumed from a checkpoint knows its main loop
+        main = session.loops.main_so_far(frame)
+        if main is not None:
+            self.store.update_run(self.run_id, main_loop=main[0], main_run=main[1],
+                                  iterations=main[2])
+
+    # -- blocks -------------------------------------------------------------
 
     def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
         self.charges.started(key, self.writes.writing())
         return None, 0.0, probed  # record runs every block
-
-    def entered(self, session, key, ctx, occurrence, state):
-        pass
-
-    def ran_again(self, session, b, objs, sig):
-        raise AssertionError("record never steps into a block")
-
-    def restore(self, session, block, objs, sig, rebind, hint, frame):
-        raise AssertionError("record never skips a block")
 
     def executed(self, session, b, objs, seconds, sig, grads, frame):
         """Decide whether to checkpoint this execution, and do it."""
@@ -236,7 +295,7 @@ class Recording(RecordIterations):
                  f"record --resume {' '.join(sys.argv)}")
             return
         torch = sys.modules.get("torch")
-        top = [row for row in session.loop_stats if row[2] == 0]
+        top = [row for row in session.loops.stats if row[2] == 0]
         if self.point is not None and self.point.start:
             top = [row for row in top if row[:2] == (self.point.loop, self.point.loop_run)]
         main = max(top, key=lambda r: r[4]) if top else None
@@ -250,9 +309,10 @@ class Recording(RecordIterations):
                           "deterministic": torch is not None and
                           torch.are_deterministic_algorithms_enabled(),
                           "adaptive": self.machine.adaptive, "hands_free": self.hands_free,
-                          "flor_seconds": session.flor_s, "startup_s": self._startup,
+                          "flor_seconds": session.own_time.seconds,
+                          "startup_s": session.loops.startup_s(),
                           "captured": session.block_labels,
-                          "main_ended": main is not None and main[:2] in session.ended,
+                          "main_ended": main is not None and main[:2] in session.loops.ended,
                           "error": repr(error) if failed else None})
         self.store.update_run(
             self.run_id, finished=time.time(),

@@ -1,7 +1,9 @@
 """Replay: the session policy of a replay worker (``python -m flor replay``).
 
 The worker runs the edited script with one segment [start, end) of the
-plan's main-loop iterations.  The main loop yields iterations [0, end):
+plan's main-loop iterations.  The main loop (loops.py, as this policy's
+`span` says) yields iterations [0, end), or [start, end) from the iteration
+checkpoint before `start` where the plan has one:
 those before `start` are pseudoresumed (blocks restored from their
 checkpoints, or run where there is none; their output is discarded), those
 in the segment are replayed (probed blocks run, the others are restored).
@@ -22,8 +24,10 @@ import time
 from .. import _core, trust
 from ..context import block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
-from . import blockstate, carry, ranks
+from . import blockstate, ranks
 from .logbook import RecordedFingerprints
+from .loops import Span
+from .policy import Policy
 
 __all__ = ["Replaying"]
 
@@ -31,7 +35,7 @@ STATE_NAMES = {_core.EXECUTE: "execute", _core.SKIP: "skip", _core.STEP_INTO: "s
                _core.PSEUDORESUME: "pseudoresume"}
 
 
-class Replaying:
+class Replaying(Policy):
     mode = "replay"
     first_phase = "pre"
 
@@ -40,7 +44,7 @@ class Replaying:
         self.resume = resume  # start from an iteration checkpoint where the plan has one
         self.resumed_from = None  # [iteration, seconds] of the restore
         self.unverified = []  # what the restore put back and could not verify
-        self.restored = []  # the labels of what it put back
+        self.restored_labels = []  # the labels of what it put back
         self.run_id = plan.replay_id
         self.segment = tuple(plan.segments[part])
         self.last_part = part == len(plan.segments) - 1
@@ -73,73 +77,18 @@ class Replaying:
         old = sites.get(line) if structural else None
         return location(rel, line, old if old is not None else lines.get(line), mapped=True)
 
-    def saw_file(self, path, rel):
-        pass
-
-    def keep_sources(self, session):
-        pass
-
     # -- the main loop ------------------------------------------------------
 
-    def loop(self, session, iterable, key, run, scope, carrier=None):
-        if session.context.at_top_level() and (key, run) == self.main:
-            return self._main(session, iterable, key, run, scope, carrier)
-        return session.iterate(iterable, key, run, scope)
-
-    def _main(self, session, iterable, key, run, scope, carrier):
-        total = self.plan.iterations
-        start, end = self.segment
-        frame = session.context.push_loop(key, run, scope)
-        session.phase = "main"
+    def span(self, session, key, run, carrier):
+        """The main loop yields the worker's segment of the recorded
+        iterations, from the iteration checkpoint before it where the plan
+        has one (else pseudoresuming the iterations before it)."""
+        if (key, run) != self.main:
+            return None
         self.main_seen = True
-        it = iter(iterable)
-        t0, n = time.perf_counter(), 0
-        try:
-            if start > 0 and self.resume and carrier is not None and \
-                    str(start - 1) in self.plan.resume:
-                n = self._restore_iteration(session, it, frame, carrier, start)
-            while n < min(end, total):
-                pseudo = n < start
-                self.machine.phase = _core.PSEUDORESUME_PHASE if pseudo else _core.WORK
-                session.discard = pseudo  # before fetching the item: its output belongs to it
-                session.context.set_index(frame, n)
-                if n == 0:
-                    session.logbook.random_state(frame)
-                try:
-                    x = next(it)
-                except StopIteration:
-                    break
-                n += 1
-                yield x
-                session.end_iteration(frame, progress=not pseudo)
-            else:
-                if self.last_part and self.plan.ended and n == total:
-                    self._draw_to_end(session, it, frame, key, n)
-        finally:
-            session.discard = False
-            self.machine.phase = _core.WORK
-            session.context.remove(frame)
-            session.loop_stats.append((key, run, 0, n, time.perf_counter() - t0))
-            session.phase = "post"
-        if not self.last_part:
-            raise SegmentDone(self.part)
-
-    def _draw_to_end(self, session, it, frame, key, n):
-        """The record's main loop ended with its iterable: draw it once more,
-        as the record did, so that its code after the last item runs."""
-        session.context.set_index(frame, n)
-        try:
-            next(it)
-        except StopIteration:
-            return
-        note(f"the main loop at {key} yields more than the {n} items it yielded in the "
-             f"record; the replay stops it after {n}")
-
-    def _restore_iteration(self, session, it, frame, carrier, start) -> int:
-        """Start the segment at `start` from the iteration checkpoint of
-        iteration start - 1 (carry.resume_at); the items before it are
-        drawn with their output discarded."""
-        fname = self.plan.resume[str(start - 1)]
+        start, end = self.segment
+        fname = self.plan.resume.get(str(start - 1)) if start > 0 and self.resume and \
+            carrier is not None else None
         where = f"iteration checkpoint {fname}"
 
         def read(expect):
@@ -150,21 +99,14 @@ class Replaying:
             self._how_read(fname, how)
             return saved
 
-        t0 = time.perf_counter()
-        session.discard = True
-        try:
-            self.restored, self.unverified = carry.resume_at(session, it, frame, carrier, start,
-                                                             read, where)
-        finally:
-            session.discard = False
-        self.resumed_from = [start - 1, time.perf_counter() - t0]
-        return start
+        return Span(start=start, end=min(end, self.plan.iterations),
+                    drain=self.last_part and self.plan.ended,
+                    stop=None if self.last_part else self.part,
+                    restore=read if fname is not None else None, where=where, phases=True)
 
-    def iteration_started(self, session, frame):
-        pass
-
-    def iteration_abandoned(self, session, frame):
-        pass
+    def resumed(self, session, frame, labels, unverified, seconds):
+        self.restored_labels, self.unverified = labels, unverified
+        self.resumed_from = [self.segment[0] - 1, seconds]
 
     def iteration_done(self, session, progress, frame, state):
         state()
@@ -174,9 +116,6 @@ class Replaying:
                          f"{self.part} {session.context.top()[1]}\n".encode())
             except OSError:
                 self.progress_fd = None
-
-    def iteration_committed(self, session, frame):
-        pass
 
     # -- blocks -------------------------------------------------------------
 
@@ -248,9 +187,6 @@ class Replaying:
                 (b.key, b.ctx, b.occurrence) in self.ckpts:
             session.logbook.state(b, sig, objs)
 
-    def executed(self, session, block, objs, seconds, sig, grads, frame):
-        raise AssertionError("replay never executes a block as record does")
-
     def restore(self, session, b, objs, sig, rebind, hint, frame):
         """A skipped block's end(): restore `objs` from its checkpoint."""
         t0 = time.perf_counter()
@@ -278,9 +214,6 @@ class Replaying:
 
     # -- the end ------------------------------------------------------------
 
-    def close(self) -> list:
-        return []
-
     def finish(self, session, error, failures):
         failed = error is not None and not isinstance(error, SegmentDone)
         torch = sys.modules.get("torch")
@@ -294,6 +227,6 @@ class Replaying:
                              "main_seen": self.main_seen,
                              "resumed_from": self.resumed_from,
                              "unverified": self.unverified,
-                             "restored": self.restored,
+                             "restored": self.restored_labels,
                              "captured": session.block_labels,
                              "error": repr(error) if failed else None})

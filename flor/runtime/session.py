@@ -19,6 +19,7 @@ value or a decision belongs to exactly one execution.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import sys
@@ -32,11 +33,39 @@ from .blockstate import signature
 from .capture import Capture
 from .effects import Effects
 from .logbook import Logbook
-from .loops import Loops, _accounted
+from .loops import Loops
 
 __all__ = ["Session", "Inert"]
 
 BODY_RUNS = (_core.EXECUTE, _core.STEP_INTO)
+
+
+class OwnTime:
+    """Seconds flor itself spends on the main thread: ``with own_time:``
+    around flor's work (a call nested in another is not counted twice)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._depth, self._t0 = 0, 0.0
+
+    def __enter__(self):
+        if self._depth == 0:
+            self._t0 = time.perf_counter()
+        self._depth += 1
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += time.perf_counter() - self._t0
+
+
+def _accounted(method):
+    """A session method whose time is flor's own (OwnTime)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        with self.own_time:
+            return method(self, *args, **kwargs)
+    return timed
 
 
 def _ret(objs):
@@ -86,7 +115,7 @@ class Inert:
         return True
 
 
-class Session(Loops):
+class Session:
     _current: "Session | Inert | None" = None
 
     @classmethod
@@ -155,16 +184,12 @@ class Session(Loops):
         self.info = None  # (phase, context, top loop, its index, loop indices): see _context_changed
         self._context_changed()
         self.names: dict[str, str] = {}  # block name -> its call site
-        self._blocks_run = 0  # in the current top-level iteration
+        self.loops = Loops(self)
         self.seen_files: set[str] = set()
-        self.loop_stats = []
-        self.ended: set[tuple[str, int]] = set()  # loops whose iterable ended (not a break)
         self.block_labels: dict[str, list] = {}  # hands-free: what each block captured
         self.started = time.time()
-        self.flor_s = 0.0  # seconds flor itself spent on the main thread
-        self._in_flor = False
+        self.own_time = OwnTime()
         self.finished = False
-        self.resumed = None  # (loop, values to rebind) after an iteration restore
         self.capture = Capture(self.logbook.journal, tee, stderr, watch_exceptions)
         self._show()
         # Files are guarded where the session may discard: replay, record --resume.
@@ -225,6 +250,15 @@ class Session(Loops):
             self.policy.saw_file(fn, rel)
         return self.policy.location(rel, line, structural)
 
+    # -- loops (loops.py) ---------------------------------------------------
+
+    def loop(self, iterable, name, frame, carrier=None):
+        """flor.generator: a tracked loop (Loops.loop)."""
+        return self.loops.loop(iterable, name, frame, carrier)
+
+    def take_resumed(self, key):
+        return self.loops.take_resumed(key)
+
     def at_top_level(self) -> bool:
         return self.context.at_top_level()
 
@@ -251,7 +285,7 @@ class Session(Loops):
         state = self.machine.enter(handle, bool(probed), payload is not None)
         self.policy.entered(self, key, ctx, occurrence, state)
         self.context.push_block(key, occurrence, ctx, handle, state, payload, load_s)
-        self._blocks_run += 1
+        self.loops.blocks_run += 1
         return state in BODY_RUNS
 
     def open_plain(self):
@@ -302,7 +336,9 @@ class Session(Loops):
             return
         self.logbook.value(name, value, self.site(frame))
 
-    def _flush(self):
+    def flush(self):
+        """Store what the run logged and printed so far (at the end of each
+        top-level iteration, and at the end)."""
         self.policy.keep_sources(self)
         self.logbook.flush(self.store)
 
@@ -317,10 +353,10 @@ class Session(Loops):
         self.effects.restore()
         self.capture.restore()
         failures = self.policy.close() + self.logbook.close()
-        self._flush()
+        self.flush()
         self.store.add_blocks([
             (self.run_id, self.part, s["key"], s["n"], s["k"], s["compute_s"],
              s["materialize_s"], s["restore_s"], s["restores"], s["skips"], s["steps"],
              s["nbytes"]) for s in self.machine.stats()])
-        self.store.add_loops([(self.run_id, self.part, *row) for row in self.loop_stats])
+        self.store.add_loops([(self.run_id, self.part, *row) for row in self.loops.stats])
         self.policy.finish(self, error, failures)

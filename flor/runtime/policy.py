@@ -1,0 +1,99 @@
+"""What a session (session.py) leaves to its policy: the hooks where record
+(recording.py) and a replay worker (replaying.py) differ, each with its
+default here.
+
+The session calls a hook at each point below; a hook gets the session and
+reads or changes it only through its public attributes (its context,
+logbook, capture, phase and discard).  Where a policy never meets a hook's
+situation (the C state machine never gives a record a block to skip), the
+default says so by raising.
+"""
+from __future__ import annotations
+
+from ..context import location
+
+__all__ = ["Policy"]
+
+
+class Policy:
+    mode: str  # "record" or "replay"
+    first_phase: str | None = None  # the session's phase before the main loop
+    part: int = 0  # the replay part this process runs (record: 0)
+
+    # Set by each policy: the run store, the skip-block state machine
+    # (flor._core.SkipMachine), the run stored to, the state fingerprints'
+    # version (flor/runtime/blockstate.py).
+    store = machine = run_id = fingerprint_version = None
+
+    # -- identity -----------------------------------------------------------
+
+    def location(self, rel, line, structural) -> str:
+        """The location of line `line` of file `rel` (context.location):
+        replay maps an edited file's lines to the recorded ones."""
+        return location(rel, line)
+
+    def saw_file(self, path, rel):
+        """The program called flor or printed from a file for the first time."""
+
+    def keep_sources(self, session):
+        """Store what the program's files are (at each flush)."""
+
+    # -- loops (loops.py) ---------------------------------------------------
+
+    def span(self, session, key, run, carrier):
+        """The `loops.Span` of top-level loop `key` (its run `run`): the
+        iterations this process runs; None for the whole loop, as it comes."""
+        return None
+
+    def resumed(self, session, frame, labels, unverified, seconds):
+        """The loop `frame` resumes from an iteration checkpoint (its
+        span's): `labels` name what was put back, `unverified` what could
+        not be checked, in `seconds`."""
+
+    def iteration_started(self, session, frame):
+        """A top-level iteration starts (its item is drawn)."""
+
+    def iteration_abandoned(self, session, frame):
+        """A break or an exception left a top-level iteration."""
+
+    def iteration_done(self, session, progress, frame, state):
+        """A top-level iteration ended; `state()` fingerprints the training
+        state (once: call it, whatever else the policy does), `progress`:
+        the iteration is the process's own, not pseudoresumed."""
+        state()
+
+    def iteration_committed(self, session, frame):
+        """What the iteration stored is flushed to the store."""
+
+    # -- blocks (session.py: step_into and end) ------------------------------
+
+    def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
+        """(checkpoint payload or None, seconds to load it, probed) for the
+        execution `occurrence` of block `key` in context `ctx`: a block with
+        a checkpoint (and not probed) is skipped."""
+        return None, 0.0, probed
+
+    def entered(self, session, key, ctx, occurrence, state):
+        """The state machine put the execution in `state` (_core.EXECUTE...)."""
+
+    def executed(self, session, block, objs, seconds, sig, grads, frame):
+        """A block body that ran as record runs it ended (EXECUTE)."""
+        raise AssertionError(f"{self.mode} never executes a block as record does")
+
+    def ran_again(self, session, block, objs, sig):
+        """A block body that replay stepped into ended (STEP_INTO)."""
+        raise AssertionError(f"{self.mode} never steps into a block")
+
+    def restore(self, session, block, objs, sig, rebind, hint, frame):
+        """A skipped block's end(): restore `objs` (SKIP, PSEUDORESUME);
+        returns what end() returns."""
+        raise AssertionError(f"{self.mode} never skips a block")
+
+    # -- the end ------------------------------------------------------------
+
+    def close(self) -> list:
+        """Make every checkpoint durable; returns the writes that failed."""
+        return []
+
+    def finish(self, session, error, failures):
+        """Store what the run measured (`error`: what ended it, if not its end)."""
