@@ -8,7 +8,7 @@ ASAN_VENV ?= .venv-asan
 TORCH := torch==2.13.0
 PIP := pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test test-fast test-asan bench clean
+.PHONY: setup demo check test test-fast test-asan bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ PYTEST_JOBS := -n auto --maxprocesses=2
 test: setup
 	$(BIN)/$(PIP) 'ray>=2.9'
 	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
+
+# The edit-test loop's first step: the unit tier, the tests that run in the
+# test process (marker `unit`: no script recorded or replayed), in seconds.
+check: setup
+	$(BIN)/python -m pytest -q -m unit
 
 # The edit-test loop: the suite without the differential replays of every
 # segment boundary (tests/test_exactness.py), which CI's `make test` runs.

@@ -12,6 +12,8 @@ from flor.program.probe import detect, is_log_like
 from flor.program.source import changed_functions
 from flor.replay.checks import equal
 
+pytestmark = pytest.mark.unit  # in-process: `make check` runs these
+
 
 def effects(src, after="print(everything_read_after)"):
     """Effects of the first loop nested in the last top-level loop of src."""

@@ -8,6 +8,8 @@ import pytest
 from flor import _core
 from flor.context import printed_lines
 
+pytestmark = pytest.mark.unit  # in-process: `make check` runs these
+
 
 def _journal(user=True):
     j = _core.Journal(lambda code: user)

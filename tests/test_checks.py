@@ -5,6 +5,8 @@ set apart."""
 import json
 import os
 
+import pytest
+
 from conftest import edit, flor, plain, read, runs, store, write_script
 
 ACCUM = """
@@ -171,6 +173,7 @@ def test_a_line_that_reads_the_clock_is_compared_in_its_other_fields(tmp_path):
     assert "differ only in fields that read the clock" not in rep.stderr, rep.stderr
 
 
+@pytest.mark.unit
 def test_clock_fields_are_told_apart_in_print_arguments_and_f_strings():
     import ast
 

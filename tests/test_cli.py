@@ -79,6 +79,7 @@ def test_flor_options_at_the_very_end_are_flor_s(d):
     assert "unrecognized arguments: --jobs 2" in failed.stderr
 
 
+@pytest.mark.unit
 def test_where_flor_options_end_and_the_script_s_begin(d, monkeypatch):
     from flor.cli import build_parser, parse
 

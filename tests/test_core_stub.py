@@ -9,6 +9,8 @@ import pytest
 
 from flor import _core
 
+pytestmark = pytest.mark.unit  # in-process: `make check` runs these
+
 STUB = os.path.join(os.path.dirname(_core.__file__), "_core.pyi")
 
 

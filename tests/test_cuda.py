@@ -14,6 +14,7 @@ from conftest import run_py
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.unit
 def test_cuda_tensors_are_copied_to_the_host():
     model = torch.nn.Linear(256, 256).cuda()
     opt = torch.optim.Adam(model.parameters())
@@ -41,6 +42,7 @@ def _count_waits(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["staged", "ordered"])
+@pytest.mark.unit
 def test_a_snapshot_queues_its_copies_without_waiting_for_them(monkeypatch, mode):
     monkeypatch.setenv("FLOR_CUDA_COPY", mode)
     tensors = {f"t{i}": torch.randn(1000, device="cuda") for i in range(50)}
@@ -55,6 +57,7 @@ def test_a_snapshot_queues_its_copies_without_waiting_for_them(monkeypatch, mode
 
 
 @pytest.mark.parametrize("mode", ["staged", "ordered"])
+@pytest.mark.unit
 def test_in_place_updates_queued_right_after_a_submit_never_reach_it(tmp_path, monkeypatch, mode):
     """256 MiB take milliseconds to copy: the updates are queued long before
     the copy ends, on the training stream, and must come after it."""
@@ -74,6 +77,7 @@ def test_in_place_updates_queued_right_after_a_submit_never_reach_it(tmp_path, m
 
 
 @pytest.mark.parametrize("mode", ["staged", "ordered"])
+@pytest.mark.unit
 def test_memory_a_snapshot_reads_is_not_reused_before_the_copy(monkeypatch, mode):
     """The script drops a tensor right after the snapshot and allocates
     another of its size, which the caching allocator would hand the same
@@ -88,6 +92,7 @@ def test_memory_a_snapshot_reads_is_not_reused_before_the_copy(monkeypatch, mode
     assert y[0].item() == 7.0
 
 
+@pytest.mark.unit
 def test_a_staging_buffer_is_reused_only_once_its_copies_have_landed():
     """A snapshot is dropped while its copy waits behind a second of queued
     kernels; the next snapshot, of host memory the same size, reuses its
@@ -104,6 +109,7 @@ def test_a_staging_buffer_is_reused_only_once_its_copies_have_landed():
     assert torch.equal(snap.restore()["b"], expected)
 
 
+@pytest.mark.unit
 def test_a_gpu_fingerprint_reads_the_state_on_the_device(monkeypatch):
     """Version 2 fingerprints equal the host's for the same bytes, read
     with no copy of the state to the host and bounded device memory."""
@@ -127,12 +133,14 @@ def test_a_gpu_fingerprint_reads_the_state_on_the_device(monkeypatch):
     assert torch.cuda.max_memory_allocated() - before <= 100 << 20
 
 
+@pytest.mark.unit
 def test_shared_cuda_storage_stays_shared():
     base = torch.arange(100.0, device="cuda")
     out = flor.snapshot({"a": base, "b": base[10:20]}).restore()
     assert out["a"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()
 
 
+@pytest.mark.unit
 def test_load_back_to_the_device(tmp_path):
     t = torch.randn(10, device="cuda")
     flor.save({"t": t}, tmp_path / "x.flor")
@@ -142,6 +150,7 @@ def test_load_back_to_the_device(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["thread", "fork", "inline"])
+@pytest.mark.unit
 def test_materializer_writes_gpu_state(tmp_path, mode):
     model = torch.nn.Linear(64, 64).cuda()
     with flor.Materializer(tmp_path, mode=mode, batch_count=1) as m:
@@ -150,6 +159,7 @@ def test_materializer_writes_gpu_state(tmp_path, mode):
     assert torch.equal(sd["weight"], model.weight.detach().cpu())
 
 
+@pytest.mark.unit
 def test_staging_for_gpu_snapshots_is_reused():
     t = {"w": torch.randn(1 << 20, device="cuda")}
     flor.snapshot(t)
@@ -174,6 +184,7 @@ def test_cpu_only_snapshot_leaves_cuda_uninitialised():
 # --- isolation, sharing and devices -------------------------------------------
 
 @pytest.mark.parametrize("mode", ["staged", "ordered"])
+@pytest.mark.unit
 def test_an_in_place_update_after_the_snapshot_does_not_reach_it(monkeypatch, mode):
     monkeypatch.setenv("FLOR_CUDA_COPY", mode)
     w = torch.randn(1 << 16, device="cuda")
@@ -184,6 +195,7 @@ def test_an_in_place_update_after_the_snapshot_does_not_reach_it(monkeypatch, mo
     assert torch.equal(snap.restore()["w"], expected)
 
 
+@pytest.mark.unit
 def test_tied_cuda_weights_stay_tied():
     emb = torch.nn.Embedding(50, 16).cuda()
     head = torch.nn.Linear(16, 50, bias=False).cuda()
@@ -194,6 +206,7 @@ def test_tied_cuda_weights_stay_tied():
     assert torch.equal(a, emb.weight.detach().cpu())
 
 
+@pytest.mark.unit
 def test_mixed_cpu_and_cuda_state(tmp_path):
     state = {"gpu": torch.randn(8, device="cuda"), "cpu": torch.randn(8), "n": 3}
     flor.save(state, tmp_path / "m.flor")
@@ -203,6 +216,7 @@ def test_mixed_cpu_and_cuda_state(tmp_path):
     assert back["n"] == 3
 
 
+@pytest.mark.unit
 def test_load_onto_the_device_with_map_location(tmp_path):
     t = torch.randn(10)
     flor.save({"t": t}, tmp_path / "c.flor")

@@ -187,6 +187,7 @@ def test_a_missing_file_that_a_later_checkpoint_refers_to(handsfree):
     assert _checks_passed(proc.stderr), proc.stderr
 
 
+@pytest.mark.unit
 def test_each_attempt_of_a_launch_has_its_own_keys(monkeypatch, tmp_path):
     """torchrun keeps its agent's store across restarts (--max-restarts):
     a restarted attempt must not pick up the run id or the decisions of the
@@ -255,6 +256,7 @@ def test_replay_of_ranks_needs_torchrun_with_their_number(handsfree):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.unit
 def test_join_refuses_what_a_file_cannot_claim():
     from flor.errors import CheckpointCorrupt
     from flor.runtime import ranks

@@ -26,6 +26,7 @@ class Holder:
         self.step = 3
 
 
+@pytest.mark.unit
 def test_a_module_attribute_outside_its_state_dict_counts():
     torch.manual_seed(0)
     m = Counter()
@@ -38,6 +39,7 @@ def test_a_module_attribute_outside_its_state_dict_counts():
     assert digest(m) != before
 
 
+@pytest.mark.unit
 def test_tensor_bytes_count_unless_a_fingerprint_covers_them():
     torch.manual_seed(0)
     m = Counter()
@@ -48,6 +50,7 @@ def test_tensor_bytes_count_unless_a_fingerprint_covers_them():
     assert digest(m, covered([m])) == shape_only
 
 
+@pytest.mark.unit
 def test_optimizer_state_and_hyperparameters_count():
     m = torch.nn.Linear(3, 1)
     opt = torch.optim.Adam(m.parameters(), lr=0.1)
@@ -63,6 +66,7 @@ def test_optimizer_state_and_hyperparameters_count():
     assert digest(opt) != before
 
 
+@pytest.mark.unit
 def test_plain_values_generators_and_aliasing():
     h = Holder()
     before = digest(h)
@@ -80,6 +84,7 @@ def test_plain_values_generators_and_aliasing():
     assert digest(d) != digest(dict(a=[1]))
 
 
+@pytest.mark.unit
 def test_an_object_pickle_cannot_reduce_is_opaque():
     class WithLock:
         def __init__(self):
@@ -112,6 +117,7 @@ def _saved(objs, carried):
     return saved, sig
 
 
+@pytest.mark.unit
 def test_a_restore_verifies_every_carried_object_or_says_what_it_could_not():
     from flor.errors import FlorReplayError
     from flor.runtime import carry

@@ -276,12 +276,14 @@ def _progress(stream, **kw):
     return stream.getvalue()
 
 
+@pytest.mark.unit
 def test_replay_progress_outside_a_terminal_is_one_final_line():
     out = _progress(io.StringIO())
     assert re.fullmatch(r"replay: 4/4 iterations, 2 workers, [\d.]+ s( \([\d.]+ it/s\))?\n",
                         out), out
 
 
+@pytest.mark.unit
 def test_replay_progress_on_a_terminal():
     pytest.importorskip("tqdm")
     out = _progress(_Terminal())
@@ -294,6 +296,7 @@ def test_replay_progress_on_a_terminal():
     assert "\rreplay [" in plain_out and "4/4 iterations, 2 workers" in plain_out
 
 
+@pytest.mark.unit
 def test_stdout_written_under_a_barrier_belongs_to_no_statement():
     """What a logging handler writes to stdout (under the patched
     Logger.callHandlers, a barrier) is output, not a printed line of the
@@ -318,6 +321,7 @@ def test_stdout_written_under_a_barrier_belongs_to_no_statement():
     ("out.writelines(lines)", True), ("csv_out.writerow([epoch, acc])", True),
     ("write(x)", False), ("buf.write(w.mul_(2))", False),
 ])
+@pytest.mark.unit
 def test_writes_to_a_file_are_hindsight_statements(stmt, hindsight):
     assert is_log_like(ast.parse(stmt).body[0]) is hindsight
 

@@ -42,12 +42,14 @@ STATE = [torch.randn(1001), torch.arange(13, dtype=torch.uint8), torch.randn(5, 
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 1000])
+@pytest.mark.unit
 def test_the_digest_is_its_specification(n):
     data = np.random.default_rng(n).bytes(n)
     for first in (0, 3, 1 << 40):
         assert _core.digest64(data, first) == digest_spec(data, first)
 
 
+@pytest.mark.unit
 def test_a_version_2_fingerprint_is_the_crc_of_the_lengths_and_the_digest():
     crc, total, index = 0, 0, 0
     for t in STATE:
@@ -63,6 +65,7 @@ def test_a_version_2_fingerprint_is_the_crc_of_the_lengths_and_the_digest():
     assert _core.fingerprint(changed) != expected
 
 
+@pytest.mark.unit
 def test_version_1_is_the_crc_of_the_lengths_and_the_bytes():
     crc = 0
     for t in STATE:
@@ -73,6 +76,7 @@ def test_version_1_is_the_crc_of_the_lengths_and_the_bytes():
         _core.fingerprint(STATE, 3)
 
 
+@pytest.mark.unit
 def test_the_device_digest_equals_the_host_digest(monkeypatch):
     """flor/_cuda.digest on CPU storages: small ones are read together
     (runs of consecutive word indices, a pass at most), large ones in

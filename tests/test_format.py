@@ -50,11 +50,13 @@ def assert_equal_objects(a, b):
         assert a == b
 
 
+@pytest.mark.unit
 def test_crc32c_check_value():
     assert _core.crc32c(b"123456789") == 0xE3069283
     assert _core.crc32c(b"56789", _core.crc32c(b"1234")) == 0xE3069283
 
 
+@pytest.mark.unit
 def test_save_load_roundtrip(tmp_path):
     obj = golden_object()
     path = tmp_path / "x.flor"
@@ -63,6 +65,7 @@ def test_save_load_roundtrip(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]
 
 
+@pytest.mark.unit
 def test_golden_file_loads():
     """A file written by format version 1 keeps loading: format changes are deliberate."""
     h = header(GOLDEN)
@@ -70,6 +73,7 @@ def test_golden_file_loads():
     assert_equal_objects(flor.load(GOLDEN), golden_object())
 
 
+@pytest.mark.unit
 def test_golden_version_2_files_load():
     """A version-2 file that refers to blobs of an earlier one (its header
     names one source) and carries a tag keeps loading."""
@@ -79,6 +83,7 @@ def test_golden_version_2_files_load():
     assert_equal_objects(flor.load(GOLDEN_V2), golden_object())
 
 
+@pytest.mark.unit
 def test_layout_is_aligned(tmp_path):
     path = tmp_path / "x.flor"
     flor.save({"a": torch.ones(3), "b": torch.zeros(17, dtype=torch.int8)}, path)
@@ -87,6 +92,7 @@ def test_layout_is_aligned(tmp_path):
     assert h["file_size"] == os.path.getsize(path) == h["data_off"] + h["data_len"]
 
 
+@pytest.mark.unit
 def test_load_is_zero_copy_and_private(tmp_path):
     path = tmp_path / "x.flor"
     flor.save({"w": torch.arange(1000.0)}, path)
@@ -95,6 +101,7 @@ def test_load_is_zero_copy_and_private(tmp_path):
     assert torch.equal(flor.load(path)["w"], torch.arange(1000.0))
 
 
+@pytest.mark.unit
 def test_map_location(tmp_path):
     path = tmp_path / "x.flor"
     flor.save({"w": torch.ones(2)}, path)
@@ -112,6 +119,7 @@ def test_map_location(tmp_path):
         flor.load(path, map_location=3.5)
 
 
+@pytest.mark.unit
 def test_save_into_missing_directory_reports_errno(tmp_path):
     with pytest.raises(flor.CheckpointWriteError) as info:
         flor.save({"a": 1}, tmp_path / "missing" / "x.flor")
@@ -135,6 +143,7 @@ def damaged(path, data, tmp_path, name="bad.flor"):
     return out
 
 
+@pytest.mark.unit
 def test_truncation_names_the_section(good_file, tmp_path):
     path, _ = good_file
     data = path.read_bytes()
@@ -157,6 +166,7 @@ def test_truncation_names_the_section(good_file, tmp_path):
             assert "truncated" in str(info.value)
 
 
+@pytest.mark.unit
 def test_flipped_byte_names_the_section(good_file, tmp_path):
     path, _ = good_file
     data = path.read_bytes()
@@ -177,6 +187,7 @@ def test_flipped_byte_names_the_section(good_file, tmp_path):
         assert info.value.section == section, (pos, str(info.value))
 
 
+@pytest.mark.unit
 def test_random_damage_never_gives_wrong_values(good_file, tmp_path):
     """Any single damaged byte is caught, or lies in padding that holds no value."""
     path, obj = good_file
@@ -197,6 +208,7 @@ def test_random_damage_never_gives_wrong_values(good_file, tmp_path):
     assert caught > 250
 
 
+@pytest.mark.unit
 def test_not_a_checkpoint(tmp_path):
     for content in (b"", b"hello", b"PK\x03\x04" + b"\0" * 200):
         bad = damaged(None, content, tmp_path)
@@ -207,6 +219,7 @@ def test_not_a_checkpoint(tmp_path):
         flor.load(tmp_path / "nope.flor")
 
 
+@pytest.mark.unit
 def test_future_version_is_refused(good_file, tmp_path):
     path, _ = good_file
     buf = bytearray(path.read_bytes())
@@ -329,6 +342,7 @@ def test_failed_write_is_reported_by_flush(world_tmp, mode, case, expected):
     assert os.listdir(directory) == []  # no partial file, no temp file
 
 
+@pytest.mark.unit
 def test_script_functions_pickle_by_value_even_recursive(tmp_path):
     """Functions defined in a script are pickled by value (cloudpickle); a
     recursive one cannot use the memo-free fast path and falls back."""

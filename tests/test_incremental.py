@@ -54,6 +54,7 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("mode", ["thread", "inline"])
+@pytest.mark.unit
 def test_a_frozen_backbone_is_written_once(tmp_path, mode):
     import copy
 
@@ -81,6 +82,7 @@ def test_a_frozen_backbone_is_written_once(tmp_path, mode):
         _assert_same(flor.load(tmp_path / f"ck{i}.flor"), saved[i])
 
 
+@pytest.mark.unit
 def test_a_missing_earlier_file_is_named(tmp_path):
     backbone, head, opt = _finetune_state()
     with flor.Materializer(tmp_path, incremental=True) as mat:
@@ -97,6 +99,7 @@ def test_a_missing_earlier_file_is_named(tmp_path):
         flor.load(tmp_path / "ck2.flor")
 
 
+@pytest.mark.unit
 def test_equal_tensors_stay_apart_after_loading(tmp_path):
     """Two tensors with equal bytes may refer to one region of an earlier
     file; loaded, they must not share memory (an optimizer's step counters
@@ -110,6 +113,7 @@ def test_equal_tensors_stay_apart_after_loading(tmp_path):
     assert float(loaded["b"].sum()) == 0.0
 
 
+@pytest.mark.unit
 def test_a_name_cannot_be_written_twice(tmp_path):
     """Rewriting a file would pull bytes from under the files that refer to it."""
     with flor.Materializer(tmp_path, incremental=True) as mat:
@@ -122,6 +126,7 @@ def test_a_name_cannot_be_written_twice(tmp_path):
     assert float(flor.load(tmp_path / "latest.flor")["w"][0]) == 2.0
 
 
+@pytest.mark.unit
 def test_names_a_reader_refuses_as_sources_are_never_referred_to(tmp_path):
     """A file whose name has spaces or non-ASCII letters holds its own bytes."""
     w = torch.arange(1000.0)
@@ -134,6 +139,7 @@ def test_names_a_reader_refuses_as_sources_are_never_referred_to(tmp_path):
     assert os.path.getsize(tmp_path / "epoch-3.flor") > 4000  # nothing to refer to
 
 
+@pytest.mark.unit
 def test_views_and_shared_storage_survive_references(tmp_path):
     base = torch.arange(100.0)
     obj = {"base": base, "view": base[10:20], "t": base.view(10, 10).t()}

@@ -20,6 +20,7 @@ PY = sorted(glob.glob(os.path.join(ROOT, "flor", "**", "*.py"), recursive=True))
 C = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c")))
 
 
+@pytest.mark.unit
 def test_python_module_and_class_sizes_are_reported():
     """A size is a prompt to find the concept that wants its own module, not
     a gate: over 500 lines for a module, 250 for a class, a warning."""
@@ -91,10 +92,12 @@ def _assert_no_circle(deps, what):
             visit(n, [])
 
 
+@pytest.mark.unit
 def test_python_modules_import_each_other_without_a_circle():
     _assert_no_circle(_imports(_modules()), "modules")
 
 
+@pytest.mark.unit
 def test_the_circle_check_sees_imports_inside_functions(tmp_path):
     """The check above can fail: a circle closed by an import in a function."""
     a, b = tmp_path / "a.py", tmp_path / "b.py"
@@ -157,12 +160,14 @@ def _mixins(paths) -> list:
     return found
 
 
+@pytest.mark.unit
 def test_no_class_is_a_mixin():
     """Each class defines what it reads of itself: a concept gets its own
     object (composed), not a slice of another class's attributes."""
     assert not _mixins(PY)
 
 
+@pytest.mark.unit
 def test_the_mixin_check_finds_a_class_that_reads_what_it_does_not_define(tmp_path):
     (tmp_path / "m.py").write_text(
         "class Base:\n    x = 1\n\n\nclass Part:\n    def f(self):\n        return self.y\n\n\n"
@@ -199,11 +204,13 @@ def _module_names() -> set:
     return {name.rpartition(".")[2] for name in _modules()}
 
 
+@pytest.mark.unit
 def test_no_module_imports_private_names_of_another():
     """What a module keeps private (a leading underscore) stays in it."""
     assert not _private_imports(PY, _module_names())
 
 
+@pytest.mark.unit
 def test_the_private_import_check_sees_both_ways_in(tmp_path):
     (tmp_path / "m.py").write_text("from .a import _helper, public, _core\nfrom . import b\n"
                                    "b._hidden()\nb.shown()\n_core.x()\n")
@@ -211,6 +218,7 @@ def test_the_private_import_check_sees_both_ways_in(tmp_path):
         "m.py:1 imports _helper", "m.py:3 reads b._hidden"]
 
 
+@pytest.mark.unit
 def test_every_module_is_named_in_the_architecture():
     """docs/ARCHITECTURE.md is the one description of the layout: each
     module has its line in its tree, under its package."""
@@ -233,6 +241,7 @@ def test_every_module_is_named_in_the_architecture():
     assert not missing, f"not in docs/ARCHITECTURE.md's tree: {missing}"
 
 
+@pytest.mark.unit
 def test_sql_runs_only_in_the_store():
     sql = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|CREATE)\b [A-Za-z*]|\.execute(many)?\(")
     outside = []

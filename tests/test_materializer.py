@@ -14,6 +14,7 @@ MODES = ["inline", "thread", "fork"]
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.unit
 def test_roundtrip_and_isolation(tmp_path, mode):
     model = torch.nn.Linear(64, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -38,6 +39,7 @@ def test_roundtrip_and_isolation(tmp_path, mode):
         assert saved["opt"]["param_groups"][0]["momentum"] == 0.9
 
 
+@pytest.mark.unit
 def test_submit_returns_bytes_and_names_files(tmp_path):
     with flor.Materializer(tmp_path) as m:
         assert m.submit("a", {"t": torch.zeros(100)}) == 400
@@ -49,6 +51,7 @@ def test_submit_returns_bytes_and_names_files(tmp_path):
         m.submit("late", 1)
 
 
+@pytest.mark.unit
 def test_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         flor.Materializer(tmp_path, mode="async")
@@ -78,6 +81,7 @@ class Gate:
 
 
 @pytest.mark.parametrize("mode", ["thread", "fork"])
+@pytest.mark.unit
 def test_memory_is_bounded_in_bytes(tmp_path, mode):
     """With the writer stalled, staged bytes never pass max_buffer_bytes:
     further submits wait instead of growing the buffer."""
@@ -113,6 +117,7 @@ def test_memory_is_bounded_in_bytes(tmp_path, mode):
         assert flor.load(tmp_path / f"c{i}.flor", trusted=True)["w"][0] == i  # holds a Gate
 
 
+@pytest.mark.unit
 def test_single_snapshot_larger_than_the_bound_is_written_alone(tmp_path):
     with flor.Materializer(tmp_path, max_buffer_bytes=1024) as m:
         m.submit("big", torch.zeros(10_000))
@@ -130,6 +135,7 @@ class FailsToPickle:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.unit
 def test_background_failure_is_raised_by_flush(tmp_path, mode):
     m = flor.Materializer(tmp_path, mode=mode)
     m.submit("good", {"a": 1})
@@ -259,6 +265,7 @@ def test_forked_copy_is_inert(tmp_path):
     assert run_py(code).stdout.strip() == "['parent.flor']"
 
 
+@pytest.mark.unit
 def test_context_manager_keeps_the_training_error(tmp_path):
     with pytest.raises(KeyError):
         with flor.Materializer(tmp_path) as m:
@@ -267,6 +274,7 @@ def test_context_manager_keeps_the_training_error(tmp_path):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.unit
 def test_concurrent_submitters(tmp_path, mode):
     """Several training threads may share one materializer."""
     m = flor.Materializer(tmp_path, mode=mode, batch_count=2, max_buffer_bytes=1 << 20)
@@ -288,6 +296,7 @@ def test_concurrent_submitters(tmp_path, mode):
 
 
 @pytest.mark.parametrize("mode", ["thread", "fork"])
+@pytest.mark.unit
 def test_a_finished_write_is_no_longer_counted_as_writing(tmp_path, mode):
     """stats()['writing'] drops to 0 once the writer is done, without another
     submit or a flush (the adaptive rule asks it at every block's start and

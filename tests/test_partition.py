@@ -1,5 +1,9 @@
 """Splitting the main loop among replay workers."""
+import pytest
+
 from flor.replay.plan import partition
+
+pytestmark = pytest.mark.unit  # in-process: `make check` runs these
 
 ALL = set(range(100))
 

@@ -5,10 +5,13 @@ back on the device the record had it on (flor/runtime/placement.py).
 This machine has no GPU: the meta device stands in for one here, the only
 change being that `usable` accepts it.  tests/test_cuda.py replays a
 script whose skipped block rebinds CUDA tensors."""
+import pytest
 import torch
 
 from flor.runtime import blockstate
 from flor.runtime.placement import Devices
+
+pytestmark = pytest.mark.unit  # in-process: `make check` runs these
 
 
 class OnMeta(Devices):

@@ -9,6 +9,8 @@ import os
 import re
 import textwrap
 
+import pytest
+
 from flor.store import Store
 
 from conftest import block_stats, edit, flor, plain, read, runs, store, values, write_script
@@ -126,6 +128,7 @@ def test_a_changed_helper_function_probes_the_block_that_calls_it(tmp_path):
         [float(i) for i in range(1, 10)]
 
 
+@pytest.mark.unit
 def test_a_changed_function_defined_inside_an_if_probes_its_callers():
     """A helper defined under `if`/`try`/`with` at module level is a function
     of the program like any other: changing it probes the blocks calling it."""
@@ -420,6 +423,7 @@ def test_a_crashed_run_is_recorded_as_failed(tmp_path):
         f"{rows[0]['run_id']}" in rep.stderr
 
 
+@pytest.mark.unit
 def test_store_writes_are_transactions(tmp_path):
     st = Store(str(tmp_path / ".flor"))
     try:

@@ -5,6 +5,7 @@ import copy
 import gc
 import struct
 
+import pytest
 import torch
 
 import flor
@@ -36,6 +37,7 @@ def test_dict_value_freed_while_its_key_is_copied():
     assert out.stdout.strip() in ("copied", "refused: dictionary changed during flor.snapshot")
 
 
+@pytest.mark.unit
 def test_slot_state_survives_python_setattr():
     names = tuple(f"s{i}" for i in range(12))
     keep = []
@@ -90,6 +92,7 @@ def test_storage_resized_during_the_walk_is_refused():
     assert "resized" in out.stdout
 
 
+@pytest.mark.unit
 def test_same_size_key_swap_is_refused():
     live = [1, 2]
     d = {}
@@ -112,6 +115,7 @@ def test_same_size_key_swap_is_refused():
     assert "mutated after the snapshot" not in repr(snap.restore())
 
 
+@pytest.mark.unit
 def test_negated_views_keep_their_sign():
     z = torch.tensor([1 + 2j, 3 + 4j])
     imag = z.conj().imag
@@ -140,6 +144,7 @@ class BuildsSharing:
         return (BuildsSharing, (self.l[0],))
 
 
+@pytest.mark.unit
 def test_sharing_made_by_a_class_protocol_is_kept(tmp_path):
     x = {"d": SharesInside(), "b": BuildsSharing()}
     r = flor.snapshot(x).restore()
@@ -247,6 +252,7 @@ def test_collection_inside_the_writer_does_not_hang(tmp_path):
     assert out.stdout.strip() == "True True"
 
 
+@pytest.mark.unit
 def test_long_non_ascii_failure_message_is_reported(tmp_path):
     class Bad:
         def __init__(self, copied=False):

@@ -3,6 +3,8 @@ import pytest
 
 from flor import _core
 
+pytestmark = pytest.mark.unit  # in-process: `make check` runs these
+
 EPS = 1 / 15
 C = 1.38
 

@@ -47,6 +47,7 @@ def roundtrip(obj):
     return flor.snapshot(obj).restore()
 
 
+@pytest.mark.unit
 def test_containers_are_copied_and_atoms_shared():
     s = "a string"
     inner = [1, 2.5, s, b"bytes", None, True]
@@ -58,6 +59,7 @@ def test_containers_are_copied_and_atoms_shared():
     assert out["inner"][2] == s
 
 
+@pytest.mark.unit
 def test_subclasses_keep_type_and_attributes():
     od = collections.OrderedDict([("b", 1), ("a", 2)])
     od.extra = "kept"
@@ -75,6 +77,7 @@ def test_subclasses_keep_type_and_attributes():
     assert out[4] == collections.Counter("aab")
 
 
+@pytest.mark.unit
 def test_cycles_and_shared_references():
     a = [1]
     a.append(a)
@@ -92,6 +95,7 @@ def test_cycles_and_shared_references():
     "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.bool, torch.int64,
               torch.float64, torch.complex64, torch.uint8]
 )
+@pytest.mark.unit
 def test_tensor_dtypes(dtype):
     base = torch.arange(24).reshape(4, 6)
     t = (base % 2).to(dtype) if dtype is torch.bool else base.to(dtype)
@@ -99,6 +103,7 @@ def test_tensor_dtypes(dtype):
     assert out.dtype == dtype and torch.equal(out, t)
 
 
+@pytest.mark.unit
 def test_tensor_shapes_views_and_strides():
     base = torch.arange(60.0).reshape(3, 4, 5)
     obj = {
@@ -120,6 +125,7 @@ def test_tensor_shapes_views_and_strides():
     assert out["view"][0, 0] == -1
 
 
+@pytest.mark.unit
 def test_cpu_tensors_are_copied_not_aliased():
     t = torch.ones(1000)
     p = torch.nn.Parameter(torch.zeros(10))
@@ -133,6 +139,7 @@ def test_cpu_tensors_are_copied_not_aliased():
     assert out["t"].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
 
 
+@pytest.mark.unit
 def test_parameters_and_requires_grad():
     p = torch.nn.Parameter(torch.randn(3))
     frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
@@ -144,6 +151,7 @@ def test_parameters_and_requires_grad():
     assert torch.equal(out[0], p)
 
 
+@pytest.mark.unit
 def test_tied_weights_stay_tied():
     emb = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)
@@ -190,6 +198,7 @@ def assert_same_state(a, b):
     assert sa.state_dict() == sb.state_dict()
 
 
+@pytest.mark.unit
 def test_model_optimizer_scheduler_restore_in_place():
     live = _train_state()
     snap = flor.snapshot(list(live))
@@ -205,6 +214,7 @@ def test_model_optimizer_scheduler_restore_in_place():
     assert_same_state(fresh, expected)
 
 
+@pytest.mark.unit
 def test_numpy_arrays_and_buffers():
     a = np.arange(12, dtype=np.float64).reshape(3, 4)
     obj = {
@@ -230,6 +240,7 @@ def test_numpy_arrays_and_buffers():
     assert out["scalar"] == np.float32(2.5)
 
 
+@pytest.mark.unit
 def test_user_objects_are_copied_through_their_protocol():
     t = torch.ones(3)
     obj = [Plain(t, 1), Slotted([1], t), OwnCopy([5])]
@@ -242,6 +253,7 @@ def test_user_objects_are_copied_through_their_protocol():
     assert out[2].v == [5] and out[2].copies == 1
 
 
+@pytest.mark.unit
 def test_torch_constants_and_generators():
     g = torch.Generator().manual_seed(7)
     obj = {"dtype": torch.float16, "device": torch.device("cpu"), "size": torch.Size([2, 3]),
@@ -255,6 +267,7 @@ def test_torch_constants_and_generators():
     assert torch.equal(torch.rand(4, generator=out["gen"]), expected)
 
 
+@pytest.mark.unit
 def test_nbytes_counts_each_storage_once():
     t = torch.zeros(256)  # 1 KiB
     snap = flor.snapshot({"a": t, "b": t, "c": t[10:20], "n": np.zeros(8, np.int32)})
@@ -262,6 +275,7 @@ def test_nbytes_counts_each_storage_once():
     assert snap.narrays == 3  # "a" and "b" are one tensor object: one entry
 
 
+@pytest.mark.unit
 def test_uncopyable_object_names_its_path():
     obj = {"ok": [1], "loader": {"lock": threading.Lock()}}
     with pytest.raises(TypeError) as info:
@@ -270,6 +284,7 @@ def test_uncopyable_object_names_its_path():
     assert "obj['loader']" in notes and "lock" in notes
 
 
+@pytest.mark.unit
 def test_sparse_and_meta_tensors_are_refused_clearly():
     sparse = torch.eye(3).to_sparse()
     with pytest.raises(TypeError, match="to_dense"):
@@ -307,6 +322,7 @@ def test_walk_does_not_initialise_cuda():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.unit
 def test_large_dict_of_small_lists():
     obj = {i: [i, i + 1, i + 2] for i in range(100_000)}
     snap = flor.snapshot(obj)

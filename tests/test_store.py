@@ -9,6 +9,8 @@ import pytest
 from flor.errors import StoreError
 from flor.store import SCHEMA_VERSION, Store
 
+pytestmark = pytest.mark.unit  # in-process: `make check` runs these
+
 
 def _tables(path):
     with sqlite3.connect(path) as conn:

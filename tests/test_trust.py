@@ -37,6 +37,7 @@ def _evil(tmp_path, **kw):
     return path, marker
 
 
+@pytest.mark.unit
 def test_a_pickle_that_calls_os_system_is_refused_by_default(tmp_path):
     path, marker = _evil(tmp_path)
     with pytest.raises(flor.UnsafeCheckpoint) as info:
@@ -49,6 +50,7 @@ def test_a_pickle_that_calls_os_system_is_refused_by_default(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.unit
 def test_state_dicts_numpy_and_torch_constants_load_safely(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
     opt = torch.optim.Adam(model.parameters())
@@ -81,6 +83,7 @@ class _Global:
         return (self.fn, self.args)
 
 
+@pytest.mark.unit
 def test_admitted_globals_build_nothing_from_a_single_number(tmp_path):
     """What safe mode refuses: constructors that allocate from one integer or
     iterate lazily, and numpy's dtype and scalar (a crafted dtype state made a
@@ -97,6 +100,7 @@ def test_admitted_globals_build_nothing_from_a_single_number(tmp_path):
             flor.load(path)
 
 
+@pytest.mark.unit
 def test_what_is_verified_is_what_is_unpickled(tmp_path, monkeypatch):
     """The file may change while it is read (the mapping shows later writes):
     the checksums, the scan, the signature and the unpickler all read one
@@ -119,6 +123,7 @@ def test_what_is_verified_is_what_is_unpickled(tmp_path, monkeypatch):
     assert seen == ["signed"]
 
 
+@pytest.mark.unit
 def test_save_without_a_usable_key_writes_unsigned(tmp_path, monkeypatch):
     (tmp_path / "cfg").write_text("not a directory")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
@@ -147,6 +152,7 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     assert out.stdout.strip() == "refused"
 
 
+@pytest.mark.unit
 def test_a_file_cannot_declare_itself_trusted(tmp_path):
     """Replay's mode ("signed") unpickles in full only what the user's key
     signed: a file that sets the signed flag, or carries the signature of
@@ -168,6 +174,7 @@ def test_a_file_cannot_declare_itself_trusted(tmp_path):
     assert seen == ["signed"]
 
 
+@pytest.mark.unit
 def test_the_header_tag_is_checked_before_anything_is_unpickled(tmp_path):
     path, marker = _evil(tmp_path, tag=trust.tag_of("block", "a"))
     with pytest.raises(trust.Mismatch):
@@ -175,6 +182,7 @@ def test_the_header_tag_is_checked_before_anything_is_unpickled(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.unit
 def test_memo_bombs_are_refused_before_unpickling(tmp_path):
     """A huge memo index would make the unpickler allocate gigabytes."""
     cases = {
@@ -195,6 +203,7 @@ def test_memo_bombs_are_refused_before_unpickling(tmp_path):
         assert time.perf_counter() - t0 < 5, name  # refused, not attempted
 
 
+@pytest.mark.unit
 def test_placeholders_rebuild_only_torch_constants(tmp_path):
     """_rebuild's named kind returns dtypes, layouts and memory formats, never
     another attribute of torch (torch.load, say) for the pickle to call."""
@@ -262,6 +271,7 @@ def test_checksum_fixed_mutations_raise_only_checkpoint_errors(tmp_path):
     assert counts.get("CheckpointCorrupt", 0) > 500, counts
 
 
+@pytest.mark.unit
 def test_a_signing_key_others_can_read_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     trust._cached.clear()
