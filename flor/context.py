@@ -17,8 +17,15 @@ A *location* names a statement: ``file:line`` in the recorded file's line
 numbers, or ``file:new:line`` for a line that exists only in the edited
 file that replay runs.  Paths are relative to the script's directory.
 
-This module is the one encoder and parser of both; the live stack of a
-running session is a `Context`.
+A value's *name* is what the user logged, or one of the names below: a
+printed statement (``stdout@file:line``), a TensorBoard scalar (``tb:tag``),
+a logging record (``log:logger``), a state fingerprint (``state@...``).  A
+replay worker's *phase* says where its script is: before, in or after the
+main loop (None in a record).
+
+This module is the one encoder and parser of contexts and locations, and
+the one spelling of names and phases; the live stack of a running session
+is a `Context`.
 """
 from __future__ import annotations
 
@@ -29,9 +36,21 @@ import re
 
 __all__ = ["LOOP", "BLOCK", "Context", "encode", "decode", "top_key", "is_outermost",
            "enclosing_blocks", "describe", "location", "parse_location", "checkpoint_name",
-           "block_context", "within", "iteration_key", "is_iteration"]
+           "block_context", "within", "iteration_key", "is_iteration",
+           "PRINTED", "TB", "LOG", "STATE", "STATE_BLOCK", "STATE_ITERATION", "STATE_RANDOM",
+           "PRE", "MAIN", "POST"]
 
 LOOP, BLOCK = "L", "B"
+
+PRINTED = "stdout@"  # + location: the lines a statement printed
+TB = "tb:"  # + tag: SummaryWriter.add_scalar(s)
+LOG = "log:"  # + logger name: logging records
+STATE = "state@"  # the state fingerprints the deferred checks compare (never results):
+STATE_BLOCK = "state@block"  # what a block execution captured, at its end()
+STATE_ITERATION = "state@iteration"  # the training state in scope at an iteration's end
+STATE_RANDOM = "state@random"  # the random states a top-level loop starts with
+
+PRE, MAIN, POST = "pre", "main", "post"  # a replay worker's phases
 
 
 def encode(frames) -> str:
@@ -265,7 +284,7 @@ def printed_lines(output: list[dict]) -> list[dict]:
             indices[ctx] = _indices(ctx)
         out.append({"run_id": row["run_id"], "part": row["part"], "ord": row["ord"],
                     "phase": row["phase"], "top": row["top"], "ctx": ctx,
-                    "name": f"stdout@{row['loc']}", "iter": indices[ctx], "seq": seq,
+                    "name": PRINTED + row['loc'], "iter": indices[ctx], "seq": seq,
                     "value": json.dumps(text), "loc": row["loc"]})
 
     for row in output:

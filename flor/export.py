@@ -23,8 +23,9 @@ import os
 import re
 from dataclasses import dataclass
 
+from .context import PRINTED, STATE, TB
 from .errors import FlorError, note
-from .frames import INTERNAL, PRINTED, Values, script_args, select_runs
+from .frames import Values, script_args, select_runs
 
 __all__ = ["Series", "series", "plot_figure", "plot", "export_tensorboard"]
 
@@ -170,7 +171,7 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
                         "pip install tensorboard") from None
     selected = select_runs(store, script, runs=runs)
     values = Values(store, selected, None, printed=False)
-    names = [n for n in values.rows if not n.startswith((PRINTED, *INTERNAL))]
+    names = [n for n in values.rows if not n.startswith((PRINTED, STATE))]
     per_name = {n: (_by_run(values, n), _replayed(values, n), _flat(values, n)) for n in names}
     written, skipped = [], set()
     for run in selected:
@@ -194,7 +195,7 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
         try:
             for name, step, value in scalars:
                 # a value the script wrote to TensorBoard keeps its own tag
-                tag = name[3:] if name.startswith("tb:") else name
+                tag = name[len(TB):] if name.startswith(TB) else name
                 writer.add_scalar(tag, value, global_step=step)
         finally:
             writer.close()

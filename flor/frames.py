@@ -21,13 +21,11 @@ import json
 import os
 import re
 
-from .context import parse_location
+from .context import PRINTED, STATE, parse_location
 
 __all__ = ["select_runs", "script_args", "Values", "dataframes", "dataframe", "names",
            "statement"]
 
-INTERNAL = ("state@",)  # fingerprints the deferred checks compare: never results
-PRINTED = "stdout@"
 
 _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -159,7 +157,7 @@ class Values:
             counts: dict = {}
             for r in store.logged(run["run_id"], names, printed):
                 name = r["name"]
-                if names is None and name.startswith(INTERNAL):
+                if names is None and name.startswith(STATE):
                     continue
                 vec = tuple(json.loads(r["iter"] or "[]"))
                 seq = counts.get((name, vec), 0)

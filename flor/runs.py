@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 
+from .context import STATE
 from .errors import FlorError
 from .store import Store
 
@@ -105,7 +106,7 @@ def show(store: Store, run_id: str) -> dict:
                                                                  d["file"])) for d in present),
                replays=[r["run_id"] for r in store.runs() if r["parent"] == run["run_id"]],
                names=sorted({r["name"] for r in store.logs(run["run_id"])
-                             if not r["name"].startswith("state@")}))
+                             if not r["name"].startswith(STATE)}))
     return out
 
 

@@ -30,7 +30,7 @@ import sqlite3
 import time
 
 from .errors import StoreError, unusable
-from .context import printed_lines
+from .context import MAIN, PRE, PRINTED, printed_lines
 from .layout import Layout, new_run_id, process_alive, process_start, store_root
 
 __all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION", "unusable",
@@ -301,7 +301,7 @@ class Store(_Database):
         where = "" if names is None else f" AND name IN ({', '.join('?' for _ in names)})"
         rows = [dict(r) for r in self.db.execute(
             "SELECT * FROM logs WHERE run_id = ?" + where, [run_id, *(names or ())])]
-        if printed and (names is None or any(n.startswith("stdout@") for n in names)):
+        if printed and (names is None or any(n.startswith(PRINTED) for n in names)):
             rows += [r for r in printed_lines(self.run_rows("output", run_id))
                      if names is None or r["name"] in names]
         return sorted((r for r in rows if _makes_up(r, nparts)),
@@ -412,9 +412,9 @@ def _wal(conn, timeout_s=120.0):
 
 
 def _makes_up(row, nparts) -> bool:
-    if nparts is None or row["phase"] == "main":
+    if nparts is None or row["phase"] == MAIN:
         return True
-    if row["phase"] == "pre":
+    if row["phase"] == PRE:
         return row["part"] == 0
     return row["part"] == nparts - 1
 

@@ -219,6 +219,37 @@ def test_the_private_import_check_sees_both_ways_in(tmp_path):
 
 
 @pytest.mark.unit
+def _spelled(paths) -> list:
+    """String constants (not docstrings) that spell a value name flor makes
+    or a replay phase, outside flor/context.py, their one home."""
+    found = []
+    for path in paths:
+        if os.path.relpath(path, ROOT) == os.path.join("flor", "context.py"):
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        docs = {id(n.value) for n in ast.walk(tree)
+                if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs \
+                    and (n.value.startswith(("state@", "stdout@", "tb:", "log:"))
+                         or n.value in ("pre", "main", "post")):
+                found.append(f"{os.path.basename(path)}:{n.lineno} {n.value!r}")
+    return found
+
+
+@pytest.mark.unit
+def test_value_names_and_phases_are_spelled_only_in_the_vocabulary():
+    assert not _spelled(PY)
+
+
+@pytest.mark.unit
+def test_the_spelling_check_finds_a_name_outside_the_vocabulary(tmp_path):
+    (tmp_path / "m.py").write_text('"""stdout@ in a docstring is prose."""\n'
+                                   'if phase == "pre":\n    name = "state@block"\n')
+    assert _spelled([str(tmp_path / "m.py")]) == ["m.py:2 'pre'", "m.py:3 'state@block'"]
+
+
 def test_every_module_is_named_in_the_architecture():
     """docs/ARCHITECTURE.md is the one description of the layout: each
     module has its line in its tree, under its package."""

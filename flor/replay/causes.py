@@ -24,10 +24,9 @@ import json
 import os
 import re
 
-from ..context import parse_location
+from ..context import STATE, STATE_BLOCK, parse_location
 from ..program.analysis import Script
 from ..program.syntax import path_of, root
-from .checks import STATE
 from .clock import clock_fields_only, clock_names, reads_clock
 
 __all__ = ["explain"]
@@ -188,12 +187,12 @@ def _random_cause(report, source):
 
 def _state_cause(states, blockruns) -> str:
     """Where the state first diverged, from the fingerprints."""
-    first = min(states, key=lambda m: (json.loads(m[2])[:1], m[1] != "state@block"))
+    first = min(states, key=lambda m: (json.loads(m[2])[:1], m[1] != STATE_BLOCK))
     loc, name, ctx = first[:3]
     frames = json.loads(ctx)
     where = (f"iteration {frames[0][3]} of the loop at {frames[0][1]}"
              if frames and frames[0][0] == "L" else "the top level")
-    if name == "state@block":
+    if name == STATE_BLOCK:
         return (f"block {loc} ran again at {where} and ended in another state than in record: "
                 "its computation is not deterministic (unseeded random numbers, the thread "
                 "count, GPU kernels) or it reads state that changed before it")

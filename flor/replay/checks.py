@@ -25,18 +25,16 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..context import describe, enclosing_blocks, parse_location
+from ..context import (PRINTED, STATE, STATE_BLOCK, STATE_ITERATION, STATE_RANDOM, describe,
+                       enclosing_blocks, parse_location)
 from ..runtime.blockstate import fingerprint_version
-from ..runtime.logbook import STATE_ITERATION
 from .plan import Plan
 
-__all__ = ["compare_logs", "CheckReport", "equal", "STATE"]
+__all__ = ["compare_logs", "CheckReport", "equal"]
 
 RAN = ("step_into", "execute")
 
 
-STATE = "state@"  # the names of state fingerprints (flor/runtime/logbook.py)
-RANDOM = "state@random"  # compared only to explain other differences
 
 
 @dataclass
@@ -102,7 +100,7 @@ class CheckReport:
             if name == STATE_ITERATION:
                 lines.append(f"  the state at the end of {describe(ctx)} differs from the "
                              "record's")
-            elif name == "state@block":
+            elif name == STATE_BLOCK:
                 lines.append(f"  the state at the end of {describe(ctx)} differs from the "
                              "record's")
             else:
@@ -124,7 +122,7 @@ class CheckReport:
 
     def _stmt(self, loc, name):
         where = self.shown_loc.get(loc, loc)
-        return f"{where} (printed)" if name.startswith("stdout@") else f"{where} {name!r}"
+        return f"{where} (printed)" if name.startswith(PRINTED) else f"{where} {name!r}"
 
 
 def _show(value_json):
@@ -216,7 +214,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
     replayed = {}
     for r in store.logs(replay_id):
         replayed[(r["loc"], r["name"], r["ctx"], r["seq"])] = r["value"]
-    report.recorded = sum(1 for k in recorded if k[1] != RANDOM)
+    report.recorded = sum(1 for k in recorded if k[1] != STATE_RANDOM)
     def differ(rec, rep):
         # A stored array is a file of its own run: the same reference in two
         # runs names two files, so arrays are always compared by content.
@@ -229,7 +227,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
         return not equal(a, b, tolerance)
 
     for key, value in replayed.items():
-        if key in recorded and key[1] == RANDOM:
+        if key in recorded and key[1] == STATE_RANDOM:
             report.random.append((key[0], json.loads(recorded[key]), json.loads(value)))
         elif key in recorded and key[1].startswith(STATE) and \
                 _version(recorded[key]) != _version(value):
@@ -239,10 +237,10 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
             if state and tolerance > 0:
                 report.states_skipped += 1  # an exact fingerprint cannot be near
                 continue
-            if key[1] == "state@block" and json.loads(value)[0] != json.loads(recorded[key])[0]:
+            if key[1] == STATE_BLOCK and json.loads(value)[0] != json.loads(recorded[key])[0]:
                 continue  # the edited script captures other objects at this block
             report.compared += 1  # only what is compared: a check of nothing is no pass
-            report.lines += key[1].startswith("stdout@")
+            report.lines += key[1].startswith(PRINTED)
             report.states += state
             if (recorded[key] != value) if state else differ(recorded[key], value):
                 report.mismatches.append((*key, recorded[key], value))
@@ -252,7 +250,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
     present, reran = {}, {}  # per location, per context: rows share them by the thousand
     for key, value in recorded.items():
         loc, name, ctx, seq = key
-        if key in replayed or name == RANDOM:
+        if key in replayed or name == STATE_RANDOM:
             continue
         if loc not in present:
             present[loc] = _present(loc, files)

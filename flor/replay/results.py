@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from ..context import MAIN, POST, PRE
 from ..errors import FlorError, note
 from ..store import Store
 from .causes import explain
@@ -28,11 +29,11 @@ def merged_output(store: Store, run_id):
     out = []
     for stream in ("stdout", "stderr"):
         mine = [r for r in rows if r["stream"] == stream]
-        main = sorted((r for r in mine if r["phase"] == "main"),
+        main = sorted((r for r in mine if r["phase"] == MAIN),
                       key=lambda r: (r["iter"] if r["iter"] is not None else -1, r["part"], r["ord"]))
-        out.append("".join([r["text"] for r in mine if r["phase"] == "pre"] +
+        out.append("".join([r["text"] for r in mine if r["phase"] == PRE] +
                            [r["text"] for r in main] +
-                           [r["text"] for r in mine if r["phase"] == "post"]))
+                           [r["text"] for r in mine if r["phase"] == POST]))
     return tuple(out)
 
 

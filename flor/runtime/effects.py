@@ -51,10 +51,10 @@ import os
 import sys
 import threading
 
-__all__ = ["Effects", "TB", "LOG"]
+from ..context import LOG, PRE, TB
 
-TB = "tb:"  # the names of values written with SummaryWriter.add_scalar(s)
-LOG = "log:"  # the names of logging records
+__all__ = ["Effects"]
+
 _WRITER = "torch.utils.tensorboard.writer"
 _BOOKKEEPING = ("file_version", "session_log")  # events that describe the event file
 
@@ -168,13 +168,13 @@ class Effects:
         s = self.s
         if not self._mine():
             return False
-        return s.discard or (s.phase == "pre" and s.part > 0)
+        return s.discard or (s.phase == PRE and s.part > 0)
 
     def files_quiet(self) -> bool:
         """Whether what the script writes to its files (and TensorBoard
         event files) now must not happen (files.py): when anything must not,
         and in a copy's set-up."""
-        return self.quiet() or (self.copy and self.s.phase == "pre" and self._mine())
+        return self.quiet() or (self.copy and self.s.phase == PRE and self._mine())
 
     def user_code(self, code) -> bool:
         return self.s.logbook.is_user_file(code.co_filename)

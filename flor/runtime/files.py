@@ -54,6 +54,8 @@ import sys
 import tempfile
 import threading
 
+from ..context import PRE
+
 __all__ = ["Files", "GuardedFile"]
 
 _WRITING = frozenset("wax+")
@@ -255,7 +257,7 @@ class Files:
             appending = mode.replace("w", "a").replace("x", "a")
             private = None
             if several:
-                if "w" in mode and s.phase == "pre":
+                if "w" in mode and s.phase == PRE:
                     self._set_up_w.add(_key(file))
                 private = self._private_open(file, mode.replace("x", "w"), args, kwargs)
             return GuardedFile(fx, pending=(file, appending, args, kwargs), opener=original,
@@ -268,7 +270,7 @@ class Files:
         if not fx.files_quiet():
             self.forget(file)  # (this process reads what it writes now)
         if several and not fx.files_quiet():
-            if "w" in mode and s.phase == "pre":
+            if "w" in mode and s.phase == PRE:
                 def truncate(others, mine):  # unless a part (not a run of this one) wrote it
                     if not others or others == {"0"}:
                         original(file, mode, *args, **kwargs).close()

@@ -17,7 +17,7 @@ import sys
 import time
 
 from .. import _core
-from ..context import block_context
+from ..context import STATE_BLOCK, STATE_ITERATION, STATE_RANDOM, block_context
 from .blockstate import fingerprint, random_fingerprint, state_owners
 from .capture import STREAMS
 
@@ -27,7 +27,6 @@ _FLOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 ARRAY_INLINE = 1024  # elements: larger tensors and arrays are stored as files
-STATE_ITERATION = "state@iteration"  # the name of the fingerprint at an iteration's end
 
 
 def _large(value) -> bool:
@@ -206,7 +205,7 @@ class Logbook:
         states, which differ between runs of a script that draws unseeded
         random numbers."""
         if not self.s.discard:
-            self.value("state@random", random_fingerprint(), frame[1])
+            self.value(STATE_RANDOM, random_fingerprint(), frame[1])
 
     def state(self, b, sig, objs):
         """The fingerprint of a block execution's state at its end(): of what
@@ -217,7 +216,7 @@ class Logbook:
         ctx = block_context(b.ctx, b.key, b.occurrence)
         value = [_core.crc32c(json.dumps(sig).encode()),
                  fingerprint(list(objs), self.s.policy.fingerprint_version)]
-        self.logs.append((s.run_id, s.part, self.next_ord(), phase, top, ctx, "state@block",
+        self.logs.append((s.run_id, s.part, self.next_ord(), phase, top, ctx, STATE_BLOCK,
                           indices, 0, json.dumps(value), b.key))
 
     def _is_user_code(self, code) -> bool | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import _core
+from ..context import MAIN, POST
 from ..errors import FlorError, FlorReplayError, SegmentDone, note
 from . import carry
 
@@ -67,7 +68,7 @@ class Loops:
         frame = s.context.push_loop(key, run, scope)
         frame.carrier = carrier if depth == 0 else None
         if span is not None and span.phases:
-            s.phase = "main"
+            s.phase = MAIN
         t0, n = time.perf_counter(), 0
         it = iter(iterable)
         try:
@@ -107,7 +108,7 @@ class Loops:
             s.context.remove(frame)
             self.stats.append((key, run, depth, n, time.perf_counter() - t0))
             if span is not None and span.phases:
-                s.phase = "post"
+                s.phase = POST
         if span is not None and span.stop is not None:
             raise SegmentDone(span.stop)
 

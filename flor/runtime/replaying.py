@@ -22,7 +22,7 @@ import sys
 import time
 
 from .. import _core, trust
-from ..context import block_context, location, within
+from ..context import PRE, block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
 from . import blockstate, ranks
 from .logbook import RecordedFingerprints
@@ -37,7 +37,7 @@ STATE_NAMES = {_core.EXECUTE: "execute", _core.SKIP: "skip", _core.STEP_INTO: "s
 
 class Replaying(Policy):
     mode = "replay"
-    first_phase = "pre"
+    first_phase = PRE
 
     def __init__(self, store, plan, part, progress_fd=None, resume=True):
         self.store, self.plan, self.part = store, plan, part

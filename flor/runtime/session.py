@@ -26,7 +26,7 @@ import sys
 import time
 
 from .. import _core
-from ..context import PLAIN, Context
+from ..context import Context, PLAIN, PRE
 from ..errors import StoreError, note
 from ..store import Store
 from .blockstate import signature
@@ -232,7 +232,7 @@ class Session:
         loop only in part 0."""
         capture = getattr(self, "capture", None)
         if self.replaying and capture is not None:
-            capture.show(not self.discard and not (self._phase == "pre" and self.part > 0))
+            capture.show(not self.discard and not (self._phase == PRE and self.part > 0))
 
     # -- identity -----------------------------------------------------------
 
