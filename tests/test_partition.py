@@ -1,7 +1,12 @@
-"""Splitting the main loop among replay workers."""
+"""Splitting the main loop among replay workers, and the Plan that says how."""
+import json
+
 import pytest
 
-from flor.replay.plan import partition
+from flor.program.source import FileMap
+from flor.replay.plan import Plan, partition
+
+from conftest import read
 
 pytestmark = pytest.mark.unit  # in-process: `make check` runs these
 
@@ -63,3 +68,25 @@ def test_iteration_checkpoints_let_late_segments_start_without_the_prefix():
     four = partition(10, 4, set(), work, pseudo, restart={s: 0.01 for s in range(1, 10)})
     assert len(four) == 4 and max(e - s for s, e in four) == 3
     assert [s for s, _ in four[1:]] == [e for _, e in four[:-1]] and four[-1][1] == 10
+
+
+def test_a_plan_is_typed_in_memory_and_json_only_on_disk(tmp_path):
+    """A Plan built with fixed segments saves to plan.json's JSON form (string
+    keys, lists) and loads back equal, with int keys and tuples again."""
+    plan = Plan(store=str(tmp_path), script="/x/train.py", argv=("train.py", "--epochs", "3"),
+                record="r1", replay_id="r2", segments=((0, 2), (2, 5)),
+                probed=frozenset({"train.py:9"}), changed_end=frozenset(),
+                files={"train.py": FileMap({10: 9, 11: None}, {10: 9}, {1, 2, 9})},
+                checkpoints={("train.py:9", "[[\"L\",\"e\",0,0]]", 0): "a.flor",
+                             ("train.py:9", "[[\"L\",\"e\",0,1]]", 0): None},
+                ckpt_dir="/c", main_loop="e", main_run=0, iterations=5, epsilon=0.1,
+                c=1.38, hands_free=None, resume={1: "it1.flor"}, ended=True)
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    data = json.loads(read(path))
+    assert data["segments"] == [[0, 2], [2, 5]] and data["resume"] == {"1": "it1.flor"}
+    assert data["files"]["train.py"] == {"lines": {"10": 9, "11": None}, "sites": {"10": 9},
+                                         "present": [1, 2, 9]}
+    assert data["checkpoints"][1] == ["train.py:9", "[[\"L\",\"e\",0,1]]", 0, None]
+    assert "threads" not in data  # optional fields left out when unset
+    assert Plan.load(path) == plan

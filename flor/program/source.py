@@ -44,9 +44,21 @@ class BlockSite:
 
 @dataclass
 class FileMap:
+    """How one file of the program maps from the edited source to the recorded."""
+
     lines: dict[int, int] = field(default_factory=dict)  # current line -> recorded line
     sites: dict[int, int] = field(default_factory=dict)  # current call line -> recorded one
     present: set[int] = field(default_factory=set)  # recorded lines still in the file
+
+    def to_json(self) -> dict:
+        return {"lines": {str(k): v for k, v in self.lines.items()},
+                "sites": {str(k): v for k, v in self.sites.items()},
+                "present": sorted(self.present)}
+
+    @classmethod
+    def from_json(cls, data) -> "FileMap":
+        return cls({int(k): v for k, v in data["lines"].items()},
+                   {int(k): v for k, v in data["sites"].items()}, set(data["present"]))
 
 
 @dataclass

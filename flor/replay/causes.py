@@ -84,7 +84,7 @@ def explain(report, store, plan, source, rec=None):
     clock-only differences (report.clock), and fill report.causes (a likely
     cause per statement that differed) and report.run_causes (causes that
     concern the whole replay)."""
-    back = {rel: {v: k for k, v in lines.items()} for rel, (lines, _) in plan.line_maps().items()}
+    back = {rel: {v: k for k, v in f.lines.items()} for rel, f in plan.files.items()}
     prog = _Program(source)
     script = os.path.basename(plan.script)
 

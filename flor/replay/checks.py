@@ -246,7 +246,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
                 report.mismatches.append((*key, recorded[key], value))
     ran = {(b["block"], b["ctx"], b["occurrence"])
            for b in store.run_rows("blockruns", replay_id) if b["state"] in RAN}
-    files = plan.present()
+    files = {rel: f.present for rel, f in plan.files.items()}
     present, reran = {}, {}  # per location, per context: rows share them by the thousand
     for key, value in recorded.items():
         loc, name, ctx, seq = key

@@ -24,7 +24,7 @@ from ..context import is_iteration, is_outermost, location, top_key
 from ..errors import FlorError, note
 from ..program.instrument import instrument
 from ..program.probe import detect
-from ..program.source import Comparison, changed_functions, manual_blocks, map_files
+from ..program.source import Comparison, FileMap, changed_functions, manual_blocks, map_files
 from ..runtime import ranks as ranking
 from ..store import Store, new_run_id
 
@@ -35,17 +35,19 @@ __all__ = ["Plan", "plan_replay", "partition", "iteration_costs", "resume_points
 
 @dataclass(frozen=True)
 class Plan:
+    """Typed in memory; `save` and `load` are the one JSON form."""
+
     store: str  # the run store's root
     script: str  # absolute path of the edited script
-    argv: list  # [script, *args] as the workers run it
+    argv: tuple[str, ...]  # (script, *args) as the workers run it
     record: str  # the recorded run replayed
     replay_id: str
-    segments: list  # [[start, end), ...] of main-loop iterations, one per part
-    probed: list  # blocks to step into
-    changed_end: list  # blocks whose end() call changed: their checkpoints are not used
-    files: dict  # {relpath: {"lines": {cur: rec}, "sites": {cur: rec}, "present": [rec]}}
-    checkpoints: list  # [[block, ctx, occurrence, file name or None], ...]: None where
-    # the record checkpointed the execution but replay must run it on every rank
+    segments: tuple[tuple[int, int], ...]  # [start, end) of main-loop iterations, per part
+    probed: frozenset[str]  # blocks to step into
+    changed_end: frozenset[str]  # blocks whose end() call changed: checkpoints not used
+    files: dict[str, FileMap]  # by path relative to the script's directory
+    checkpoints: dict[tuple[str, str, int], str | None]  # (block, ctx, occurrence) -> file
+    # name; None where the record checkpointed it but replay runs it on every rank
     ckpt_dir: str
     main_loop: str | None
     main_run: int | None
@@ -56,40 +58,48 @@ class Plan:
     tolerance: float | None = None  # --tolerance REL for the deferred checks
     threads: int | None = None  # torch intra-op threads of each worker
     workers: int | None = None  # local worker processes (segments may be more)
-    resume: dict = dataclasses.field(default_factory=dict)  # {str(i): iteration checkpoint
-    # file at the end of main-loop iteration i}: a segment starting at i + 1 starts there
+    resume: dict[int, str] = dataclasses.field(default_factory=dict)  # iteration i -> the
+    # file of its iteration checkpoint: a segment starting at i + 1 starts there
     ranks: dict | None = None  # a data-parallel record: {"rank", "size", "ckpt_dirs" (by
     # rank), "ports" (by segment: its process group's)}; flor/runtime/ranks.py
     ended: bool = False  # the record's main loop ended with its iterable (not by a
     # break): the last part draws it to its end too, so its code after the last item runs
 
-    def save(self, path: str):
-        data = dataclasses.asdict(self)
+    def to_json(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data.update(argv=list(self.argv), segments=[list(s) for s in self.segments],
+                    probed=sorted(self.probed), changed_end=sorted(self.changed_end),
+                    files={rel: f.to_json() for rel, f in self.files.items()},
+                    checkpoints=[[*k, f] for k, f in self.checkpoints.items()],
+                    resume={str(i): f for i, f in self.resume.items()})
         for optional in ("tolerance", "threads", "workers", "ranks"):
             if data[optional] is None:
                 del data[optional]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        names = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in names}
+        data.update(argv=tuple(data["argv"]), segments=tuple(tuple(s) for s in data["segments"]),
+                    probed=frozenset(data["probed"]),
+                    changed_end=frozenset(data["changed_end"]),
+                    files={rel: FileMap.from_json(f) for rel, f in data["files"].items()},
+                    checkpoints={(b, c, int(o)): f for b, c, o, f in data["checkpoints"]},
+                    resume={int(i): f for i, f in data.get("resume", {}).items()})
+        return cls(**data)
+
+    def save(self, path: str):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump(data, f)
+            json.dump(self.to_json(), f)
         os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
-            data = json.load(f)
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    def line_maps(self) -> dict[str, tuple[dict[int, int], dict[int, int]]]:
-        """{relpath: (current line -> recorded line, current call line -> recorded)}."""
-        return {rel: ({int(k): v for k, v in f["lines"].items()},
-                      {int(k): v for k, v in f["sites"].items()})
-                for rel, f in self.files.items()}
-
-    def present(self) -> dict[str, set[int]]:
-        """{relpath: recorded lines still in the file}."""
-        return {rel: set(f["present"]) for rel, f in self.files.items()}
+            return cls.from_json(json.load(f))
 
 
 def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None,
@@ -170,7 +180,7 @@ def iteration_costs(rec, decisions, loops, probed, no_restore):
 
 
 def resume_points(store, rec, iterations, total):
-    """({str(i): file} of the iteration checkpoints of the main loop that
+    """({i: file} of the iteration checkpoints of the main loop that
     were written, {i + 1: estimated seconds to restore it})."""
     main_top = top_key(rec["main_loop"], rec["main_run"])
     resume, restart = {}, {}
@@ -179,7 +189,7 @@ def resume_points(store, rec, iterations, total):
         i = _main_iteration(d, main_top)
         if d["checkpoint"] and d["file"] and i is not None and 0 <= i < total - 1 and \
                 os.path.isfile(os.path.join(ckpt_dir, d["file"])):
-            resume[str(i)] = d["file"]
+            resume[i] = d["file"]
             write_s = d["nbytes"] / d["bandwidth"] if d["bandwidth"] else 0.0
             restart[i + 1] = (rec["c"] or 0.0) * write_s
     return resume, restart
@@ -421,16 +431,15 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     else:
         replay_id = new_run_id()
     plan = Plan(
-        store=store.root, script=os.path.abspath(script), argv=[script, *args],
-        record=rec["run_id"], replay_id=replay_id, segments=segments,
-        probed=sorted(cmp.probed), changed_end=sorted(cmp.changed_end),
-        files={rel: {"lines": {str(k): v for k, v in f.lines.items()},
-                     "sites": {str(k): v for k, v in f.sites.items()},
-                     "present": sorted(f.present)} for rel, f in cmp.files.items()},
-        checkpoints=[[d["block"], d["ctx"], d["occurrence"],
-                      None if (d["block"], d["ctx"], d["occurrence"]) in dropped else d["file"]]
+        store=store.root, script=os.path.abspath(script), argv=(script, *args),
+        record=rec["run_id"], replay_id=replay_id,
+        segments=tuple(tuple(s) for s in segments),
+        probed=frozenset(cmp.probed), changed_end=frozenset(cmp.changed_end),
+        files=dict(cmp.files),
+        checkpoints={(d["block"], d["ctx"], d["occurrence"]):
+                     None if (d["block"], d["ctx"], d["occurrence"]) in dropped else d["file"]
                      for d in recorded if d["checkpoint"] and d["file"]
-                     and not is_iteration(d["block"])],
+                     and not is_iteration(d["block"])},
         ckpt_dir=store.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
@@ -446,7 +455,8 @@ def register(store: Store, plan: Plan, rec, source: str, mode: str):
                       run_id=plan.replay_id, main_loop=plan.main_loop,
                       main_run=plan.main_run, iterations=plan.iterations,
                       info=json.dumps({"nparts": len(plan.segments), "mode": mode,
-                                       "segments": plan.segments, "probed": plan.probed}))
+                                       "segments": [list(s) for s in plan.segments],
+                                       "probed": sorted(plan.probed)}))
     plan.save(store.plan_path(plan.replay_id))
 
 

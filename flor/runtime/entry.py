@@ -151,9 +151,9 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
     sys.path[0] = os.path.dirname(script)
     inst = None
     if plan.hands_free:
+        fmap = plan.files.get(os.path.basename(script))
         with open(script) as f:
-            inst = instrument_current(f.read(), script,
-                                      plan.line_maps().get(os.path.basename(script), ({},))[0])
+            inst = instrument_current(f.read(), script, fmap.lines if fmap else {})
     error, code = None, 0
     try:
         code, error = run_main(script, sys.__stderr__, inst)

@@ -46,12 +46,8 @@ class Replaying(Policy):
         self.unverified = []  # what the restore put back and could not verify
         self.restored_labels = []  # the labels of what it put back
         self.run_id = plan.replay_id
-        self.segment = tuple(plan.segments[part])
+        self.segment = plan.segments[part]
         self.last_part = part == len(plan.segments) - 1
-        self.probed = set(plan.probed)
-        self.no_restore = set(plan.changed_end)
-        self.files = plan.line_maps()
-        self.ckpts = {(b, c, int(o)): f for b, c, o, f in plan.checkpoints}
         self.main = (plan.main_loop, plan.main_run)
         self.machine = _core.SkipMachine(_core.REPLAY, plan.epsilon, plan.c)
         self.progress_fd = progress_fd
@@ -70,12 +66,11 @@ class Replaying(Policy):
 
     def location(self, rel, line, structural):
         """In recorded line numbers: the edited file is mapped to the recorded one."""
-        fmap = self.files.get(rel)
+        fmap = self.plan.files.get(rel)
         if fmap is None:
             return location(rel, line)
-        lines, sites = fmap
-        old = sites.get(line) if structural else None
-        return location(rel, line, old if old is not None else lines.get(line), mapped=True)
+        old = fmap.sites.get(line) if structural else None
+        return location(rel, line, old if old is not None else fmap.lines.get(line), mapped=True)
 
     # -- the main loop ------------------------------------------------------
 
@@ -87,7 +82,7 @@ class Replaying(Policy):
             return None
         self.main_seen = True
         start, end = self.segment
-        fname = self.plan.resume.get(str(start - 1)) if start > 0 and self.resume and \
+        fname = self.plan.resume.get(start - 1) if start > 0 and self.resume and \
             carrier is not None else None
         where = f"iteration checkpoint {fname}"
 
@@ -122,9 +117,9 @@ class Replaying(Policy):
     def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
         """(checkpoint, seconds to load it, probed) for a block execution:
         None where the block runs instead."""
-        probed = probed or key in self.probed
+        probed = probed or key in self.plan.probed
         pseudo = self.machine.phase == _core.PSEUDORESUME_PHASE
-        if not (pseudo or not probed) or key in self.no_restore:
+        if not (pseudo or not probed) or key in self.plan.changed_end:
             return None, 0.0, probed
         t0 = time.perf_counter()
         payload = self._load(key, ctx, occurrence)
@@ -139,7 +134,7 @@ class Replaying(Policy):
         return payload, load_s, probed
 
     def _load(self, key, ctx, occurrence):
-        fname = self.ckpts.get((key, ctx, occurrence))
+        fname = self.plan.checkpoints.get((key, ctx, occurrence))
         where = f"block {key!r} at {json.loads(ctx) or 'the top level'}"
         if fname is None:
             self.reexecuted += 1  # record did not checkpoint this execution
@@ -183,8 +178,8 @@ class Replaying(Policy):
         """A block that ran again: fingerprint its state where the record
         checkpointed the same execution, to compare (not when its end() call
         changed: it may hand over other objects, or the same in another order)."""
-        if not session.discard and b.key not in self.no_restore and \
-                (b.key, b.ctx, b.occurrence) in self.ckpts:
+        if not session.discard and b.key not in self.plan.changed_end and \
+                (b.key, b.ctx, b.occurrence) in self.plan.checkpoints:
             session.logbook.state(b, sig, objs)
 
     def restore(self, session, b, objs, sig, rebind, hint, frame):
