@@ -206,6 +206,59 @@ def test_a_restore_whose_fingerprint_differs_is_refused(tmp_path, torch):
         [l for l in read_output(d) if l.startswith("epoch")]
 
 
+REFUSED = """
+    import glob, os, time
+    import flor
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    net = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    X, Y = torch.randn(256, 8), torch.randn(256, 2)
+    try:
+        for epoch in flor.generator(range(int(os.environ.get("EPOCHS", "6"))),
+                                    state=(net, opt)):
+            if os.environ.get("STOP_AT") == str(epoch):  # once the checkpoint before is written
+                done = os.path.join(os.environ["FLOR_DIR"], "runs", "*", "ckpt",
+                                    f"*iteration@{epoch - 1}-*.flor")
+                deadline = time.monotonic() + 60
+                while not glob.glob(done) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                os.kill(os.getpid(), 9)
+            if flor.SkipBlock.step_into("train"):
+                for i in range(0, 256, 32):
+                    opt.zero_grad()
+                    ((net(X[i:i + 32]) - Y[i:i + 32]) ** 2).mean().backward()
+                    opt.step()
+            flor.SkipBlock.end(net, opt)
+            print(f"epoch {epoch} {net.weight.sum().item():.6f}")
+    except Exception as e:
+        print("training failed:", type(e).__name__)
+        raise
+    print("training done")
+"""
+
+
+def test_a_refused_resume_stores_nothing_the_script_prints_after_it(tmp_path, torch):
+    """A resume whose main loop cannot reach its checkpoint is refused; what
+    the script's own handler prints then is not stored in the interrupted
+    run (a later resume kept it, and every replay's checks failed on it)."""
+    d = str(tmp_path)
+    write_script(d, "train.py", REFUSED)
+    _record(d, "train.py", env={"STOP_AT": "3"}, check=False)
+    refused = _record(d, "--resume", "train.py", env={"EPOCHS": "2"}, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert "cannot resume: the main loop at train.py:11 ended after 2 iterations" in \
+        refused.stderr
+    _record(d, "--resume", "train.py")
+    run = store(d).runs()[-1]
+    assert "training failed: FlorError\n" not in [r["text"] for r in
+                                                  store(d).rows("output", run["run_id"])]
+    rep = flor(d, "replay", "train.py")
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
 def read_output(d):
     st = store(d)
     rec = [r for r in st.runs() if r["kind"] == "record"][-1]

@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .. import _core
 from ..context import MAIN, POST
 from ..errors import FlorError, FlorReplayError, SegmentDone, note
 from . import carry
 
-__all__ = ["Loops", "Span"]
+__all__ = ["Loops", "Span", "LoopRun"]
+
+
+class LoopRun(NamedTuple):
+    """One run of a tracked loop, once it closed."""
+
+    loop: str
+    run: int
+    depth: int  # 0: a top-level loop
+    iterations: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class Span:
 class Loops:
     def __init__(self, session):
         self.s = session
-        self.stats: list = []  # (loop, run, depth, iterations, seconds), as each one closes
+        self.stats: list[LoopRun] = []  # as each one closes
         self.ended: set[tuple[str, int]] = set()  # loops whose iterable ended (not a break)
         self.blocks_run = 0  # blocks entered in the current top-level iteration
         self.resumed = None  # (loop, values to rebind) after an iteration restore
@@ -71,9 +81,12 @@ class Loops:
             s.phase = MAIN
         t0, n = time.perf_counter(), 0
         it = iter(iterable)
+        positioned = True  # False while a restore that positions the loop has not succeeded
         try:
             if span is not None and span.restore is not None and span.start > 0:
-                n = self._restore(it, frame, span)
+                positioned, n = False, span.start
+                self._restore(it, frame, span)
+                positioned = True
             while span is None or span.end is None or n < span.end:
                 if span is not None:
                     pseudo = n < span.start
@@ -95,39 +108,43 @@ class Loops:
                 n += 1
                 yield x
                 if depth == 0:
-                    self.end_iteration(frame, progress=span is None or n > span.start)
+                    self.end_iteration(frame, progress=span is not None and n > span.start)
             else:
                 if span.drain:
                     self._draw_to_end(it, frame, key, n)
         finally:
             if frame.handle is not None:  # left by break or an exception
                 s.policy.iteration_abandoned(s, frame)
-            if span is not None:
+            if span is not None and positioned:  # (a refused restore leaves discard as it was)
                 s.discard = False
                 s.machine.phase = _core.WORK
             s.context.remove(frame)
-            self.stats.append((key, run, depth, n, time.perf_counter() - t0))
+            self.stats.append(LoopRun(key, run, depth, n, time.perf_counter() - t0))
             if span is not None and span.phases:
                 s.phase = POST
         if span is not None and span.stop is not None:
             raise SegmentDone(span.stop)
 
-    def _restore(self, it, frame, span) -> int:
+    def _restore(self, it, frame, span):
         """Start the loop at span.start from the iteration checkpoint of the
         iteration before it (verified: carry.resume_at); the items before it
-        are drawn with their output dropped."""
+        are drawn with their output dropped.  A restore that fails leaves
+        the session discarding as it was."""
         s = self.s
         t0 = time.perf_counter()
-        s.discard = True
+        before, s.discard = s.discard, True
         try:
             values, labels, unverified = carry.resume_at(s.context, it, frame, frame.carrier,
                                                          span.start, span.restore, span.where)
         except FlorReplayError as e:
+            s.discard = before
             if span.refusal is None:
                 raise
             raise FlorError(f"{span.refusal}: {e}") from None
-        finally:
-            s.discard = False
+        except BaseException:
+            s.discard = before
+            raise
+        s.discard = False
         if values is not None:
             self.resumed = (frame[1], values)
         s.policy.resumed(s, frame, labels, unverified, time.perf_counter() - t0)
