@@ -32,6 +32,8 @@ import time
 from .errors import StoreError, unusable
 from .context import MAIN, PRE, PRINTED, printed_lines
 from .layout import Layout, new_run_id, process_alive, process_start, store_root
+from .schema import (BLOCKRUNS, BLOCKS, DECISIONS, LOGS, LOOPS, OUTPUT, PART_TABLES, PARTS,
+                     RUNS, TABLES)
 
 __all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION", "unusable",
            "printed_lines", "process_start", "process_alive"]
@@ -43,43 +45,23 @@ MIGRATIONS = {
         "ALTER TABLE output ADD COLUMN loc TEXT"],  # and the statement that printed them
 }
 
-TABLES = """
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY, kind TEXT NOT NULL, parent TEXT, script TEXT, script_name TEXT,
-    argv TEXT, cwd TEXT, started REAL, finished REAL, status TEXT, versions TEXT,
-    epsilon REAL, c REAL, main_loop TEXT, main_run INTEGER, iterations INTEGER, info TEXT);
-CREATE TABLE IF NOT EXISTS parts (
-    run_id TEXT, part INTEGER, status TEXT, seconds REAL, info TEXT,
-    PRIMARY KEY (run_id, part));
-CREATE TABLE IF NOT EXISTS logs (
-    run_id TEXT, part INTEGER, ord INTEGER, phase TEXT, top TEXT, ctx TEXT, name TEXT,
-    iter TEXT, seq INTEGER, value TEXT, loc TEXT);
-CREATE INDEX IF NOT EXISTS logs_by_run ON logs (run_id, name);
-CREATE TABLE IF NOT EXISTS output (
-    run_id TEXT, part INTEGER, ord INTEGER, stream TEXT, phase TEXT, top TEXT,
-    iter INTEGER, text TEXT, ctx TEXT, loc TEXT);
-CREATE INDEX IF NOT EXISTS output_by_run ON output (run_id);
-CREATE TABLE IF NOT EXISTS decisions (
-    run_id TEXT, block TEXT, ctx TEXT, occurrence INTEGER, iter TEXT, top TEXT,
-    top_iter INTEGER, n INTEGER, k INTEGER, compute_s REAL, mean_compute_s REAL,
-    nbytes INTEGER, bandwidth REAL, materialize_s REAL, ratio REAL, limit_value REAL,
-    checkpoint INTEGER, reason TEXT, file TEXT);
-CREATE INDEX IF NOT EXISTS decisions_by_run ON decisions (run_id);
-CREATE TABLE IF NOT EXISTS blockruns (
-    run_id TEXT, part INTEGER, phase TEXT, block TEXT, ctx TEXT, occurrence INTEGER,
-    state TEXT);
-CREATE TABLE IF NOT EXISTS blocks (
-    run_id TEXT, part INTEGER, block TEXT, n INTEGER, k INTEGER, compute_s REAL,
-    materialize_s REAL, restore_s REAL, restores INTEGER, skips INTEGER, steps INTEGER,
-    nbytes INTEGER);
-CREATE TABLE IF NOT EXISTS loops (
-    run_id TEXT, part INTEGER, loop TEXT, run INTEGER, depth INTEGER, iterations INTEGER,
-    seconds REAL);
-CREATE TABLE IF NOT EXISTS flor_schema (version INTEGER NOT NULL);
-"""
 
-# Tables a replay part writes; merge copies them from per-part databases.
-PART_TABLES = ("parts", "logs", "output", "blockruns", "blocks", "loops")
+
+def ddl() -> list[str]:
+    """The statements that make flor's tables (flor/schema.py) in a new store."""
+    out = []
+    for t in TABLES:
+        columns = [f"{name} {kind}" for name, kind in t.columns]
+        if t.key:
+            columns.append(f"PRIMARY KEY ({', '.join(t.key)})")
+        out.append(f"CREATE TABLE IF NOT EXISTS {t.name} ({', '.join(columns)})")
+        if t.index:
+            name, on = t.index
+            out.append(f"CREATE INDEX IF NOT EXISTS {name} ON {t.name} ({', '.join(on)})")
+    out.append("CREATE TABLE IF NOT EXISTS flor_schema (version INTEGER NOT NULL)")
+    return out
+
+
 # Columns of flor's runs table: a database without flor_schema that has
 # them was written by flor before the schema was versioned.
 _RUN_COLUMNS = {"run_id", "kind", "parent", "script", "script_name", "argv", "status",
@@ -160,9 +142,11 @@ class _Database(Layout):
                 self.db.executemany(sql, rows)
 
     def _insert(self, table, rows):
+        """Rows of `table` (flor/schema.py), each its named record."""
         if rows:
-            marks = ", ".join("?" for _ in rows[0])
-            self._many(f"INSERT INTO {table} VALUES ({marks})", rows)
+            marks = ", ".join("?" for _ in table.names)
+            self._many(f"INSERT INTO {table.name} ({', '.join(table.names)}) VALUES ({marks})",
+                       rows)
 
 
 class Store(_Database):
@@ -274,8 +258,8 @@ class Store(_Database):
         are deleted by the caller, after)."""
         keys = [(r,) for r in run_ids]
         with self.transaction():
-            for table in ("runs", *PART_TABLES, "decisions"):
-                self.db.executemany(f"DELETE FROM {table} WHERE run_id = ?", keys)
+            for table in (RUNS, *PART_TABLES, DECISIONS):
+                self.db.executemany(f"DELETE FROM {table.name} WHERE run_id = ?", keys)
 
     def restore_ratios(self, script_name) -> list[float]:
         """For each block of each earlier replay of this script that restored
@@ -310,32 +294,34 @@ class Store(_Database):
     # -- per-run data -------------------------------------------------------
 
     def add_logs(self, rows):
-        self._insert("logs", rows)
+        self._insert(LOGS, rows)
 
     def add_output(self, rows):
-        self._insert("output", rows)
+        self._insert(OUTPUT, rows)
 
     def add_decisions(self, rows):
-        self._insert("decisions", rows)
+        self._insert(DECISIONS, rows)
 
     def add_blockruns(self, rows):
-        self._insert("blockruns", rows)
+        self._insert(BLOCKRUNS, rows)
 
     def add_blocks(self, rows):
-        self._insert("blocks", rows)
+        self._insert(BLOCKS, rows)
 
     def add_loops(self, rows):
-        self._insert("loops", rows)
+        self._insert(LOOPS, rows)
 
     def set_part(self, run_id, part, status, seconds=None, info=None):
+        row = PARTS.Row(run_id=run_id, part=part, status=status, seconds=seconds,
+                        info=json.dumps(info or {}))
         with self.transaction():
-            self.db.execute("INSERT OR REPLACE INTO parts VALUES (?, ?, ?, ?, ?)",
-                            (run_id, part, status, seconds, json.dumps(info or {})))
+            self.db.execute(f"INSERT OR REPLACE INTO parts ({', '.join(PARTS.names)}) "
+                            f"VALUES ({', '.join('?' for _ in row)})", row)
 
     def clear_part(self, run_id, part):
         with self.transaction():
             for table in PART_TABLES:
-                self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND part = ?",
+                self.db.execute(f"DELETE FROM {table.name} WHERE run_id = ? AND part = ?",
                                 (run_id, part))
 
     def import_part(self, db_file):
@@ -344,11 +330,12 @@ class Store(_Database):
         try:
             with self.transaction():
                 for table in PART_TABLES:
-                    keys = self.db.execute(f"SELECT DISTINCT run_id, part FROM part.{table}")
+                    t, cols = table.name, ", ".join(table.names)
+                    keys = self.db.execute(f"SELECT DISTINCT run_id, part FROM part.{t}")
                     for run_id, part in keys.fetchall():
-                        self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND part = ?",
+                        self.db.execute(f"DELETE FROM {t} WHERE run_id = ? AND part = ?",
                                         (run_id, part))
-                    self.db.execute(f"INSERT INTO {table} SELECT * FROM part.{table}")
+                    self.db.execute(f"INSERT INTO {t} ({cols}) SELECT {cols} FROM part.{t}")
         finally:
             self.db.execute("DETACH DATABASE part")
 
@@ -450,9 +437,8 @@ def _check_schema(conn, db_file, create=True, migrate=True):
     elif not create:  # an empty database: a store not made yet
         raise StoreError(f"{db_file} is empty: no run was stored there yet")
     else:
-        for statement in TABLES.split(";"):
-            if statement.strip():
-                conn.execute(statement)
+        for statement in ddl():
+            conn.execute(statement)
         conn.execute("INSERT INTO flor_schema (version) VALUES (?)", (SCHEMA_VERSION,))
         return
     if migrate:

@@ -55,13 +55,13 @@ def test_a_store_of_another_schema_version_is_refused(tmp_path):
 def _old_store(root, version):
     """A store as an older flor wrote it: version 1 (or, with None, before
     the version table) had output rows without their context and location."""
-    from flor.store import TABLES
+    from flor.store import ddl
 
     root.mkdir()
     with sqlite3.connect(root / "flor.db") as conn:
-        for statement in TABLES.replace(", ctx TEXT, loc TEXT", "").split(";"):
-            if statement.strip() and (version is not None or "flor_schema" not in statement):
-                conn.execute(statement)
+        for statement in ddl():
+            if version is not None or "flor_schema" not in statement:
+                conn.execute(statement.replace(", ctx TEXT, loc TEXT", ""))
         if version is not None:
             conn.execute("INSERT INTO flor_schema VALUES (?)", (version,))
         conn.execute("INSERT INTO runs (run_id, kind, script) VALUES ('r1', 'record', 'a.py')")

@@ -18,6 +18,7 @@ import time
 
 from .. import _core
 from ..context import STATE_BLOCK, STATE_ITERATION, STATE_RANDOM, block_context
+from ..schema import LOGS, OUTPUT
 from .blockstate import fingerprint, random_fingerprint, state_owners
 from .capture import STREAMS
 
@@ -153,8 +154,9 @@ class Logbook:
             stored = self._store_array(value, f"p{s.part}-{ord_}")
         else:
             stored = jsonable(value)
-        self.logs.append((s.run_id, s.part, ord_, phase, top, ctx, name, indices, seq,
-                          json.dumps(stored), loc))
+        self.logs.append(LOGS.Row(run_id=s.run_id, part=s.part, ord=ord_, phase=phase, top=top,
+                                  ctx=ctx, name=name, iter=indices, seq=seq,
+                                  value=json.dumps(stored), loc=loc))
 
     def _store_array(self, value, name) -> dict:
         if self._values is None:
@@ -216,8 +218,9 @@ class Logbook:
         ctx = block_context(b.ctx, b.key, b.occurrence)
         value = [_core.crc32c(json.dumps(sig).encode()),
                  fingerprint(list(objs), self.s.policy.fingerprint_version)]
-        self.logs.append((s.run_id, s.part, self.next_ord(), phase, top, ctx, STATE_BLOCK,
-                          indices, 0, json.dumps(value), b.key))
+        self.logs.append(LOGS.Row(run_id=s.run_id, part=s.part, ord=self.next_ord(),
+                                  phase=phase, top=top, ctx=ctx, name=STATE_BLOCK,
+                                  iter=indices, seq=0, value=json.dumps(value), loc=b.key))
 
     def _is_user_code(self, code) -> bool | None:
         """Whether a code object belongs to a file of the user's program;
@@ -253,8 +256,9 @@ class Logbook:
                     self._locs[(id(code), offset)] = (code, loc)  # keeps the id unique
                 else:
                     loc = known[1]
-            self.out.append((s.run_id, s.part, ord_, STREAMS[stream], phase, top, it, text, ctx,
-                             loc))
+            self.out.append(OUTPUT.Row(run_id=s.run_id, part=s.part, ord=ord_,
+                                       stream=STREAMS[stream], phase=phase, top=top, iter=it,
+                                       text=text, ctx=ctx, loc=loc))
 
     def flush(self, store):
         self.digest()

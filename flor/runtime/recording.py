@@ -23,6 +23,7 @@ from .. import _core
 from ..context import checkpoint_name, iteration_key
 from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
 from ..program.gradients import manual_gradients
+from ..schema import DECISIONS
 from ..store import new_run_id, process_start
 from ..version import __version__
 from . import blockstate, carry, ranks
@@ -272,11 +273,12 @@ class Recording(Policy):
                 note(f"checkpoint of block {key!r} failed: {e}")
                 fname = None
         st = self.machine.stats()[handle]
-        session.logbook.decisions.append((
-            self.run_id, key, ctx, occurrence, indices, top, top_iter,
-            st["n"], st["k"], seconds, st["compute_s"] / st["n"], nbytes, bw, M,
-            ratio if math.isfinite(ratio) else None, limit, int(ok), reason,
-            fname + ".flor" if fname else None))
+        session.logbook.decisions.append(DECISIONS.Row(
+            run_id=self.run_id, block=key, ctx=ctx, occurrence=occurrence, iter=indices,
+            top=top, top_iter=top_iter, n=st["n"], k=st["k"], compute_s=seconds,
+            mean_compute_s=st["compute_s"] / st["n"], nbytes=nbytes, bandwidth=bw,
+            materialize_s=M, ratio=ratio if math.isfinite(ratio) else None, limit_value=limit,
+            checkpoint=int(ok), reason=reason, file=fname + ".flor" if fname else None))
         return fname
 
     # -- the end ------------------------------------------------------------
@@ -295,10 +297,11 @@ class Recording(Policy):
                  f"record --resume {' '.join(sys.argv)}")
             return
         torch = sys.modules.get("torch")
-        top = [row for row in session.loops.stats if row[2] == 0]
+        top = [row for row in session.loops.stats if row.depth == 0]
         if self.point is not None and self.point.start:
-            top = [row for row in top if row[:2] == (self.point.loop, self.point.loop_run)]
-        main = max(top, key=lambda r: r[4]) if top else None
+            top = [row for row in top if (row.loop, row.run) == (self.point.loop,
+                                                                 self.point.loop_run)]
+        main = max(top, key=lambda r: r.seconds) if top else None
         # A run that never reached a loop or block of flor's (a --help run, a
         # crash or an exit before the main loop) has nothing to replay.
         empty = main is None and not any(st["n"] for st in self.machine.stats())
@@ -312,11 +315,11 @@ class Recording(Policy):
                           "flor_seconds": session.own_time.seconds,
                           "startup_s": session.loops.startup_s(),
                           "captured": session.block_labels,
-                          "main_ended": main is not None and main[:2] in session.loops.ended,
+                          "main_ended": main is not None and (main.loop, main.run) in session.loops.ended,
                           "error": repr(error) if failed else None})
         self.store.update_run(
             self.run_id, finished=time.time(),
             status="empty" if empty else "failed" if failed else "finished",
-            main_loop=main[0] if main else None, main_run=main[1] if main else None,
-            iterations=main[3] if main else 0, versions=json.dumps(versions()),
+            main_loop=main.loop if main else None, main_run=main.run if main else None,
+            iterations=main.iterations if main else 0, versions=json.dumps(versions()),
             info=json.dumps(self.info))

@@ -24,6 +24,7 @@ import time
 from .. import _core, trust
 from ..context import PRE, block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
+from ..schema import BLOCKRUNS
 from . import blockstate, ranks
 from .logbook import RecordedFingerprints
 from .loops import Span
@@ -171,8 +172,9 @@ class Replaying(Policy):
                  "numbers only), as are any others like it")
 
     def entered(self, session, key, ctx, occurrence, state):
-        session.logbook.blockruns.append((self.run_id, self.part, session.phase, key, ctx,
-                                          occurrence, STATE_NAMES[state]))
+        session.logbook.blockruns.append(BLOCKRUNS.Row(
+            run_id=self.run_id, part=self.part, phase=session.phase, block=key, ctx=ctx,
+            occurrence=occurrence, state=STATE_NAMES[state]))
 
     def ran_again(self, session, b, objs, sig):
         """A block that ran again: fingerprint its state where the record

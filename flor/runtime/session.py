@@ -28,6 +28,7 @@ import time
 from .. import _core
 from ..context import Context, PLAIN, PRE
 from ..errors import StoreError, note
+from ..schema import BLOCKS, LOOPS
 from ..store import Store
 from .blockstate import signature
 from .capture import Capture
@@ -355,8 +356,10 @@ class Session:
         failures = self.policy.close() + self.logbook.close()
         self.flush()
         self.store.add_blocks([
-            (self.run_id, self.part, s["key"], s["n"], s["k"], s["compute_s"],
-             s["materialize_s"], s["restore_s"], s["restores"], s["skips"], s["steps"],
-             s["nbytes"]) for s in self.machine.stats()])
-        self.store.add_loops([(self.run_id, self.part, *row) for row in self.loops.stats])
+            BLOCKS.Row(run_id=self.run_id, part=self.part, block=s["key"], n=s["n"], k=s["k"],
+                       compute_s=s["compute_s"], materialize_s=s["materialize_s"],
+                       restore_s=s["restore_s"], restores=s["restores"], skips=s["skips"],
+                       steps=s["steps"], nbytes=s["nbytes"]) for s in self.machine.stats()])
+        self.store.add_loops([LOOPS.Row(run_id=self.run_id, part=self.part, **row._asdict())
+                              for row in self.loops.stats])
         self.policy.finish(self, error, failures)
