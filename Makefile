@@ -8,7 +8,7 @@ ASAN_VENV ?= .venv-asan
 TORCH := torch==2.13.0
 PIP := pip install -q --disable-pip-version-check
 
-.PHONY: setup demo check test test-fast test-asan bench clean
+.PHONY: setup demo check test test-fast test-asan docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,13 @@ test-asan:
 		"import flor._core as c, sys; sys.exit(0 if '$(ASAN_VENV)' in c.__file__ else 'not the sanitizer build: ' + c.__file__)"
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_JOBS) \
 		-m "not differential" .
+
+# The manual as a site (mkdocs.yml): the command-line page must be what
+# docs/gen_cli.py makes of flor/cli.py, and MkDocs warnings are errors.
+docs: setup
+	$(BIN)/$(PIP) 'mkdocs==1.6.1'
+	$(BIN)/python docs/gen_cli.py --check
+	$(BIN)/mkdocs build --strict --site-dir build/site
 
 bench: setup
 	$(BIN)/$(PIP) --no-build-isolation -e '.[bench]'

@@ -36,7 +36,7 @@ copies and restores).  Times are wall-clock seconds of whole commands.
 
 Writes OUT.json, OUT.md and OUT-overhead.png, OUT-replay.png (OUT:
 bench-results/evaluation[-quick], or --out).  With --update-benchmarks the
-markdown replaces the evaluation section of BENCHMARKS.md.
+markdown replaces the evaluation section of docs/benchmarks.md.
 """
 import argparse
 import json
@@ -339,11 +339,11 @@ def plot(report, out):
 
 
 def update_benchmarks(md, out):
-    path = os.path.join(ROOT, "BENCHMARKS.md")
+    path = os.path.join(ROOT, "docs", "benchmarks.md")
     with open(path) as f:
         text = f.read()
     begin, end = "<!-- evaluation:begin -->", "<!-- evaluation:end -->"
-    rel = os.path.relpath(out, ROOT)
+    rel = os.path.relpath(out, os.path.dirname(path))
     block = (f"{begin}\n{md}\n![record overhead]({rel}-overhead.png)\n\n"
              f"![replay against ideal]({rel}-replay.png)\n{end}")
     if begin in text:
@@ -363,7 +363,7 @@ def main():
     ap.add_argument("--only", default=",".join(WORKLOADS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--update-benchmarks", action="store_true",
-                    help="put the tables and plots into BENCHMARKS.md")
+                    help="put the tables and plots into docs/benchmarks.md")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 3)

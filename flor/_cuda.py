@@ -20,7 +20,7 @@ reaches the snapshot, by one of two orders:
 FLOR_CUDA_COPY=auto (the default) stages where the device has room for the
 buffer (half its free memory), else orders; staged and ordered force one
 (staged orders where the buffer cannot be allocated).  Storages under SMALL
-bytes are coalesced into one copy.  BENCHMARKS.md ("The CUDA path on a
+bytes are coalesced into one copy.  docs/benchmarks.md ("The CUDA path on a
 GPU") has what each costs the training stream.
 
 digest(blobs) is the sum under a version 2 state fingerprint (csrc/crc32c.c,

@@ -10,7 +10,7 @@ flor.dataframes and flor.names read the results (flor/frames.py).
         flor.log("val_acc", evaluate(net))
 
 Run as ``python train.py`` (or ``python -m flor record train.py``) it records;
-``python -m flor replay train.py`` replays it.  See README.md.
+``python -m flor replay train.py`` replays it.  See docs/manual-api.md.
 """
 from __future__ import annotations
 

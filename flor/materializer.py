@@ -19,7 +19,7 @@ __all__ = ["Materializer", "DEFAULT_MODE", "MODES", "mode_from_env"]
 
 MODES = {"inline": 0, "thread": 1, "fork": 2}
 
-#: Chosen by benchmarks/materialize.py; README.md ("Choosing the default
+#: Chosen by benchmarks/materialize.py; docs/checkpoints.md ("Choosing the default
 #: materializer mode") gives the figures.
 DEFAULT_MODE = "thread"
 

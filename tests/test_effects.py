@@ -506,7 +506,8 @@ def test_a_copy_of_a_stalled_worker_leaves_the_files_its_set_up_wrote_alone(tmp_
     assert json.loads(read(os.path.join(d, "config.json"))) == {"lr": 0.1, "epochs": 8}
     with open(os.path.join(d, "epochs.txt")) as f:
         lines = f.read().splitlines()
-    # Nothing lost; the copy wrote its segment's lines again (README).
+    # Nothing lost; the copy wrote its segment's lines again
+    # (docs/resume-and-elastic-replay.md).
     assert sorted(set(lines)) == sorted(f"epoch {i}" for i in range(8))
     # The killed worker's private copies are gone with the replay.
     assert glob.glob(os.path.join(d, ".flor", "runs", "*", "private")) == []

@@ -41,7 +41,7 @@ SPARE_CORE_SHARE = 0.25  # of the write time, charged before any measure
 # What training pays per byte of a CUDA tensor before a checkpoint is
 # measured: the staged copy within the device runs at over 1e12 B/s on
 # current GPUs, and flor's side of the call is about 1 ms per GiB
-# (BENCHMARKS.md, "The CUDA path on a GPU"); 1e11 B/s covers both.
+# (docs/benchmarks.md, "The CUDA path on a GPU"); 1e11 B/s covers both.
 DEVICE_COPY_BPS = 1e11
 
 
