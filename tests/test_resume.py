@@ -6,6 +6,7 @@ its loop's state."""
 import json
 import os
 import signal
+import textwrap
 
 import pytest
 
@@ -167,29 +168,36 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, torch):
     assert done["status"] == "finished" and done["iterations"] == 4
 
 
-MANUAL = """
-    import os, sys
-    import flor
-    import torch
+# The manual API's scripts below: a linear model trained by a SkipBlock in an
+# epoch loop that carries (net, opt), written at the body's indentation.
+_MANUAL_SETUP = """
+import glob, os, time
+import flor
+import torch
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    net = torch.nn.Linear(8, 2)
-    shadow = torch.nn.Linear(8, 2)  # changed by the loop, but not in state=
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    X, Y = torch.randn(256, 8), torch.randn(256, 2)
-    for epoch in flor.generator(range(6), state=(net, opt)):
-        if flor.SkipBlock.step_into("train"):
-            for i in range(0, 256, 32):
-                opt.zero_grad()
-                ((net(X[i:i + 32]) - Y[i:i + 32]) ** 2).mean().backward()
-                opt.step()
-        flor.SkipBlock.end(net, opt)
-        with torch.no_grad():
-            shadow.weight.add_(net.weight)
-        print(f"epoch {epoch} {net.weight.sum().item():.6f} {shadow.weight.sum().item():.6f}")
+torch.manual_seed(0)
+torch.set_num_threads(1)
+net = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+X, Y = torch.randn(256, 8), torch.randn(256, 2)
+"""
+_MANUAL_TRAIN = """\
+if flor.SkipBlock.step_into("train"):
+    for i in range(0, 256, 32):
+        opt.zero_grad()
+        ((net(X[i:i + 32]) - Y[i:i + 32]) ** 2).mean().backward()
+        opt.step()
+flor.SkipBlock.end(net, opt)
 """
 
+MANUAL = _MANUAL_SETUP + """\
+shadow = torch.nn.Linear(8, 2)  # changed by the loop, but not in state=
+for epoch in flor.generator(range(6), state=(net, opt)):
+""" + textwrap.indent(_MANUAL_TRAIN, "    ") + """\
+    with torch.no_grad():
+        shadow.weight.add_(net.weight)
+    print(f"epoch {epoch} {net.weight.sum().item():.6f} {shadow.weight.sum().item():.6f}")
+"""
 
 def test_a_restore_whose_fingerprint_differs_is_refused(tmp_path, torch):
     """state= leaves out a module the loop changes: an iteration checkpoint
@@ -206,39 +214,23 @@ def test_a_restore_whose_fingerprint_differs_is_refused(tmp_path, torch):
         [l for l in read_output(d) if l.startswith("epoch")]
 
 
-REFUSED = """
-    import glob, os, time
-    import flor
-    import torch
-
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    net = torch.nn.Linear(8, 2)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    X, Y = torch.randn(256, 8), torch.randn(256, 2)
-    try:
-        for epoch in flor.generator(range(int(os.environ.get("EPOCHS", "6"))),
-                                    state=(net, opt)):
-            if os.environ.get("STOP_AT") == str(epoch):  # once the checkpoint before is written
-                done = os.path.join(os.environ["FLOR_DIR"], "runs", "*", "ckpt",
-                                    f"*iteration@{epoch - 1}-*.flor")
-                deadline = time.monotonic() + 60
-                while not glob.glob(done) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                os.kill(os.getpid(), 9)
-            if flor.SkipBlock.step_into("train"):
-                for i in range(0, 256, 32):
-                    opt.zero_grad()
-                    ((net(X[i:i + 32]) - Y[i:i + 32]) ** 2).mean().backward()
-                    opt.step()
-            flor.SkipBlock.end(net, opt)
-            print(f"epoch {epoch} {net.weight.sum().item():.6f}")
-    except Exception as e:
-        print("training failed:", type(e).__name__)
-        raise
-    print("training done")
+REFUSED = _MANUAL_SETUP + """\
+try:
+    for epoch in flor.generator(range(int(os.environ.get("EPOCHS", "6"))), state=(net, opt)):
+        if os.environ.get("STOP_AT") == str(epoch):  # once the checkpoint before is written
+            done = os.path.join(os.environ["FLOR_DIR"], "runs", "*", "ckpt",
+                                f"*iteration@{epoch - 1}-*.flor")
+            deadline = time.monotonic() + 60
+            while not glob.glob(done) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), 9)
+""" + textwrap.indent(_MANUAL_TRAIN, "        ") + """\
+        print(f"epoch {epoch} {net.weight.sum().item():.6f}")
+except Exception as e:
+    print("training failed:", type(e).__name__)
+    raise
+print("training done")
 """
-
 
 def test_a_refused_resume_stores_nothing_the_script_prints_after_it(tmp_path, torch):
     """A resume whose main loop cannot reach its checkpoint is refused; what
