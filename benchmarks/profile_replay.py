@@ -122,7 +122,7 @@ def main():
     decisions = st.rows("decisions", rec["run_id"])
     restore = sum(b["restore_s"] for b in st.rows("blocks", rep["run_id"]))
     part_s = st.rows("parts", rep["run_id"])[0]["seconds"]
-    with open(os.path.join(st.run_dir(rep["run_id"]), "plan.json")) as f:
+    with open(os.path.join(st.layout.run_dir(rep["run_id"]), "plan.json")) as f:
         plan = json.load(f)
     st.close()
     plan.pop("progress_fd", None)  # a pipe of the replay command, gone now

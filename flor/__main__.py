@@ -163,7 +163,7 @@ def cmd_replay(o) -> int:
             return 0
         for line in describe(plan, rec, cmp, plan.argv[1:]):
             note(line)
-        plan.save(store.plan_path(plan.replay_id))
+        plan.save(store.layout.plan_path(plan.replay_id))
         code = run_part(plan, i, tee=True, own_db=True)
         note(f"part {i}/{nparts} of replay {plan.replay_id} "
              f"{'finished' if code == 0 else 'failed'}; once every part has run: "

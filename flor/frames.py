@@ -60,7 +60,7 @@ def select_runs(store, script=None, run=None, runs=None) -> list[dict]:
             raise LookupError(f"no runs in {store.root}")
         script = every[-1]["script"]
     mine = _current_record()
-    rows = [r for r in _of_script(store.runs(), script)
+    rows = [r for r in store.script_runs(script)
             if (r["status"] == "finished" or r["run_id"] == mine)
             and not json.loads(r["info"] or "{}").get("rank")]
     if not rows:
@@ -68,16 +68,6 @@ def select_runs(store, script=None, run=None, runs=None) -> list[dict]:
                           f"{store.root}; "
                           "`python -m flor runs` lists the runs")
     return rows
-
-
-def _of_script(runs, script) -> list[dict]:
-    """The runs of `script`: by its path, else by its file name (None: the
-    runs of no file, recorded in an interactive session)."""
-    if script is None:
-        return [r for r in runs if r["script"] is None]
-    path = os.path.abspath(script)
-    return ([r for r in runs if r["script"] == path]
-            or [r for r in runs if r["script_name"] == os.path.basename(path)])
 
 
 def _current_record():
@@ -242,7 +232,7 @@ def _frame(store, runs, values, names):
         for run_id, vec, s, raw, _ in values.rows[name]:
             vec = vec + (None,) * (depth - len(vec))
             key = (order[run_id], vec, s if repeats else None)
-            rows.setdefault(key, {})[name] = store.value(run_id, raw)
+            rows.setdefault(key, {})[name] = store.layout.value(run_id, raw)
     present = [runs[i] for i in sorted({key[0] for key in rows})]
     args, per_run = arg_columns(present, {"run", "kind", "seq", *names})
     records = []
@@ -323,7 +313,7 @@ def statement(store, run, loc, cache=None) -> str | None:
     cache = {} if cache is None else cache
     key = (source_run, rel)
     if key not in cache:
-        sources = store.module_sources(source_run)
+        sources = store.layout.module_sources(source_run)
         owner = store.run(source_run) or run
         text = sources.get(None) if rel == (owner["script_name"] or "") else sources.get(rel)
         tree = None

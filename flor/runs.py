@@ -95,15 +95,15 @@ def show(store: Store, run_id: str) -> dict:
     (row,) = [r for r in listing(store) if r["run"] == run["run_id"]] or [None]
     decisions = store.rows("decisions", run["run_id"])
     written = [d for d in decisions if d["checkpoint"] and d["file"]]
-    present = [d for d in written
-               if os.path.exists(os.path.join(store.ckpt_dir(run["run_id"]), d["file"]))]
+    ckpt_dir = store.layout.ckpt_dir(run["run_id"])
+    present = [d for d in written if os.path.exists(os.path.join(ckpt_dir, d["file"]))]
     out = dict(row or {}, argv=json.loads(run["argv"] or "[]"), cwd=run["cwd"],
                script_path=run["script"], main_loop=run["main_loop"],
                versions=json.loads(run["versions"] or "{}"), info=info,
-               directory=store.run_dir(run["run_id"]),
+               directory=store.layout.run_dir(run["run_id"]),
                checkpoints_decided=len(written), checkpoints_missing=len(written) - len(present),
-               checkpoint_bytes=sum(os.path.getsize(os.path.join(store.ckpt_dir(run["run_id"]),
-                                                                 d["file"])) for d in present),
+               checkpoint_bytes=sum(os.path.getsize(os.path.join(ckpt_dir, d["file"]))
+                                    for d in present),
                replays=[r["run_id"] for r in store.runs() if r["parent"] == run["run_id"]],
                names=sorted({r["name"] for r in store.logs(run["run_id"])
                              if not r["name"].startswith(STATE)}))
@@ -174,7 +174,7 @@ def remove(store: Store, run_ids, dry_run=False) -> list[str]:
         return doomed
     store.delete_runs(doomed)
     for rid in doomed:
-        shutil.rmtree(store.run_dir(rid), ignore_errors=True)
+        shutil.rmtree(store.layout.run_dir(rid), ignore_errors=True)
     return doomed
 
 

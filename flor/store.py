@@ -68,14 +68,16 @@ _RUN_COLUMNS = {"run_id", "kind", "parent", "script", "script_name", "argv", "st
                 "main_loop", "main_run", "iterations", "info"}
 
 
-class _Database(Layout):
+class _Database:
     """The store's SQLite connection, one per process: opened (and, with
     `create`, made) on first use, flor's schema checked before anything is
-    written, refusals of the file system turned into StoreErrors."""
+    written, refusals of the file system turned into StoreErrors.  Its
+    files (`layout`, flor/layout.py) are beside it under `root`."""
 
     def __init__(self, root: str | None = None, db_file: str | None = None,
                  create: bool = True, readonly: bool = False):
-        super().__init__(root)
+        self.layout = Layout(root)
+        self.root = self.layout.root
         self.db_file = db_file or os.path.join(self.root, "flor.db")
         # create=False: a store that does not exist is an error, not made;
         # readonly: nothing is written, not even the journal mode
@@ -160,12 +162,12 @@ class Store(_Database):
         run_id = run_id or new_run_id()
         self.db  # a store that cannot be used says so before any file is made
         try:
-            os.makedirs(self.run_dir(run_id), exist_ok=True)
+            os.makedirs(self.layout.run_dir(run_id), exist_ok=True)
             if source is not None:
-                with open(os.path.join(self.run_dir(run_id), "source.py"), "w") as f:
+                with open(os.path.join(self.layout.run_dir(run_id), "source.py"), "w") as f:
                     f.write(source)
         except OSError as e:
-            shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
+            shutil.rmtree(self.layout.run_dir(run_id), ignore_errors=True)
             raise unusable(self.db_file, e) from None
         row = dict(run_id=run_id, kind=kind, parent=parent, script=script,
                    script_name=os.path.basename(script) if script else None,
@@ -179,7 +181,7 @@ class Store(_Database):
                 self.db.execute(f"INSERT OR REPLACE INTO runs ({cols}) VALUES ({marks})",
                                 list(row.values()))
         except StoreError:
-            shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
+            shutil.rmtree(self.layout.run_dir(run_id), ignore_errors=True)
             raise
         return run_id
 
@@ -196,18 +198,28 @@ class Store(_Database):
     def runs(self) -> list[dict]:
         return [dict(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]
 
-    def records(self, script) -> list[dict]:
-        """Record runs of this script (by path, else by name), newest first.
-        A data-parallel record is its rank 0's run (the others are its ranks)."""
+    def script_runs(self, script, kind=None) -> list[dict]:
+        """The runs of `script` (of `kind`, "record" or "replay", if given),
+        oldest first: by its path, else by its file name; None: the runs of
+        no file, recorded in an interactive session."""
+        of_kind, args = ("", []) if kind is None else (" AND kind = ?", [kind])
+        if script is None:
+            return [dict(r) for r in self.db.execute(
+                f"SELECT * FROM runs WHERE script IS NULL{of_kind} ORDER BY started", args)]
         path = os.path.abspath(script)
         for key, value in (("script", path), ("script_name", os.path.basename(path))):
             rows = self.db.execute(
-                f"SELECT * FROM runs WHERE kind = 'record' AND {key} = ? ORDER BY started DESC",
-                (value,)).fetchall()
+                f"SELECT * FROM runs WHERE {key} = ?{of_kind} ORDER BY started",
+                [value, *args]).fetchall()
             if rows:
-                return [dict(r) for r in rows
-                        if not json.loads(r["info"] or "{}").get("rank")]
+                return [dict(r) for r in rows]
         return []
+
+    def records(self, script) -> list[dict]:
+        """Record runs of this script (by path, else by name), newest first.
+        A data-parallel record is its rank 0's run (the others are its ranks)."""
+        return [r for r in reversed(self.script_runs(script, "record"))
+                if not json.loads(r["info"] or "{}").get("rank")]
 
     def latest_record(self, script) -> dict | None:
         """The newest record run of this script that finished, or was
@@ -249,7 +261,7 @@ class Store(_Database):
         counts: dict[str, int] = {}
         for run_id, name in self.db.execute(
                 "SELECT run_id, file FROM decisions WHERE checkpoint = 1 AND file IS NOT NULL"):
-            if os.path.exists(os.path.join(self.ckpt_dir(run_id), name)):
+            if os.path.exists(os.path.join(self.layout.ckpt_dir(run_id), name)):
                 counts[run_id] = counts.get(run_id, 0) + 1
         return counts
 

@@ -31,7 +31,7 @@ def test_a_name_the_header_binds_and_the_body_rebinds_is_not_put_back(tmp_path):
     assert resumed[0] is None and resumed[1] is not None  # the second one did restore
     rec = runs(store(d), "record")[0]["run_id"]
     carried = {lp["key"]: lp["carried"] for lp in
-               json.loads(read(store(d).run_dir(rec) + "/handsfree.json"))["loops"]}
+               json.loads(read(store(d).layout.run_dir(rec) + "/handsfree.json"))["loops"]}
     names = carried["train.py:8"][0]
     assert {"score", "opt"} <= set(names) and not {"x", "y", "b"} & set(names), carried
 
@@ -86,7 +86,7 @@ def test_a_block_that_draws_from_an_iterator_holds_its_position(tmp_path):
     write_script(d, "train.py", ITERATOR_IN_BLOCK)
     flor(d, "record", "--no-adaptive", "train.py")
     st = store(d)
-    ckpt = st.ckpt_dir(runs(st, "record")[0]["run_id"])
+    ckpt = st.layout.ckpt_dir(runs(st, "record")[0]["run_id"])
     (second,) = [f for f in os.listdir(ckpt) if f.startswith("train.py_9@1-")]
     os.unlink(os.path.join(ckpt, second))
     edit(f"{d}/train.py", 'print("epoch"', 'print("w", round(model.weight.sum().item(), 6))',

@@ -240,7 +240,7 @@ def test_large_logged_arrays_are_stored_as_files_and_compared(tmp_path):
     flor(d, "record", "acts.py")
     st = store(d)
     rec = runs(st, "record")[0]["run_id"]
-    files = sorted(os.listdir(os.path.join(st.run_dir(rec), "values")))
+    files = sorted(os.listdir(os.path.join(st.layout.run_dir(rec), "values")))
     assert len(files) == 6 and all(f.endswith(".flor") for f in files)
     edit(os.path.join(d, "acts.py"), 'flor.log("h"', 'print(epoch)')
     rep = flor(d, "replay", "acts.py")

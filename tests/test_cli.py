@@ -177,7 +177,7 @@ def test_rm_and_prune_delete_rows_and_files_together(d):
     flor(d, "prune", "--keep", "1")
     assert [r["run_id"] for r in store(d).runs()] == [third]
     for rid in (first, second, empty):
-        assert not os.path.exists(st.run_dir(rid))
+        assert not os.path.exists(st.layout.run_dir(rid))
         assert not store(d).rows("decisions", rid) and not store(d).rows("logs", rid)
     assert sorted(os.listdir(os.path.join(d, ".flor", "runs"))) == [third]
     flor(d, "rm", third)
@@ -189,7 +189,7 @@ def test_rm_and_prune_delete_rows_and_files_together(d):
 def test_checkpoint_counts_are_files_that_exist(d):
     flor(d, "record", "--no-adaptive", "train.py", *ARGS)
     (rec,) = runs_json(d)
-    ckpt = store(d).ckpt_dir(rec["run"])
+    ckpt = store(d).layout.ckpt_dir(rec["run"])
     assert rec["checkpoints"] == 2
     os.unlink(os.path.join(ckpt, sorted(os.listdir(ckpt))[0]))
     assert runs_json(d)[0]["checkpoints"] == 1

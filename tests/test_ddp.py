@@ -51,7 +51,7 @@ def _checks_passed(stderr):
 
 
 def _ckpt_files(st, run_id):
-    d = st.ckpt_dir(run_id)
+    d = st.layout.ckpt_dir(run_id)
     return {f: os.path.join(d, f) for f in os.listdir(d)}
 
 

@@ -59,8 +59,8 @@ def test_hands_free_record_and_hindsight_replay(tmp_path, name):
     st = store(d)
     (run,) = runs(st, "record")
     assert json.loads(run["info"])["hands_free"] is True
-    assert os.path.isfile(os.path.join(st.run_dir(run["run_id"]), "instrumented.py"))
-    summary = json.loads(read(os.path.join(st.run_dir(run["run_id"]), "handsfree.json")))
+    assert os.path.isfile(os.path.join(st.layout.run_dir(run["run_id"]), "instrumented.py"))
+    summary = json.loads(read(os.path.join(st.layout.run_dir(run["run_id"]), "handsfree.json")))
     assert summary["blocks"], summary
 
     # A statement in the inner loop: its block is stepped into, in 2 workers.
@@ -184,7 +184,7 @@ def test_flor_skip_comment_leaves_a_loop_alone(tmp_path):
     flor(d, "record", "s.py")
     st = store(d)
     (run,) = runs(st, "record")
-    summary = json.loads(read(os.path.join(st.run_dir(run["run_id"]), "handsfree.json")))
+    summary = json.loads(read(os.path.join(st.layout.run_dir(run["run_id"]), "handsfree.json")))
     assert [b["key"] for b in summary["blocks"]] == ["s.py:5"]
     assert summary["left_alone"] == [[3, "# flor: skip"]]
     rep = flor(d, "replay", "s.py")

@@ -55,14 +55,14 @@ def test_record_stores_the_run(recorded):
     (rec,) = runs(st, "record")
     assert rec["status"] == "finished" and rec["iterations"] == 4
     assert json.loads(rec["argv"]) == ["train.py", *ARGS]
-    assert st.module_sources(rec["run_id"])[None] == read(EXAMPLE)
+    assert st.layout.module_sources(rec["run_id"])[None] == read(EXAMPLE)
     assert {"python", "flor", "torch", "numpy"} <= set(json.loads(rec["versions"]))
     decisions = st.rows("decisions", rec["run_id"])
     assert [d["top_iter"] for d in decisions] == [0, 1, 2, 3]
     for d_ in decisions:
         assert d_["checkpoint"] and d_["reason"].startswith("checkpoint: adaptivity off")
         assert d_["nbytes"] > 0 and d_["bandwidth"] > 0 and d_["materialize_s"] > 0
-    ckpts = os.listdir(st.ckpt_dir(rec["run_id"]))
+    ckpts = os.listdir(st.layout.ckpt_dir(rec["run_id"]))
     assert len(ckpts) == 4 and all(c.endswith(".flor") for c in ckpts)
     # Without adaptivity nothing is calibrated: until the run has timed two
     # of its own writes, the decisions carry the assumed slow disk.
@@ -205,14 +205,14 @@ def test_replay_without_a_record_is_a_clear_error(tmp_path):
 def test_damaged_and_missing_checkpoints_are_reexecuted(workdir, recorded):
     st = store(workdir)
     rec = runs(st, "record")[0]["run_id"]
-    files = sorted(os.listdir(st.ckpt_dir(rec)), key=lambda f: f.split("@")[1])
-    damaged = os.path.join(st.ckpt_dir(rec), files[1])
+    files = sorted(os.listdir(st.layout.ckpt_dir(rec)), key=lambda f: f.split("@")[1])
+    damaged = os.path.join(st.layout.ckpt_dir(rec), files[1])
     with open(damaged, "r+b") as f:
         f.seek(os.path.getsize(damaged) // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    os.unlink(os.path.join(st.ckpt_dir(rec), files[2]))
+    os.unlink(os.path.join(st.layout.ckpt_dir(rec), files[2]))
     proc = flor(workdir, "replay", "train.py", *ARGS)
     assert f"{files[1]}: damaged data" in proc.stderr
     assert f"checkpoint {files[2]} is missing" in proc.stderr

@@ -75,7 +75,7 @@ def test_block_occurrences_survive_a_restored_enclosing_block(tmp_path):
     # that A, and its B must restore B's own second-execution checkpoint.
     a1 = next(r["file"] for r in st.rows("decisions", rec)
               if r["block"] == "A" and r["occurrence"] == 1 and r["top_iter"] == 0)
-    os.unlink(os.path.join(st.ckpt_dir(rec), a1))
+    os.unlink(os.path.join(st.layout.ckpt_dir(rec), a1))
     replay_matches_plain(d, "s.py", jobs=("1",))
 
 

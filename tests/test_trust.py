@@ -324,7 +324,7 @@ def test_replay_restores_signed_files_and_never_runs_planted_ones(tmp_path):
     flor_cli(d, "record", "--no-adaptive", "train.py")
     st = store(d)
     rec = [r for r in st.runs() if r["kind"] == "record"][-1]
-    ckdir = st.ckpt_dir(rec["run_id"])
+    ckdir = st.layout.ckpt_dir(rec["run_id"])
     files = sorted(f for f in os.listdir(ckdir) if f.endswith(".flor"))
     assert len(files) == 4
     # Plant a crafted file in place of epoch 1's checkpoint, with its header

@@ -171,7 +171,7 @@ def _arrays_equal(store, a, b, tolerance) -> bool:
     shape and values (within a relative `tolerance`).  A missing file is
     a difference."""
     try:
-        x, y = (store.value(run, v) for run, v in (a, b))
+        x, y = (store.layout.value(run, v) for run, v in (a, b))
     except (OSError, ValueError):
         return False
     import numpy as np
@@ -200,7 +200,7 @@ def compare_logs(store, record_id, replay_id, plan=None, tolerance=0.0) -> Check
     """Compare a replay's values with its record's (`plan`: the replay's
     Plan, read from the store when not given)."""
     if plan is None:
-        plan = Plan.load(store.plan_path(replay_id))
+        plan = Plan.load(store.layout.plan_path(replay_id))
     report = CheckReport()
     recorded, seen_twice = {}, set()
     for r in store.logs(record_id):

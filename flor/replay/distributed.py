@@ -78,8 +78,8 @@ def run_ray(store, plan: Plan, rec, notes, source, strict=False) -> int:
         task = ray.remote(_segment).options(
             max_retries=RETRIES, retry_exceptions=[WorkerKilled],
             num_gpus=1 if gpus else 0, num_cpus=0 if gpus else threads)
-        db_dir = store.run_dir(plan.replay_id)
-        refs = [task.remote(store.plan_path(plan.replay_id), p, db_dir, threads)
+        db_dir = store.layout.run_dir(plan.replay_id)
+        refs = [task.remote(store.layout.plan_path(plan.replay_id), p, db_dir, threads)
                 for p in range(len(plan.segments))]
         try:
             results = ray.get(refs)

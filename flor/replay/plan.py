@@ -184,7 +184,7 @@ def resume_points(store, rec, iterations, total):
     were written, {i + 1: estimated seconds to restore it})."""
     main_top = top_key(rec["main_loop"], rec["main_run"])
     resume, restart = {}, {}
-    ckpt_dir = store.ckpt_dir(rec["run_id"])
+    ckpt_dir = store.layout.ckpt_dir(rec["run_id"])
     for d in iterations:
         i = _main_iteration(d, main_top)
         if d["checkpoint"] and d["file"] and i is not None and 0 <= i < total - 1 and \
@@ -311,7 +311,7 @@ def _interrupted(store, rec):
 
 def _compare(store, script, rec):
     """(Comparison, hands-free summary or None, recorded and current sources)."""
-    recorded = store.module_sources(rec["run_id"])
+    recorded = store.layout.module_sources(rec["run_id"])
     if None not in recorded:
         raise FlorError(f"the source of run {rec['run_id']} is missing from {store.root}")
     base = os.path.dirname(os.path.abspath(script))
@@ -422,7 +422,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     if group is not None:  # every rank replays rank 0's segments
         segments, ports = ranking.share_plan(segments)
         group_plan = {"rank": ranking.world()[0], "size": len(group), "ports": ports,
-                      "ckpt_dirs": [store.ckpt_dir(r["run_id"]) for r in group]}
+                      "ckpt_dirs": [store.layout.ckpt_dir(r["run_id"]) for r in group]}
     if part is not None and part >= 0:
         # Parts run on other machines must agree on one replay id.
         digest = hashlib.sha1(json.dumps(
@@ -440,7 +440,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
                      None if (d["block"], d["ctx"], d["occurrence"]) in dropped else d["file"]
                      for d in recorded if d["checkpoint"] and d["file"]
                      and not is_iteration(d["block"])},
-        ckpt_dir=store.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
+        ckpt_dir=store.layout.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
         workers=jobs, ranks=group_plan,
@@ -457,7 +457,7 @@ def register(store: Store, plan: Plan, rec, source: str, mode: str):
                       info=json.dumps({"nparts": len(plan.segments), "mode": mode,
                                        "segments": [list(s) for s in plan.segments],
                                        "probed": sorted(plan.probed)}))
-    plan.save(store.plan_path(plan.replay_id))
+    plan.save(store.layout.plan_path(plan.replay_id))
 
 
 def describe(plan: Plan, rec, cmp: Comparison, args) -> list[str]:

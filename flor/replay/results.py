@@ -66,18 +66,18 @@ def conclude(store: Store, plan: Plan, rec, seconds, strict) -> int:
 def merge(store: Store, replay_id=None, strict=False) -> int:
     """Assemble a replay whose parts ran separately (--part I/N)."""
     if replay_id is None:  # the latest replay run in parts that is not merged yet
-        pending = [r for r in store.part_replays()
+        pending = [r for r in store.layout.part_replays()
                    if (store.run(r) or {}).get("status") != "finished"]
         if not pending:
             raise FlorError(f"no replay run with --part waits to be merged in {store.root}; "
                             "name one: flor merge REPLAY (`flor runs` lists them)")
         replay_id = pending[0]
-    plan_path = store.plan_path(replay_id)
+    plan_path = store.layout.plan_path(replay_id)
     if not os.path.isfile(plan_path):
         raise FlorError(f"no replay {replay_id!r} in {store.root}")
     plan = Plan.load(plan_path)
     nparts = len(plan.segments)
-    dbs = [store.part_db(replay_id, p) for p in range(nparts)]
+    dbs = [store.layout.part_db(replay_id, p) for p in range(nparts)]
     missing = [p for p, db in enumerate(dbs) if not os.path.isfile(db)]
     if missing:
         raise FlorError(f"replay {replay_id}: parts {missing} of {nparts} have not run; "

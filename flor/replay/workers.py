@@ -47,13 +47,13 @@ class _Attempt:
 
     def __init__(self, store, plan, part, number, resume, slot, env):
         self.part, self.number, self.resume, self.slot = part, number, resume, slot
-        self.db = store.part_db(plan.replay_id, part, number)
+        self.db = store.layout.part_db(plan.replay_id, part, number)
         for stale in (self.db, self.db + "-wal", self.db + "-shm"):
             if os.path.exists(stale):
                 os.unlink(stale)
-        self.log = open(store.worker_log(plan.replay_id, part, number), "w+")
+        self.log = open(store.layout.worker_log(plan.replay_id, part, number), "w+")
         r, w = os.pipe()
-        cmd = [sys.executable, "-m", "flor", "_worker", store.plan_path(plan.replay_id),
+        cmd = [sys.executable, "-m", "flor", "_worker", store.layout.plan_path(plan.replay_id),
                str(part), str(w), "--db", self.db] + ([] if resume else ["--no-resume"])
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=self.log, pass_fds=(w,))
@@ -302,7 +302,8 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
     for a in queue.lost:
         a.text()
     # What the workers' set-ups wrote privately (files.py), left by killed ones.
-    shutil.rmtree(os.path.join(store.run_dir(plan.replay_id), "private"), ignore_errors=True)
+    shutil.rmtree(os.path.join(store.layout.run_dir(plan.replay_id), "private"),
+                  ignore_errors=True)
     if not ok:
         store.update_run(plan.replay_id, finished=time.time(), status="failed")
         for a in queue.failed:

@@ -85,7 +85,7 @@ def summary(store, run_id) -> list[str]:
                 f"(a --help run, or an exit before the main loop): replay never picks it; "
                 f"`flor rm {run_id}` deletes it"]
     decisions = store.rows("decisions", run_id, "ORDER BY rowid")
-    ckpt_dir = store.ckpt_dir(run_id)
+    ckpt_dir = store.layout.ckpt_dir(run_id)
     def size(rows):
         return sum(os.path.getsize(os.path.join(ckpt_dir, d["file"])) for d in rows
                    if d["file"] and os.path.exists(os.path.join(ckpt_dir, d["file"]))) / 2**20
@@ -140,7 +140,7 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
     checkpoint where the plan has one."""
     store = Store(plan.store)
     if own_db:
-        db = own_db if isinstance(own_db, str) else store.part_db(plan.replay_id, part)
+        db = own_db if isinstance(own_db, str) else store.layout.part_db(plan.replay_id, part)
         store = Store(plan.store, db_file=db)
         if plan.threads and "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = str(plan.threads)  # before the script imports torch

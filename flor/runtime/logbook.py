@@ -162,7 +162,7 @@ class Logbook:
         if self._values is None:
             from ..materializer import Materializer
 
-            self._values = Materializer(os.path.join(self.s.store.run_dir(self.s.run_id),
+            self._values = Materializer(os.path.join(self.s.store.layout.run_dir(self.s.run_id),
                                                      "values"))
         if hasattr(value, "detach"):
             value = value.detach()

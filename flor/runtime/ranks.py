@@ -349,7 +349,7 @@ def unusable(store, runs) -> dict:
     wait for the others forever)."""
     seen: dict = {}
     for rank, run in enumerate(runs):
-        ckpt = store.ckpt_dir(run["run_id"])
+        ckpt = store.layout.ckpt_dir(run["run_id"])
         for d in store.rows("decisions", run["run_id"]):
             what = (d["block"], d["ctx"], d["occurrence"])
             if not d["checkpoint"]:

@@ -108,7 +108,7 @@ class Recording(Policy):
         self.info = info
         self.hands_free = hands_free is not None
         if hands_free is not None:
-            store.save_instrumented(self.run_id, hands_free.text, hands_free.summary())
+            store.layout.save_instrumented(self.run_id, hands_free.text, hands_free.summary())
         # Manual API: blocks whose gradients are read after their end().
         self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
             if source is not None and hands_free is None else set()
@@ -130,7 +130,7 @@ class Recording(Policy):
         pending, self._sources = self._sources, []
         for path, rel in pending:
             with open(path) as f:
-                self.store.save_module_source(self.run_id, rel, f.read())
+                self.store.layout.save_module_source(self.run_id, rel, f.read())
 
     # -- the main loop ------------------------------------------------------
 
@@ -144,7 +144,7 @@ class Recording(Policy):
         if carrier is None:
             raise FlorError(f"the main loop at {key} no longer says what it carries "
                             f"(state=): run {r.run_id} cannot be resumed")
-        path = os.path.join(self.store.ckpt_dir(self.run_id), r.file)
+        path = os.path.join(self.store.layout.ckpt_dir(self.run_id), r.file)
         return Span(start=r.start, restore=lambda expect: blockstate.read_own(path, expect)[0],
                     where=f"iteration checkpoint {r.file} of run {r.run_id}",
                     refusal="cannot resume")
@@ -315,7 +315,8 @@ class Recording(Policy):
                           "flor_seconds": session.own_time.seconds,
                           "startup_s": session.loops.startup_s(),
                           "captured": session.block_labels,
-                          "main_ended": main is not None and (main.loop, main.run) in session.loops.ended,
+                          "main_ended": main is not None
+                          and (main.loop, main.run) in session.loops.ended,
                           "error": repr(error) if failed else None})
         self.store.update_run(
             self.run_id, finished=time.time(),

@@ -52,7 +52,7 @@ def find(store, script, args, force=False) -> ResumePoint:
                         f"lists the runs); start one with: flor record {script}")
     run = runs[0]
     rid = run["run_id"]
-    with open(os.path.join(store.run_dir(rid), "source.py")) as f:
+    with open(os.path.join(store.layout.run_dir(rid), "source.py")) as f:
         recorded = f.read()
     with open(script) as f:
         current = f.read()
@@ -77,7 +77,7 @@ def _point(store, run) -> ResumePoint:
     for row in reversed(store.iteration_checkpoints(rid)):
         if row["top"] != main or row["top_iter"] >= (run["iterations"] or 0):
             continue
-        path = os.path.join(store.ckpt_dir(rid), row["file"])
+        path = os.path.join(store.layout.ckpt_dir(rid), row["file"])
         try:
             saved, _ = read_own(path, tag(row["block"], row["ctx"], 0), devices=False)
         except UNREADABLE as e:

@@ -42,7 +42,7 @@ class Writes:
                 note(f"checkpoints of this run are not signed ({e}); replay will load them "
                      "in safe mode")
                 signed = False
-            self._mat = Materializer(self.store.ckpt_dir(self.run_id), mode=mode_from_env(),
+            self._mat = Materializer(self.store.layout.ckpt_dir(self.run_id), mode=mode_from_env(),
                                      batch_count=1, incremental=True, signed=signed)
         return self._mat
 
@@ -92,7 +92,7 @@ def calibration(store, adaptive) -> tuple[float, float]:
     if not adaptive:
         return FALLBACK_WRITE_BPS, FALLBACK_COPY_BPS
     try:
-        cal = store.calibration(write_bytes_per_s=lambda: _calibrate_write(store.root),
+        cal = store.layout.calibration(write_bytes_per_s=lambda: _calibrate_write(store.root),
                                 copy_bytes_per_s=_calibrate_copy)
     except OSError as e:
         note(f"could not measure how fast this machine writes checkpoints ({e}); the "
