@@ -159,7 +159,7 @@ class Workload:
         rec = st.runs()[-1]
         info = json.loads(rec["info"])
         ckpts = [d for d in st.rows("decisions", rec["run_id"]) if d["checkpoint"]]
-        ckpt_dir = st.ckpt_dir(rec["run_id"])
+        ckpt_dir = st.layout.ckpt_dir(rec["run_id"])
         nbytes = sum(os.path.getsize(os.path.join(ckpt_dir, d["file"])) for d in ckpts
                      if d["file"] and os.path.exists(os.path.join(ckpt_dir, d["file"])))
         compute = sum(x["compute_s"] for x in st.rows("blocks", rec["run_id"]))
@@ -343,9 +343,14 @@ def update_benchmarks(md, out):
     with open(path) as f:
         text = f.read()
     begin, end = "<!-- evaluation:begin -->", "<!-- evaluation:end -->"
-    rel = os.path.relpath(out, os.path.dirname(path))
-    block = (f"{begin}\n{md}\n![record overhead]({rel}-overhead.png)\n\n"
-             f"![replay against ideal]({rel}-replay.png)\n{end}")
+    # The plots go into the site's own files (docs/img), where MkDocs finds them.
+    name = os.path.basename(out)
+    os.makedirs(os.path.join(ROOT, "docs", "img"), exist_ok=True)
+    for plot in ("overhead", "replay"):
+        shutil.copyfile(f"{out}-{plot}.png", os.path.join(ROOT, "docs", "img",
+                                                          f"{name}-{plot}.png"))
+    block = (f"{begin}\n{md}\n![record overhead](img/{name}-overhead.png)\n\n"
+             f"![replay against ideal](img/{name}-replay.png)\n{end}")
     if begin in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
