@@ -23,7 +23,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from run import ROOT, WORKLOADS, Workload, _cpu  # noqa: E402  (benchmarks/run.py)
+from harness import ROOT, cpu_name, write_report  # noqa: E402  (benchmarks/harness.py)
+from run import WORKLOADS, Workload  # noqa: E402  (benchmarks/run.py)
 
 BEFORE = os.path.join(ROOT, "benchmarks", "results", "evaluation.json")
 
@@ -39,7 +40,7 @@ def main():
     rng = random.Random(0)
     work = tempfile.mkdtemp(prefix="flor-adaptive-")
     report = {"command": "python benchmarks/adaptive.py " + " ".join(sys.argv[1:]),
-              "machine": f"{_cpu()}, {os.cpu_count()} cores", "rounds": args.rounds,
+              "machine": f"{cpu_name()}, {os.cpu_count()} cores", "rounds": args.rounds,
               "workloads": {}}
     try:
         for name in args.only.split(","):
@@ -74,21 +75,20 @@ def main():
                 "raw": raw}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, render)
+
+
+def render(report):
     lines = [f"Machine: {report['machine']}.  Command: `{report['command'].strip()}`; "
-             f"{args.rounds} interleaved rounds, medians.  Before: the rule charging the whole "
-             "background write (benchmarks/results/evaluation.json).", "",
+             f"{report['rounds']} interleaved rounds, medians.  Before: the rule charging the "
+             "whole background write (benchmarks/results/evaluation.json).", "",
              "| workload | epochs | checkpoints before | overhead before | checkpoints now "
              "(per round) | overhead now |", "|---|---|---|---|---|---|"]
     for name, r in report["workloads"].items():
         lines.append(f"| {r['title']} | {r['iterations']} | {r['before']['checkpoints']} | "
                      f"{100 * r['before']['overhead']:+.1f}% | "
                      f"{', '.join(map(str, r['checkpoints']))} | {100 * r['overhead']:+.1f}% |")
-    md = "\n".join(lines) + "\n"
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from replay import _cpu  # noqa: E402  (benchmarks/replay.py)
+from harness import cpu_name, write_report  # noqa: E402  (benchmarks/harness.py)
 
 WORKLOAD = os.path.join(ROOT, "benchmarks", "workloads", "print_heavy.py")
 
@@ -174,18 +174,12 @@ def main():
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:
         r = {"command": "python benchmarks/capture.py " + " ".join(sys.argv[1:]),
-             "machine": f"{_cpu()}, {os.cpu_count()} cores, Linux {platform.release()}, "
+             "machine": f"{cpu_name()}, {os.cpu_count()} cores, Linux {platform.release()}, "
                         f"Python {platform.python_version()}",
              "rounds": args.rounds,
              "print": bench_print(args, work), "log": bench_log(args, work)}
     r["command"] = r["command"].strip()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(r, f, indent=1)
-    md = markdown(r)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    write_report(r, args.out, markdown)
 
 
 if __name__ == "__main__":

@@ -39,14 +39,14 @@ import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from replay import _cpu, add_line  # noqa: E402  (the same helpers)
+from harness import (add_line, cpu_name, median, timed,  # noqa: E402  (benchmarks/harness.py)
+                     write_report)
 from run import GRAD, WORKLOADS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,19 +55,6 @@ FULL = {"image": ["--epochs", "12"], "language": ["--epochs", "6"],
 SLOW = ("__import__('time').sleep(3 * __import__('flor_bench_slow').t) "
         "if __import__('os').environ.get('FLOR_REPLAY_WORKER') == '0' else None")
 TRIAL_SCRIPT = os.path.join(ROOT, "tests", "scripts", "handsfree", "digits_epochs.py")
-
-
-def median(xs):
-    return statistics.median(xs)
-
-
-def run(argv, cwd, env, check=True):
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
-    dt = time.perf_counter() - t0
-    if check and proc.returncode != 0:
-        sys.exit(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return dt, proc
 
 
 def _workers_of(pid):
@@ -124,7 +111,7 @@ def workload(name, args, rounds, work, log, rng):
         env.pop(k, None)
     with open(path, "w") as f:
         f.write(original)
-    rec_s, _ = run([sys.executable, "-m", "flor", "record", script, *args], d, env)
+    rec_s, _ = timed([sys.executable, "-m", "flor", "record", script, *args], d, env)
     log(f"{name}: record {rec_s:.1f} s")
     probed = add_line(original, *GRAD)
     slowed = add_line(probed, spec["outer"][0], SLOW)  # once per epoch
@@ -138,7 +125,7 @@ def workload(name, args, rounds, work, log, rng):
         for what in order:
             argv = flor + (["--jobs", "1"] if what == "t1" else ["--jobs", "2"] if what == "t2"
                            else ["--part", "1/2"]) + [script, *args]
-            dt, proc = run(argv, d, env)
+            dt, proc = timed(argv, d, env)
             out[what].append(dt)
             if what != "late":
                 out["checks"].append("deferred checks passed" in proc.stderr)
@@ -151,7 +138,7 @@ def workload(name, args, rounds, work, log, rng):
             f.write(f"t = {t_iter:.4f}\n")
         with open(path, "w") as f:
             f.write(slowed)
-        dt, proc = run(flor + ["--jobs", "2", script, *args], d, env)
+        dt, proc = timed(flor + ["--jobs", "2", script, *args], d, env)
         out["slow"].append(dt)
         out["checks"].append("deferred checks passed" in proc.stderr)
         log(f"{name} round {r} slowed worker: {dt:.2f} s")
@@ -249,7 +236,7 @@ def trials(n, epochs, work, log, rng):
 
     d, e = fresh("uninterrupted")
     t0 = time.perf_counter()
-    run([sys.executable, "-m", "flor", "record", "train.py", str(epochs)], d, e)
+    timed([sys.executable, "-m", "flor", "record", "train.py", str(epochs)], d, e)
     whole = time.perf_counter() - t0
     ref = _final(d)
     info, seconds = _run_info(d)
@@ -276,10 +263,10 @@ def trials(n, epochs, work, log, rng):
         if killed and status is None:
             when = "before its run existed"  # recorded again, as a user would
             shutil.rmtree(os.path.join(d, ".flor"), ignore_errors=True)
-            run([sys.executable, "-m", "flor", "record", "train.py", str(epochs)], d, e)
+            timed([sys.executable, "-m", "flor", "record", "train.py", str(epochs)], d, e)
         elif killed and status != "finished":
             when = "during the run"
-            _, res = run([sys.executable, "-m", "flor", "record", "--resume", "train.py",
+            _, res = timed([sys.executable, "-m", "flor", "record", "--resume", "train.py",
                           str(epochs)], d, e)
             m = re.search(r"resuming run \S+ at iteration (\d+)", res.stderr)
         got = _final(d)
@@ -348,7 +335,7 @@ def main():
 
     try:
         report = {"command": "python benchmarks/elastic.py " + shlex.join(sys.argv[1:]),
-                  "machine": f"{_cpu()}, {os.cpu_count()} cores, Python "
+                  "machine": f"{cpu_name()}, {os.cpu_count()} cores, Python "
                              f"{platform.python_version()}",
                   "rounds": args.rounds, "workloads": {}}
         for name in filter(None, args.workloads.split(",")):
@@ -372,12 +359,7 @@ def main():
             goals["kill -9 + resume identical in >= 50 trials"] = \
                 t["identical"] == len(t["trials"]) >= 50
         report["goals"] = goals
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(render(report))
-        print(render(report))
+        write_report(report, args.out, render)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -50,7 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import flor  # noqa: E402
 from flor import _core  # noqa: E402
-from materialize import write_report  # noqa: E402
+from harness import write_report  # noqa: E402
 
 MiB = 1 << 20
 WIDTH = 4096

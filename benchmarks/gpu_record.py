@@ -46,8 +46,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from materialize import write_report  # noqa: E402
-from replay import Bench, _cpu, add_line  # noqa: E402
+from harness import add_line, cpu_name, write_report  # noqa: E402
+from replay import Bench  # noqa: E402
 
 GPT = os.path.join(HERE, "workloads", "gpt_accum.py")
 CNN = os.path.join(HERE, "workloads", "image_cnn.py")
@@ -184,7 +184,7 @@ def main():
 
     import torch
 
-    report["machine"] = {"cpu": _cpu(), "cores": os.cpu_count(),
+    report["machine"] = {"cpu": cpu_name(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "torch": torch.__version__,
                          "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "none"}
     report["goals"] = {

@@ -16,7 +16,6 @@ deferred checks passing.
 Writes benchmarks/results/idioms.json and .md (see --out).
 """
 import argparse
-import json
 import os
 import random
 import re
@@ -29,7 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from replay import _cpu  # noqa: E402  (benchmarks/replay.py)
+from harness import cpu_name, write_report  # noqa: E402  (benchmarks/harness.py)
 
 WORKLOADS = os.path.join(ROOT, "benchmarks", "workloads")
 
@@ -123,7 +122,7 @@ def main():
     rng = random.Random(0)
     work = tempfile.mkdtemp(prefix="flor-idioms-")
     report = {"command": ("python benchmarks/idioms.py " + " ".join(sys.argv[1:])).strip(),
-              "machine": f"{_cpu()}, {os.cpu_count()} cores", "rounds": args.rounds,
+              "machine": f"{cpu_name()}, {os.cpu_count()} cores", "rounds": args.rounds,
               "scripts": {}}
     try:
         for name in args.only.split(","):
@@ -132,10 +131,12 @@ def main():
                   file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, render)
+
+
+def render(report):
     lines = [f"Machine: {report['machine']}, one torch thread.  Command: `{report['command']}`; "
-             f"{args.rounds} interleaved rounds, medians.", "",
+             f"{report['rounds']} interleaved rounds, medians.", "",
              "| script | arguments | checkpoints | re-train (s) | epoch-probe replay (s) | "
              "speedup | stdout = re-train | checks |", "|---|---|---|---|---|---|---|---|"]
     for name, r in report["scripts"].items():
@@ -143,10 +144,7 @@ def main():
                      f"{r['plain_s']:.2f} | {r['replay_s']:.2f} | {r['speedup']:.1f}x | "
                      f"{'yes' if r['stdout_equal'] else 'NO'} | "
                      f"{'passed' if r['checks_passed'] else 'FAILED'} |")
-    md = "\n".join(lines) + "\n"
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -41,10 +41,8 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import platform
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +55,9 @@ from torch import nn
 
 import flor
 from flor import _core
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import machine, median, write_report  # noqa: E402  (benchmarks/harness.py)
 
 MiB = 1 << 20
 
@@ -304,26 +305,6 @@ class Worker:
 # ---------------------------------------------------------------- driver
 
 
-def machine():
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    with open("/proc/meminfo") as f:
-        mem = int(f.readline().split()[1]) * 1024
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
-def median(xs):
-    xs = [x for x in xs if x == x]
-    return statistics.median(xs) if xs else float("nan")
-
-
 def gpu_throughput(size_bytes, rounds):
     """flor.snapshot of GPU state vs a pinned copy_ of the same bytes."""
     if not torch.cuda.is_available():
@@ -465,7 +446,7 @@ def main():
             "met": gpu["fraction"] >= 0.8}
     report = {
         "command": "python benchmarks/materialize.py " + " ".join(sys.argv[1:]),
-        "machine": machine(),
+        "machine": machine(torch),
         "state_bytes": nbytes, "state_tensors": ntensors, "python_objects": args.objects,
         "rounds": args.rounds, "per_round": args.per_round,
         "default_mode": flor.materializer.DEFAULT_MODE,
@@ -473,17 +454,6 @@ def main():
         "samples": results,
     }
     write_report(report, args.out, render)
-
-
-def write_report(report, out, render):
-    """Write OUT.json and OUT.md (render(report)), and print the markdown."""
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    md = render(report)
-    with open(out + ".md", "w") as f:
-        f.write(md)
-    print(md)
 
 
 def render(rep):

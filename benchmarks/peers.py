@@ -53,8 +53,9 @@ import flor
 from flor import _core
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from materialize import (Sampler, build_state, fsync_path, machine, median,  # noqa: E402
-                         state_nbytes, warm_buffers, write_report)
+from harness import machine, median, write_report  # noqa: E402  (benchmarks/harness.py)
+from materialize import (Sampler, build_state, fsync_path, state_nbytes,  # noqa: E402
+                         warm_buffers)
 
 MiB = 1 << 20
 METHODS = ["flor thread", "flor fork", "torch.save", "dcp.save", "dcp.async_save", "checkfreq",
@@ -411,7 +412,7 @@ def main():
     finetune["trained_bytes"] = trained
     finetune["changed_bytes"] = finetune["state_bytes"] + (FINETUNE_CHECKPOINTS - 1) * trained
     report = {"command": "python benchmarks/peers.py " + " ".join(sys.argv[1:]),
-              "machine": machine(), "rounds": args.rounds, "results": results,
+              "machine": machine(torch), "rounds": args.rounds, "results": results,
               "finetune": finetune, "targets": targets(results, finetune)}
     write_report(report, args.out, render)
 

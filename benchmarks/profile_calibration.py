@@ -31,8 +31,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_replay import machine  # noqa: E402
-from run import ROOT, WORKLOADS, WORKLOADS_DIR, Workload, _store  # noqa: E402
+from harness import ROOT, machine, open_store, write_report  # noqa: E402
+from run import WORKLOADS, WORKLOADS_DIR, Workload  # noqa: E402
 
 MIB = 1 << 20
 
@@ -70,7 +70,7 @@ def record_round(w, epochs):
           env={"FLOR_DIR": root})
     with open(os.path.join(root, "calibration.json")) as f:
         (cal,) = json.load(f).values()
-    st = _store(root)
+    st = open_store(root)
     rec = st.runs()[-1]
     decisions = st.rows("decisions", rec["run_id"], "ORDER BY rowid")
     st.close()
@@ -146,22 +146,19 @@ def main():
                     "keep_first_mib_s": med(keep_first), "keep_later_mib_s": med(keep_rest),
                     "delete_first_mib_s": med(del_first), "delete_later_mib_s": med(del_rest)},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    m = report["machine"]
-    text = "\n".join([
-        f"Command: `{report['command']}`  ",
-        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}  ",
-        f"Write bandwidth of the fine-tuning workload's checkpoints, MiB/s: median (range) "
-        f"over {a.rounds} rounds (a diagnostic, not a benchmark)", "",
-        "| writes | MiB/s |", "|---|---:|",
-        *[f"| {name} | {v} |" for name, v in table],
-        "", "Calibration / the record's own bandwidth, per round: "
-        + ", ".join(f"{c / o:.2f}" for c, o in zip(cal, own)), ""])
-    with open(a.out + ".md", "w") as f:
-        f.write(text)
-    print(text)
+    def render(report):
+        m = report["machine"]
+        return "\n".join([
+            f"Command: `{report['command']}`  ",
+            f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}  ",
+            f"Write bandwidth of the fine-tuning workload's checkpoints, MiB/s: median "
+            f"(range) over {a.rounds} rounds (a diagnostic, not a benchmark)", "",
+            "| writes | MiB/s |", "|---|---:|",
+            *[f"| {name} | {v} |" for name, v in table],
+            "", "Calibration / the record's own bandwidth, per round: "
+            + ", ".join(f"{c / o:.2f}" for c, o in zip(cal, own)), ""])
+
+    write_report(report, a.out, render)
 
 
 if __name__ == "__main__":

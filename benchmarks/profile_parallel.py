@@ -18,9 +18,9 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_replay import machine, prepare, timed, write  # noqa: E402
-from run import ROOT, WORKLOADS, _store  # noqa: E402
-from replay import add_line  # noqa: E402
+from harness import ROOT, add_line, machine, open_store  # noqa: E402
+from profile_replay import prepare, timed, write  # noqa: E402
+from run import WORKLOADS  # noqa: E402
 
 
 def accounting(st, run_id, main_loop, main_run):
@@ -57,7 +57,7 @@ def main():
     replays = []
     for jobs in (1, 2):
         wall, _ = timed(w, [py, "-m", "flor", "replay", "--jobs", str(jobs), script, *args])
-        st = _store(w.env["FLOR_DIR"])
+        st = open_store(w.env["FLOR_DIR"])
         rep = [r for r in st.runs() if r["kind"] == "replay"][-1]
         replays.append({"jobs": jobs, "wall_s": wall,
                         "segments": json.loads(rep["info"])["segments"],

@@ -19,14 +19,13 @@ Writes benchmarks/results/profile-replay-WORKLOAD[-every].json and .md
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import ROOT, WORKLOADS, Workload, _store  # noqa: E402
-from replay import _cpu, add_line  # noqa: E402
+from harness import ROOT, add_line, machine, open_store, write_report  # noqa: E402
+from run import WORKLOADS, Workload  # noqa: E402
 
 WRAP = r"""
 import atexit, json, sys, time
@@ -78,24 +77,18 @@ def prepare(workload, epochs):
     return w
 
 
-def machine():
-    return {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()}
-
-
 def write(out, report, title, rows):
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    m = report["machine"]
-    text = "\n".join([
-        f"Command: `{report['command']}`  ",
-        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}  ",
-        f"{title} (a diagnostic: one run of each step)", "",
-        "| step | seconds |", "|---|---:|",
-        *[f"| {name} | {s:.2f} |" for name, s in rows], ""])
-    with open(out + ".md", "w") as f:
-        f.write(text)
-    print(text)
+    """The diagnostic's report: a table of its steps' seconds."""
+    def render(report):
+        m = report["machine"]
+        return "\n".join([
+            f"Command: `{report['command']}`  ",
+            f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}  ",
+            f"{title} (a diagnostic: one run of each step)", "",
+            "| step | seconds |", "|---|---:|",
+            *[f"| {name} | {s:.2f} |" for name, s in rows], ""])
+
+    write_report(report, out, render)
 
 
 def main():
@@ -115,7 +108,7 @@ def main():
     rec_wall, _ = timed(w, [py, "-m", "flor", "record", *opts, script, *args])
     w.write(add_line(w.original, *w.spec["outer"]))
     rep_wall, _ = timed(w, [py, "-m", "flor", "replay", "--jobs", "1", script, *args])
-    st = _store(w.env["FLOR_DIR"])
+    st = open_store(w.env["FLOR_DIR"])
     rec = next(r for r in st.runs() if r["kind"] == "record")
     rep = next(r for r in st.runs() if r["kind"] == "replay")
     compute = sum(b["compute_s"] for b in st.rows("blocks", rec["run_id"]))

@@ -27,8 +27,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from materialize import write_report  # noqa: E402
-from run import _cpu  # noqa: E402
+from harness import cpu_name, write_report  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "workloads", "ddp_wide.py")
 CONFIGS = {"plain": None, "once": {}, "every": {"FLOR_REPLICATED": "every"}}
@@ -100,7 +99,7 @@ def main():
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {"command": "python benchmarks/ranks.py " + " ".join(sys.argv[1:]),
-              "machine": f"{_cpu()}, {os.cpu_count()} cores", "rounds": args.rounds,
+              "machine": f"{cpu_name()}, {os.cpu_count()} cores", "rounds": args.rounds,
               "ranks": args.ranks, "epochs": args.epochs,
               "state_mib": 3 * 4 * params / 2 ** 20,
               "configs": {name: {"loop_s": statistics.median(x["loop_s"] for x in runs),

@@ -22,32 +22,22 @@ Times are wall-clock seconds of whole commands, as a user sees them.
 Writes bench-results/replay.json and .md (see --out).
 """
 import argparse
-import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, add_line, cpu_name, median, write_report  # noqa: E402  (benchmarks/harness.py)
 EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 INNER = ("loss.backward()",
          'flor.log("grad_norm", sum(p.grad.norm() ** 2 for p in model.parameters()) ** 0.5)')
 OUTER = ('flor.log("val_acc", val_acc)',
          'flor.log("weight_norm", {n: p.norm() for n, p in model.named_parameters() '
          'if n.endswith("weight")})')
-
-
-def add_line(source, anchor, line):
-    out = []
-    for text in source.splitlines(keepends=True):
-        out.append(text)
-        if anchor in text:
-            out.append(text[: len(text) - len(text.lstrip())] + line + "\n")
-    return "".join(out)
 
 
 class Bench:
@@ -89,10 +79,6 @@ class Bench:
         from flor.store import Store
 
         return Store(os.path.join(self.work, ".flor"))
-
-
-def median(xs):
-    return statistics.median(xs)
 
 
 def main():
@@ -157,7 +143,7 @@ def main():
     efficiency = median([a / (2 * b) for a, b in zip(t1, t2)])
     report = {
         "command": "python benchmarks/replay.py " + " ".join(sys.argv[1:]),
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "kernel": platform.release()},
         "epochs": args.epochs, "rounds": args.rounds,
         "plain_s": plain, "record_s": record,
@@ -173,21 +159,7 @@ def main():
             "inner-loop probe, 2 workers: efficiency >= 85%": efficiency >= 0.85,
         },
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    md = render(report)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    print(md)
-
-
-def _cpu():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
+    write_report(report, args.out, render)
 
 
 def render(r):

@@ -45,13 +45,13 @@ import platform
 import random
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from replay import _cpu, add_line  # benchmarks/replay.py: the same helpers
+from harness import (add_line, cpu_name, median, open_store,  # benchmarks/harness.py
+                     write_report)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS_DIR = os.path.join(ROOT, "benchmarks", "workloads")
@@ -87,17 +87,6 @@ CONFIGS = ["plain", "expert", "flor", "flor-every", "flor-fork", "flor-inline"]
 FLOR_CONFIGS = {"flor": ([], {}), "flor-every": (["--no-adaptive"], {}),
                 "flor-fork": ([], {"FLOR_MATERIALIZER": "fork"}),
                 "flor-inline": ([], {"FLOR_MATERIALIZER": "inline"})}
-
-
-def median(xs):
-    return statistics.median(xs)
-
-
-def _store(root):
-    sys.path.insert(0, ROOT)
-    from flor.store import Store
-
-    return Store(root)
 
 
 class Workload:
@@ -155,7 +144,7 @@ class Workload:
         root = self.fresh_store(cfg)
         dt, proc = self.run([sys.executable, "-m", "flor", "record", *opts, script, *self.args],
                             env=dict(env, FLOR_DIR=root))
-        st = _store(root)
+        st = open_store(root)
         rec = st.runs()[-1]
         info = json.loads(rec["info"])
         ckpts = [d for d in st.rows("decisions", rec["run_id"]) if d["checkpoint"]]
@@ -198,7 +187,7 @@ def replay_rounds(w, base, rounds, log):
             log(f"{w.name}: deferred checks did not pass:\n{proc.stderr[-3000:]}")
         return dt, passed
 
-    st = _store(base)
+    st = open_store(base)
     for r in range(rounds):
         w.write(add_line(w.original, *w.spec["outer"]))
         dt, ok = replay(1)
@@ -384,7 +373,7 @@ def main():
 
     work = tempfile.mkdtemp(prefix="flor-eval-")
     report = {"command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
-              "machine": f"{_cpu()}, {os.cpu_count()} cores, Linux {platform.release()}, "
+              "machine": f"{cpu_name()}, {os.cpu_count()} cores, Linux {platform.release()}, "
                          f"Python {platform.python_version()}, GPU: none",
               "rounds": args.rounds, "replay_rounds": replay_rounds_n, "quick": args.quick,
               "workloads": {}}
@@ -417,15 +406,10 @@ def main():
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["seconds"] = time.time() - t_start
-    with open(out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    md = render(report)
-    with open(out + ".md", "w") as f:
-        f.write(md)
+    write_report(report, out, render)
     plot(report, out)
     if args.update_benchmarks:
-        update_benchmarks(md, out)
-    print(md)
+        update_benchmarks(render(report), out)
     log(f"done in {report['seconds']:.0f} s; wrote {out}.json, .md, -overhead.png, -replay.png")
 
 

@@ -200,6 +200,22 @@ def _private_imports(paths, modules) -> list:
     return found
 
 
+@pytest.mark.unit
+def test_benchmarks_share_helpers_through_their_harness():
+    """A benchmark imports what it shares from benchmarks/harness.py, never
+    another benchmark's private names."""
+    bench = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "*.py")))
+    names = {os.path.basename(p)[:-3] for p in bench}
+    found = []
+    for path in bench:
+        with open(path) as f:
+            for n in ast.walk(ast.parse(f.read())):
+                if isinstance(n, ast.ImportFrom) and n.module in names:
+                    found += [f"{os.path.basename(path)}:{n.lineno} {n.module}.{a.name}"
+                              for a in n.names if a.name.startswith("_")]
+    assert "harness" in names and not found
+
+
 def _module_names() -> set:
     return {name.rpartition(".")[2] for name in _modules()}
 
