@@ -1,6 +1,6 @@
-"""What every benchmark here shares: the machine it ran on, medians over
-interleaved rounds, timed commands, a hindsight line added to a script, and
-the report written as JSON and markdown side by side.
+"""What every benchmark here shares: the machine it ran on, medians, timed
+commands, a hindsight line added to a script, and the report written as
+JSON and markdown side by side.
 
 A benchmark imports these from here (``from harness import ...``, with this
 directory on sys.path), never another benchmark's private helpers.
@@ -8,7 +8,6 @@ directory on sys.path), never another benchmark's private helpers.
 import json
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -49,17 +48,6 @@ def median(xs):
     """The median, NaNs left out (NaN when nothing is left)."""
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
-
-
-def interleaved(configs, rounds: int, seed: int = 0):
-    """(round, config) for each round, the configurations in a shuffled
-    order in each: no configuration always runs first, or last."""
-    rng = random.Random(seed)
-    for r in range(rounds):
-        order = list(configs)
-        rng.shuffle(order)
-        for c in order:
-            yield r, c
 
 
 def timed(argv, cwd=None, env=None, check=True):
