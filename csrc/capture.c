@@ -279,7 +279,7 @@ static PyObject *
 journal_add_meth(FlorJournal *j, PyObject *const *args, Py_ssize_t nargs)
 {
     int stream, located = 1;
-    if (!flor_check_nargs("add", nargs, 2, 3)) {
+    if (flor_check_nargs("add", nargs, 2, 3) < 0) {
         return NULL;
     }
     stream = PyObject_IsTrue(args[0]);

@@ -316,7 +316,7 @@ mod_crc32c(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_buffer view;
     unsigned long crc = 0;
     uint32_t r;
-    if (!flor_check_nargs("crc32c", nargs, 1, 2)) {
+    if (flor_check_nargs("crc32c", nargs, 1, 2) < 0) {
         return NULL;
     }
     if (nargs == 2) {
@@ -366,7 +366,7 @@ mod_digest64(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
     Py_buffer view;
     unsigned long long first = 0;
     uint64_t r;
-    if (!flor_check_nargs("digest64", nargs, 1, 2)) {
+    if (flor_check_nargs("digest64", nargs, 1, 2) < 0) {
         return NULL;
     }
     if (nargs == 2) {

@@ -112,7 +112,8 @@ flor_dedup_find(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype
 }
 
 /* Rebuild the table with the entries used lately, at a size that leaves it
- * at most a quarter full. */
+ * at most a quarter full.  Touches no Python object: -1 when out of memory,
+ * with no exception (the table is left as it was). */
 static int
 rehash_locked(flor_dedup *d)
 {

@@ -17,6 +17,12 @@
  *   skipblock.c     the SkipBlock state machine and the adaptive checkpoint rule
  *   capture.c       output capture: the Journal of writes and the Tee that feeds it
  *   module.c        the module: registration and per-module state
+ *
+ * Errors, in every file: a function returning a pointer returns NULL only
+ * with an exception set; one returning an int returns a negative value only
+ * with an exception set (0 or more is success, and may say which).  Where
+ * there is no Python error to raise (code run without the GIL), the function
+ * says so in its own comment.
  */
 #ifndef FLOR_H
 #define FLOR_H
@@ -167,7 +173,8 @@ int flor_numpy_init(flor_state *st);
 PyObject *flor_format_error(flor_state *st, const char *path, const char *section,
                             const char *fmt, ...);
 double flor_now(void);
-int flor_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi);
+int flor_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo,
+                     Py_ssize_t hi); /* 0, or -1 with a TypeError set */
 void flor_entries_free(flor_entry *e, uint32_t n);
 int flor_device_name(const char *s); /* "cpu", "cuda:0": a device torch can parse */
 
@@ -284,6 +291,7 @@ typedef struct {
     uint64_t written;         /* out: data bytes written into this file */
 } flor_wopts;
 
+/* Runs without the GIL: 0, or -1 with *err saying what failed (no exception). */
 int flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
                     flor_wopts *opts, flor_ioerr *err);
 int flor_sign(PyObject *signer, const unsigned char *tag, PyObject *meta, unsigned char *out);

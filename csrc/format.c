@@ -1170,7 +1170,7 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int rc, has_tag = 0;
 
     memset(&opts, 0, sizeof(opts));
-    if (!flor_check_nargs("save", nargs, 2, 4)) {
+    if (flor_check_nargs("save", nargs, 2, 4) < 0) {
         return NULL;
     }
     if (nargs > 2 && (has_tag = flor_tag_arg(args[2], tag)) < 0) {
@@ -1220,7 +1220,7 @@ PyDoc_STRVAR(load_doc,
 static PyObject *
 mod_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!flor_check_nargs("load", nargs, 3, 3)) {
+    if (flor_check_nargs("load", nargs, 3, 3) < 0) {
         return NULL;
     }
     return load_file((flor_state *)PyModule_GetState(module), args[0],

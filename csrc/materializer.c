@@ -803,7 +803,7 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
     int has_tag = 0;
     uint64_t estimate;
 
-    if (st == NULL || !flor_check_nargs("submit", nargs, 2, 3) || check_usable(m) < 0) {
+    if (st == NULL || flor_check_nargs("submit", nargs, 2, 3) < 0 || check_usable(m) < 0) {
         return NULL;
     }
     if (nargs > 2 && (has_tag = flor_tag_arg(args[2], tag)) < 0) {

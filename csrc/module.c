@@ -166,8 +166,17 @@ module_free(void *module)
     module_clear((PyObject *)module);
 }
 
+/* Subinterpreters: every object and setting of the module lives in its
+ * module state (multi-phase init, heap types, no mutable static data), so
+ * each interpreter that imports flor._core gets its own.  A per-interpreter
+ * GIL is not supported: the fork writer forks the whole process and the
+ * Tee writes to the process's descriptors.  (torch does not load in a
+ * subinterpreter; flor itself runs in the main interpreter.) */
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_SUPPORTED},
+#endif
     {0, NULL},
 };
 

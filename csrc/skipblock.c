@@ -120,7 +120,7 @@ sm_enter(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t i;
     int probed, has_ckpt, state;
-    if (!flor_check_nargs("enter", nargs, 3, 3)) {
+    if (flor_check_nargs("enter", nargs, 3, 3) < 0) {
         return NULL;
     }
     i = PyLong_AsSsize_t(args[0]);
@@ -221,7 +221,7 @@ rule(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     double M, C, c, eps, ratio, limit;
     unsigned long long n, k;
     int yes;
-    if (!flor_check_nargs("rule", nargs, 6, 6)) {
+    if (flor_check_nargs("rule", nargs, 6, 6) < 0) {
         return NULL;
     }
     M = PyFloat_AsDouble(args[0]);
@@ -257,7 +257,7 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     sb_block *b;
     char reason[400];
 
-    if (!flor_check_nargs("decide", nargs, 4, 4)) {
+    if (flor_check_nargs("decide", nargs, 4, 4) < 0) {
         return NULL;
     }
     i = PyLong_AsSsize_t(args[0]);
@@ -340,7 +340,7 @@ sm_overruled(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long nbytes;
     sb_block *b;
 
-    if (!flor_check_nargs("overruled", nargs, 4, 4)) {
+    if (flor_check_nargs("overruled", nargs, 4, 4) < 0) {
         return NULL;
     }
     i = PyLong_AsSsize_t(args[0]);
@@ -393,7 +393,7 @@ sm_restored(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t i;
     double s;
-    if (!flor_check_nargs("restored", nargs, 2, 2)) {
+    if (flor_check_nargs("restored", nargs, 2, 2) < 0) {
         return NULL;
     }
     i = PyLong_AsSsize_t(args[0]);

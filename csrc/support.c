@@ -35,9 +35,9 @@ flor_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t h
             PyErr_Format(PyExc_TypeError, "%s() takes %zd to %zd arguments (%zd given)", name, lo,
                          hi, nargs);
         }
-        return 0;
+        return -1;
     }
-    return 1;
+    return 0;
 }
 
 PyObject *

@@ -517,12 +517,15 @@ cleanup:
     return res;
 }
 
-/* numpy arrays and bytearrays: bytes through the buffer protocol.
- * Returns NULL without an exception when the array must take the reduce path. */
-static PyObject *
-walk_buffer(walker *w, PyObject *o, int kind)
+/* numpy arrays and bytearrays: bytes through the buffer protocol.  Returns
+ * 1 with the placeholder in *out, 0 when the array must take the reduce
+ * path (object or structured dtype, no buffer export), -1 with an
+ * exception set. */
+static int
+walk_buffer(walker *w, PyObject *o, int kind, PyObject **out)
 {
-    PyObject *res = NULL, *dtype = NULL, *attr = NULL, *dstr = NULL, *shape = NULL;
+    int res = -1;
+    PyObject *dtype = NULL, *attr = NULL, *dstr = NULL, *shape = NULL;
     Py_buffer *view = NULL;
     Py_ssize_t bidx, eidx, i;
     flor_entry *e;
@@ -534,20 +537,23 @@ walk_buffer(walker *w, PyObject *o, int kind)
             goto cleanup;
         }
         if (attr == Py_True) {
-            goto cleanup; /* object arrays hold references: reduce path */
+            res = 0; /* object arrays hold references: reduce path */
+            goto cleanup;
         }
         Py_SETREF(attr, PyObject_GetAttrString(dtype, "fields"));
         if (attr == NULL) {
             goto cleanup;
         }
         if (attr != Py_None) {
-            goto cleanup; /* structured dtype: reduce path */
+            res = 0; /* structured dtype: reduce path */
+            goto cleanup;
         }
         dstr = PyObject_GetAttrString(dtype, "str");
         if (dstr == NULL) {
             goto cleanup;
         }
         if (PyUnicode_GET_LENGTH(dstr) >= FLOR_NAME_MAX) {
+            res = 0; /* a dtype name no entry holds: reduce path */
             goto cleanup;
         }
     }
@@ -561,6 +567,7 @@ walk_buffer(walker *w, PyObject *o, int kind)
         view = NULL;
         if (kind == FLOR_REF_ARRAY && PyErr_ExceptionMatches(PyExc_ValueError)) {
             PyErr_Clear(); /* e.g. datetime64: no buffer export, reduce path */
+            res = 0;
         }
         goto cleanup;
     }
@@ -602,7 +609,8 @@ walk_buffer(walker *w, PyObject *o, int kind)
     if (dstr == NULL) {
         memcpy(e->dtype, "|u1", 4);
     }
-    res = flor_ref_new(w->st, kind, eidx, NULL);
+    *out = flor_ref_new(w->st, kind, eidx, NULL);
+    res = *out == NULL ? -1 : 1;
 cleanup:
     if (view != NULL) {
         PyBuffer_Release(view);
@@ -1303,9 +1311,15 @@ walk(walker *w, PyObject *o, int shared)
     }
     case K_NDARRAY:
     case K_BYTEARRAY:
-        res = walk_buffer(w, o, kind == K_NDARRAY ? FLOR_REF_ARRAY : FLOR_REF_BYTEARRAY);
-        if (res == NULL && !PyErr_Occurred()) {
+        switch (walk_buffer(w, o, kind == K_NDARRAY ? FLOR_REF_ARRAY : FLOR_REF_BYTEARRAY,
+                            &res)) {
+        case 0:
             return walk_reduce(w, o, shared);
+        case -1:
+            res = NULL;
+            break;
+        default:
+            break;
         }
         break;
     case K_SET:
@@ -2004,7 +2018,7 @@ mod_measure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int split = 0;
     uint64_t device = 0;
     uint32_t i;
-    if (!flor_check_nargs("measure", nargs, 1, 2) ||
+    if (flor_check_nargs("measure", nargs, 1, 2) < 0 ||
         (nargs == 2 && (split = PyObject_IsTrue(args[1])) < 0)) {
         return NULL;
     }
@@ -2040,7 +2054,7 @@ mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     long version = 2;
     int rc;
     FlorSnapshot *s;
-    if (!flor_check_nargs("fingerprint", nargs, 1, 2)) {
+    if (flor_check_nargs("fingerprint", nargs, 1, 2) < 0) {
         return NULL;
     }
     if (nargs == 2) {
