@@ -1140,11 +1140,33 @@ free_list(flor_job *j)
     }
 }
 
+/* The objects the Python side hands the materializer (its signer, the list
+ * of failures) take part in garbage collection: a signer that refers back
+ * to the materializer is a cycle the collector can free.  The jobs' objects
+ * are not visited: writer threads hold them, and each job owns its
+ * references until it is done. */
+static int
+mat_traverse(FlorMaterializer *m, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(m));
+    Py_VISIT(m->signer);
+    Py_VISIT(m->failures);
+    return 0;
+}
+
+static int
+mat_clear(FlorMaterializer *m)
+{
+    Py_CLEAR(m->signer);
+    return 0;
+}
+
 static void
 mat_dealloc(FlorMaterializer *m)
 {
     PyTypeObject *tp = Py_TYPE(m);
     int i;
+    PyObject_GC_UnTrack(m);
     if (m->owner == getpid() && m->children != NULL) {
         if (!m->closed) {
             PyObject *f;
@@ -1201,6 +1223,8 @@ static PyMethodDef mat_methods[] = {
 static PyType_Slot mat_slots[] = {
     {Py_tp_new, mat_new},
     {Py_tp_dealloc, mat_dealloc},
+    {Py_tp_traverse, mat_traverse},
+    {Py_tp_clear, mat_clear},
     {Py_tp_methods, mat_methods},
     {Py_tp_doc, "Materializer(mode, max_buffer_bytes, max_children, batch_bytes, batch_count,\n"
                 "incremental=False, signer=None)\n"
@@ -1211,6 +1235,6 @@ static PyType_Slot mat_slots[] = {
 PyType_Spec flor_materializer_spec = {
     .name = "flor._core.Materializer",
     .basicsize = sizeof(FlorMaterializer),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
     .slots = mat_slots,
 };

@@ -1,12 +1,15 @@
 """flor.Materializer: background writes in every mode, across real processes."""
+import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 
 import flor
+from flor import _core
 
 from conftest import run_py
 
@@ -313,3 +316,20 @@ def test_a_finished_write_is_no_longer_counted_as_writing(tmp_path, mode):
         with flor.Materializer(str(tmp_path), mode="fork", batch_count=2) as b:
             b.submit("b", {"w": torch.zeros(10)})  # waits for a second one to fork
             assert b.stats()["pending"] == 1 and b.stats()["writing"] == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_a_signer_that_holds_its_materializer_is_collected(mode):
+    """The materializer takes part in garbage collection: a signer that
+    refers back to it is a cycle the collector frees (it leaked before)."""
+    class Signer:
+        def __call__(self, tag, meta):
+            return b"\0" * 32
+
+    signer = Signer()
+    signer.materializer = _core.Materializer(mode, 1 << 20, 1, 1 << 20, 1, False, signer)
+    gone = weakref.ref(signer)
+    del signer
+    gc.collect()
+    assert gone() is None
