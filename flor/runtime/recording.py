@@ -60,8 +60,6 @@ def versions() -> dict:
 
 class Recording(Policy):
     mode = "record"
-    first_phase = None
-    part = 0
     fingerprint_version = blockstate.FINGERPRINT
 
     def __init__(self, store, script, argv, epsilon=None, adaptive=None, hands_free=None,
