@@ -25,7 +25,6 @@ Writes benchmarks/results/capture.json and .md (see --out).
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import cpu_name, write_report  # noqa: E402  (benchmarks/harness.py)
+from harness import machine_line, write_report  # noqa: E402  (benchmarks/harness.py)
 
 WORKLOAD = os.path.join(ROOT, "benchmarks", "workloads", "print_heavy.py")
 
@@ -174,8 +173,7 @@ def main():
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:
         r = {"command": "python benchmarks/capture.py " + " ".join(sys.argv[1:]),
-             "machine": f"{cpu_name()}, {os.cpu_count()} cores, Linux {platform.release()}, "
-                        f"Python {platform.python_version()}",
+             "machine": machine_line(),
              "rounds": args.rounds,
              "print": bench_print(args, work), "log": bench_log(args, work)}
     r["command"] = r["command"].strip()

@@ -41,7 +41,6 @@ markdown replaces the evaluation section of docs/benchmarks.md.
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -50,7 +49,7 @@ import sys
 import tempfile
 import time
 
-from harness import (add_line, cpu_name, median, open_store,  # benchmarks/harness.py
+from harness import (add_line, machine_line, median, open_store,  # benchmarks/harness.py
                      write_report)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -373,8 +372,7 @@ def main():
 
     work = tempfile.mkdtemp(prefix="flor-eval-")
     report = {"command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
-              "machine": f"{cpu_name()}, {os.cpu_count()} cores, Linux {platform.release()}, "
-                         f"Python {platform.python_version()}, GPU: none",
+              "machine": f"{machine_line()}, GPU: none",
               "rounds": args.rounds, "replay_rounds": replay_rounds_n, "quick": args.quick,
               "workloads": {}}
     sys.path.insert(0, ROOT)
