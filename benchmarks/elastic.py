@@ -31,7 +31,6 @@ the adaptive rule checkpoints depends on timing).
 Writes benchmarks/results/elastic.json and .md (see --out).
 """
 import argparse
-import json
 import os
 import platform
 import random
@@ -208,7 +207,7 @@ def _run_info(d):
     st = Store(os.path.join(d, ".flor"))
     run_row = st.runs()[-1]
     st.close()
-    return json.loads(run_row["info"]), run_row["finished"] - run_row["started"]
+    return run_row["info"].to_dict(), run_row["finished"] - run_row["started"]
 
 
 def _status(d):

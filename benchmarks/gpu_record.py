@@ -35,7 +35,6 @@ Writes benchmarks/results/gpu_record.json and .md (see --out).
 """
 import argparse
 import collections
-import json
 import os
 import platform
 import shlex
@@ -85,8 +84,8 @@ def breakdown(st, run_id, wall) -> dict:
     """Where a replay's time went, from what its workers stored."""
     run = st.run(run_id)
     parts = []
-    for p in st.rows("parts", run_id, "ORDER BY part"):
-        info = json.loads(p["info"] or "{}")
+    for p in st.parts(run_id):
+        info = p["info"].to_dict()
         loops = [lp for lp in st.rows("loops", run_id) if lp["part"] == p["part"]
                  and (lp["loop"], lp["run"]) == (run["main_loop"], run["main_run"])]
         main = max((lp["seconds"] for lp in loops), default=0.0)
@@ -143,7 +142,7 @@ def workload(script, args, rounds):
 def summary(b, plain, record):
     st = b.store()
     rec = [x for x in st.runs() if x["kind"] == "record"][-1]
-    info = json.loads(rec["info"] or "{}")
+    info = rec["info"].to_dict()
     fps = sum(1 for x in st.logs(rec["run_id"]) if x["name"] == "state@iteration")
     return {"plain_s": plain, "record_s": record,
             "record_overhead": statistics.median(record) / statistics.median(plain) - 1,

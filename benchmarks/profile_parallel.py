@@ -12,7 +12,6 @@ loop), and the rest (the outer loop).  One run of each step.
 Writes benchmarks/results/profile-parallel-WORKLOAD.json and .md (or --out).
 """
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -60,7 +59,7 @@ def main():
         st = open_store(w.env["FLOR_DIR"])
         rep = [r for r in st.runs() if r["kind"] == "replay"][-1]
         replays.append({"jobs": jobs, "wall_s": wall,
-                        "segments": json.loads(rep["info"])["segments"],
+                        "segments": rep["info"].segments,
                         "workers": accounting(st, rep["run_id"], rep["main_loop"],
                                               rep["main_run"])})
         st.close()

@@ -39,7 +39,6 @@ bench-results/evaluation[-quick], or --out).  With --update-benchmarks the
 markdown replaces the evaluation section of docs/benchmarks.md.
 """
 import argparse
-import json
 import os
 import random
 import re
@@ -145,7 +144,7 @@ class Workload:
                             env=dict(env, FLOR_DIR=root))
         st = open_store(root)
         rec = st.runs()[-1]
-        info = json.loads(rec["info"])
+        info = rec["info"].to_dict()
         ckpts = [d for d in st.rows("decisions", rec["run_id"]) if d["checkpoint"]]
         ckpt_dir = st.layout.ckpt_dir(rec["run_id"])
         nbytes = sum(os.path.getsize(os.path.join(ckpt_dir, d["file"])) for d in ckpts

@@ -62,7 +62,7 @@ def select_runs(store, script=None, run=None, runs=None) -> list[dict]:
     mine = _current_record()
     rows = [r for r in store.script_runs(script)
             if (r["status"] == "finished" or r["run_id"] == mine)
-            and not json.loads(r["info"] or "{}").get("rank")]
+            and not (r["kind"] == "record" and r["info"].follower)]
     if not rows:
         raise LookupError(f"no finished run of {script or 'an interactive session'} in "
                           f"{store.root}; "
@@ -87,7 +87,7 @@ def script_args(run) -> dict:
     ``--batch-size 8`` batch_size = 8, an option followed by another option
     or by nothing True, other words arg0, arg1, ... (all words after
     ``--`` too).  An option given twice keeps its values in a tuple."""
-    argv = json.loads(run["argv"] or "[]")
+    argv = run["argv"]
     # A record stores [script, *args]; a replay its arguments only.
     if argv and (run["kind"] == "record"
                  or os.path.basename(argv[0]) == (run["script_name"] or "")):

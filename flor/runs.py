@@ -9,7 +9,6 @@ data-parallel record, the runs of its other ranks.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -26,9 +25,8 @@ STATUSES = ("finished", "failed", "interrupted", "running", "empty")
 def seconds(run) -> float | None:
     """How long a run took: a replay's own measure (a merged replay's parts
     ran before the run row was made), else finished - started."""
-    info = json.loads(run["info"] or "{}")
-    if run["kind"] == "replay" and info.get("seconds") is not None:
-        return float(info["seconds"])
+    if run["kind"] == "replay" and run["info"].seconds is not None:
+        return float(run["info"].seconds)
     if run["finished"] and run["started"]:
         return run["finished"] - run["started"]
     return None
@@ -46,8 +44,7 @@ def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
             continue
         if (status is not None and st != status) or (kind is not None and r["kind"] != kind):
             continue
-        info = json.loads(r["info"] or "{}")
-        argv = json.loads(r["argv"] or "[]")
+        info, argv = r["info"], r["argv"]
         if argv and (r["kind"] == "record" or os.path.basename(argv[0]) == r["script_name"]):
             argv = argv[1:]  # (replays of older stores kept their arguments alone)
         row = {"run": r["run_id"], "kind": r["kind"], "script": r["script_name"],
@@ -55,11 +52,11 @@ def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
                "started": r["started"], "seconds": seconds(r),
                "iterations": r["iterations"] or 0, "checkpoints": ckpts.get(r["run_id"], 0),
                "parent": r["parent"]}
-        if info.get("world_size"):
-            row["rank"], row["world_size"] = info.get("rank", 0), info["world_size"]
-            row["group"] = info.get("group")
-        if r["kind"] == "replay" and "checks_passed" in info:
-            row["checks_passed"] = info["checks_passed"]
+        if r["kind"] == "record" and info.world_size:
+            row["rank"], row["world_size"] = info.rank or 0, info.world_size
+            row["group"] = info.group
+        if r["kind"] == "replay" and info.checks_passed is not None:
+            row["checks_passed"] = info.checks_passed
         out.append(row)
     return out
 
@@ -91,15 +88,14 @@ def print_runs(rows) -> None:
 def show(store: Store, run_id: str) -> dict:
     """Everything flor knows of one run, for ``flor show``."""
     run = _get(store, run_id)
-    info = json.loads(run["info"] or "{}")
     (row,) = [r for r in listing(store) if r["run"] == run["run_id"]] or [None]
     decisions = store.rows("decisions", run["run_id"])
     written = [d for d in decisions if d["checkpoint"] and d["file"]]
     ckpt_dir = store.layout.ckpt_dir(run["run_id"])
     present = [d for d in written if os.path.exists(os.path.join(ckpt_dir, d["file"]))]
-    out = dict(row or {}, argv=json.loads(run["argv"] or "[]"), cwd=run["cwd"],
+    out = dict(row or {}, argv=run["argv"], cwd=run["cwd"],
                script_path=run["script"], main_loop=run["main_loop"],
-               versions=json.loads(run["versions"] or "{}"), info=info,
+               versions=run["versions"], info=run["info"].to_dict(),
                directory=store.layout.run_dir(run["run_id"]),
                checkpoints_decided=len(written), checkpoints_missing=len(written) - len(present),
                checkpoint_bytes=sum(os.path.getsize(os.path.join(ckpt_dir, d["file"]))
@@ -162,11 +158,11 @@ def remove(store: Store, run_ids, dry_run=False) -> list[str]:
     Refuses a record that is still running.  Returns the ids deleted."""
     for rid in run_ids:
         run = _get(store, rid)
-        rank = json.loads(run["info"] or "{}").get("rank")
-        if rank:
-            raise FlorError(f"run {rid} is rank {rank} of the data-parallel record "
-                            f"{json.loads(run['info'])['group']}; delete that record (flor rm "
-                            f"{json.loads(run['info'])['group']}) to delete all its ranks")
+        info = run["info"]
+        if run["kind"] == "record" and info.follower:
+            raise FlorError(f"run {rid} is rank {info.rank} of the data-parallel record "
+                            f"{info.group}; delete that record (flor rm "
+                            f"{info.group}) to delete all its ranks")
         if store.status(run) == "running" and run["kind"] == "record":
             raise FlorError(f"run {rid} is still running; stop it before deleting it")
     doomed = _with_dependents(store, run_ids)
@@ -187,7 +183,7 @@ def prune(store: Store, keep: int, script=None, dry_run=False) -> list[str]:
         raise FlorError("--keep must be at least 0")
     by_script: dict = {}
     for r in reversed(store.runs()):  # newest first
-        if r["kind"] != "record" or json.loads(r["info"] or "{}").get("rank"):
+        if r["kind"] != "record" or r["info"].follower:
             continue
         if script is not None and os.path.basename(script) != r["script_name"]:
             continue

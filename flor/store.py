@@ -32,6 +32,7 @@ import time
 from .errors import StoreError, unusable
 from .context import MAIN, PRE, PRINTED, printed_lines
 from .layout import Layout, new_run_id, process_alive, process_start, store_root
+from .runinfo import Info, PartInfo, run_info
 from .schema import (BLOCKRUNS, BLOCKS, DECISIONS, LOGS, LOOPS, OUTPUT, PART_TABLES, PARTS,
                      RUNS, TABLES)
 
@@ -173,7 +174,7 @@ class Store(_Database):
                    script_name=os.path.basename(script) if script else None,
                    argv=json.dumps(list(argv)), cwd=os.getcwd(), started=time.time(),
                    status="running")
-        row.update(fields)
+        row.update(_encoded(fields))
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         try:
@@ -186,6 +187,7 @@ class Store(_Database):
         return run_id
 
     def update_run(self, run_id, **fields):
+        fields = _encoded(fields)
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self.transaction():
             self.db.execute(f"UPDATE runs SET {sets} WHERE run_id = ?",
@@ -193,10 +195,10 @@ class Store(_Database):
 
     def run(self, run_id) -> dict | None:
         row = self.db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-        return dict(row) if row else None
+        return _run_row(row) if row else None
 
     def runs(self) -> list[dict]:
-        return [dict(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]
+        return [_run_row(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]
 
     def script_runs(self, script, kind=None) -> list[dict]:
         """The runs of `script` (of `kind`, "record" or "replay", if given),
@@ -204,7 +206,7 @@ class Store(_Database):
         no file, recorded in an interactive session."""
         of_kind, args = ("", []) if kind is None else (" AND kind = ?", [kind])
         if script is None:
-            return [dict(r) for r in self.db.execute(
+            return [_run_row(r) for r in self.db.execute(
                 f"SELECT * FROM runs WHERE script IS NULL{of_kind} ORDER BY started", args)]
         path = os.path.abspath(script)
         for key, value in (("script", path), ("script_name", os.path.basename(path))):
@@ -212,14 +214,14 @@ class Store(_Database):
                 f"SELECT * FROM runs WHERE {key} = ?{of_kind} ORDER BY started",
                 [value, *args]).fetchall()
             if rows:
-                return [dict(r) for r in rows]
+                return [_run_row(r) for r in rows]
         return []
 
     def records(self, script) -> list[dict]:
         """Record runs of this script (by path, else by name), newest first.
         A data-parallel record is its rank 0's run (the others are its ranks)."""
         return [r for r in reversed(self.script_runs(script, "record"))
-                if not json.loads(r["info"] or "{}").get("rank")]
+                if not r["info"].follower]
 
     def latest_record(self, script) -> dict | None:
         """The newest record run of this script that finished, or was
@@ -233,10 +235,10 @@ class Store(_Database):
         (killed) on this host is "interrupted"."""
         if run["status"] != "running" or run["kind"] != "record":
             return run["status"]
-        info = json.loads(run["info"] or "{}")
-        if info.get("host") != socket.gethostname() or not info.get("pid"):
+        info = run["info"]
+        if info.host != socket.gethostname() or not info.pid:
             return "running"
-        return "running" if process_alive(info["pid"], info.get("pid_start")) else "interrupted"
+        return "running" if process_alive(info.pid, info.pid_start) else "interrupted"
 
     def iteration_checkpoints(self, run_id) -> list[dict]:
         """A record's written iteration checkpoint decisions, in order, with
@@ -292,8 +294,7 @@ class Store(_Database):
         """``logs(run_id)`` restricted to `names` (all when None); printed
         lines only when `printed`, since finding them reads all output."""
         run = self.run(run_id) or {}
-        nparts = (json.loads(run["info"] or "{}").get("nparts", 1)
-                  if run.get("kind") == "replay" else None)
+        nparts = run["info"].nparts if run.get("kind") == "replay" else None
         where = "" if names is None else f" AND name IN ({', '.join('?' for _ in names)})"
         rows = [dict(r) for r in self.db.execute(
             "SELECT * FROM logs WHERE run_id = ?" + where, [run_id, *(names or ())])]
@@ -323,12 +324,17 @@ class Store(_Database):
     def add_loops(self, rows):
         self._insert(LOOPS, rows)
 
-    def set_part(self, run_id, part, status, seconds=None, info=None):
+    def set_part(self, run_id, part, status, seconds=None, info: PartInfo | None = None):
         row = PARTS.Row(run_id=run_id, part=part, status=status, seconds=seconds,
-                        info=json.dumps(info or {}))
+                        info=(info or PartInfo()).to_json())
         with self.transaction():
             self.db.execute(f"INSERT OR REPLACE INTO parts ({', '.join(PARTS.names)}) "
                             f"VALUES ({', '.join('?' for _ in row)})", row)
+
+    def parts(self, run_id) -> list[dict]:
+        """The parts of a replay, in order, each with its `PartInfo`."""
+        return [dict(r, info=PartInfo.from_json(r["info"])) for r in self.db.execute(
+            "SELECT * FROM parts WHERE run_id = ? ORDER BY part", (run_id,))]
 
     def clear_part(self, run_id, part):
         with self.transaction():
@@ -362,7 +368,7 @@ class Store(_Database):
         nparts = None
         run = self.run(run_id)
         if run is not None and run["kind"] == "replay":
-            nparts = json.loads(run["info"] or "{}").get("nparts", 1)
+            nparts = run["info"].nparts
         order = "ORDER BY part, ord" if table != "blockruns" else ""
         return [r for r in self.rows(table, run_id, order) if _makes_up(r, nparts)]
 
@@ -380,6 +386,25 @@ class Store(_Database):
         return [dict(r) for r in self.db.execute(
             "SELECT stream, ctx, text FROM output WHERE run_id = ? AND top IS ? AND iter IS ? "
             "ORDER BY ord", (run_id, top, it))]
+
+
+def _run_row(row) -> dict:
+    """A row of runs, its JSON columns parsed: argv a list, versions a dict,
+    info the typed object of the run's kind (flor/runinfo.py)."""
+    out = dict(row)
+    out.update(argv=json.loads(out["argv"] or "[]"), versions=json.loads(out["versions"] or "{}"),
+               info=run_info(out["kind"], out["info"]))
+    return out
+
+
+def _encoded(fields: dict) -> dict:
+    """Columns of runs as stored: info and versions as JSON."""
+    out = dict(fields)
+    if isinstance(out.get("info"), Info):
+        out["info"] = out["info"].to_json()
+    if isinstance(out.get("versions"), dict):
+        out["versions"] = json.dumps(out["versions"])
+    return out
 
 
 def _read_only(db_file) -> sqlite3.Connection:

@@ -13,7 +13,7 @@ from loop_shapes import (CALLBACK, GENERATOR_MAIN_LOOP, HEADER_REBOUND, INFINITE
 
 def _resumed(st):
     replay = runs(st, "replay")[-1]["run_id"]
-    return [json.loads(p["info"])["resumed_from"] for p in st.rows("parts", replay, "ORDER BY part")]
+    return [p["info"].resumed_from for p in st.parts(replay)]
 
 
 def test_a_name_the_header_binds_and_the_body_rebinds_is_not_put_back(tmp_path):
@@ -230,7 +230,7 @@ def test_what_a_generator_runs_while_an_item_is_drawn_belongs_to_that_iteration(
     flor(d, "record", "--no-adaptive", "train.py")
     st = store(d)
     rec = runs(st, "record")[0]
-    assert json.loads(rec["info"])["main_ended"] is True
+    assert rec["info"].main_ended is True
     edit(f"{d}/train.py", "opt.step()", 'print("probe", round(loss.item(), 6))', after=False)
     edit(f"{d}/train.py", "opt.zero_grad()", "loss = ((model(x) - y) ** 2).mean()")
     expected = plain(d, "train.py").stdout

@@ -72,9 +72,10 @@ def test_a_gpu_record_without_deterministic_algorithms_is_named_as_a_cause(tmp_p
     flor(d, "record", "--no-adaptive", "accum.py")
     st = store(d)
     rec = runs(st, "record")[0]
-    info = json.loads(rec["info"])
-    assert info["cuda"] is False and info["deterministic"] is False
-    st.update_run(rec["run_id"], info=json.dumps(dict(info, cuda=True)))
+    info = rec["info"]
+    assert info.cuda is False and info.deterministic is False
+    info.cuda = True
+    st.update_run(rec["run_id"], info=info)
     edit(os.path.join(d, "accum.py"), "helpers.apply(opt)", 'print("iteration", it)')
     rep = flor(d, "replay", "accum.py")
     assert "deferred checks FAILED" in rep.stderr, rep.stderr

@@ -1,7 +1,6 @@
 """GPU paths: device-to-host snapshots through pinned staging buffers.
 
 These run only where CUDA is available and skip cleanly elsewhere."""
-import json
 
 import pytest
 import torch
@@ -310,8 +309,8 @@ def test_manual_api_record_and_replay_on_the_gpu(tmp_path):
     d = str(tmp_path)
     write_script(d, "manual.py", MANUAL)
     rec = flor_cli(d, "record", "--no-adaptive", "manual.py", env=ENV)
-    info = json.loads(store(d).runs()[-1]["info"])
-    assert info["cuda"] is True and info["deterministic"] is True  # for the checks' causes
+    info = store(d).runs()[-1]["info"]
+    assert info.cuda is True and info.deterministic is True  # for the checks' causes
     proc = flor_cli(d, "replay", "manual.py", env=ENV)
     assert proc.stdout == rec.stdout == plain(d, "manual.py", env=ENV).stdout
 

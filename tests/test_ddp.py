@@ -196,6 +196,7 @@ def test_each_attempt_of_a_launch_has_its_own_keys(monkeypatch, tmp_path):
     from torch.distributed import TCPStore
 
     from flor.errors import FlorError
+    from flor.runinfo import RecordInfo
     from flor.runtime import ranks
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -221,12 +222,12 @@ def test_each_attempt_of_a_launch_has_its_own_keys(monkeypatch, tmp_path):
     assert one.leader == "run-b"
     # Rank 1 is first at this execution in the new attempt: it decides.
     assert one.agree("train.py:9", "[]", 0, False) == (False, 1)
-    info = {}
+    info = RecordInfo()
     assert one.new_run_id(st, lambda: pytest.fail("rank 1 makes no id"), info) == "run-b-rank1"
-    assert info == {"group": "run-b", "rank": 1, "world_size": 2}
+    assert (info.group, info.rank, info.world_size) == ("run-b", 1, 2)
     st.new_run("record", None, [], None, run_id="run-b-rank1")
     with pytest.raises(FlorError, match="already in"):
-        one.new_run_id(st, lambda: "x", {})
+        one.new_run_id(st, lambda: "x", RecordInfo())
     with pytest.raises(FlorError, match="--resume"):
         ranks.Group.join(resuming=True)
 

@@ -131,7 +131,7 @@ def test_a_record_with_version_1_fingerprints_replays_with_them(tmp_path):
     flor(d, "record", "--no-adaptive", "train.py", env={"PYTHONPATH": path})
     st = store(d)
     rec = runs(st, "record")[0]
-    info = json.loads(rec["info"])
+    info = rec["info"].to_dict()  # as a record before version 2 stored it
     assert info.pop("fingerprint") == 1
     st.update_run(rec["run_id"], info=json.dumps(info))
     fps = [json.loads(r["value"]) for r in st.logs(rec["run_id"]) if r["name"] == "state@iteration"]
@@ -148,7 +148,7 @@ def test_a_record_with_version_1_fingerprints_replays_with_them(tmp_path):
         rep.stderr
     assert " 4 state fingerprints" in rep.stderr, rep.stderr
     replay = runs(st, "replay")[-1]["run_id"]
-    parts = st.rows("parts", replay, "ORDER BY part")
+    parts = st.parts(replay)
     # The second segment started from its iteration checkpoint, verified by
     # its version 1 fingerprint.
-    assert json.loads(parts[1]["info"])["resumed_from"] is not None, parts
+    assert parts[1]["info"].resumed_from is not None, parts

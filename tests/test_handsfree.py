@@ -58,7 +58,7 @@ def test_hands_free_record_and_hindsight_replay(tmp_path, name):
     assert rec.stdout == plain(d, name, *args).stdout
     st = store(d)
     (run,) = runs(st, "record")
-    assert json.loads(run["info"])["hands_free"] is True
+    assert run["info"].hands_free is True
     assert os.path.isfile(os.path.join(st.layout.run_dir(run["run_id"]), "instrumented.py"))
     summary = json.loads(read(os.path.join(st.layout.run_dir(run["run_id"]), "handsfree.json")))
     assert summary["blocks"], summary

@@ -54,9 +54,9 @@ def test_record_stores_the_run(recorded):
     st = store(d)
     (rec,) = runs(st, "record")
     assert rec["status"] == "finished" and rec["iterations"] == 4
-    assert json.loads(rec["argv"]) == ["train.py", *ARGS]
+    assert rec["argv"] == ["train.py", *ARGS]
     assert st.layout.module_sources(rec["run_id"])[None] == read(EXAMPLE)
-    assert {"python", "flor", "torch", "numpy"} <= set(json.loads(rec["versions"]))
+    assert {"python", "flor", "torch", "numpy"} <= set(rec["versions"])
     decisions = st.rows("decisions", rec["run_id"])
     assert [d["top_iter"] for d in decisions] == [0, 1, 2, 3]
     for d_ in decisions:
@@ -419,14 +419,14 @@ def test_replay_workers_run_with_the_record_s_thread_count(tmp_path):
     edit(os.path.join(d, "threads.py"), "w += torch.ones", "print(step)")  # work for 2
     rep = flor(d, "replay", "--jobs", "2", "threads.py", drop=("OMP_NUM_THREADS",))
     st = store(d)
-    parts = st.rows("parts", runs(st, "replay")[-1]["run_id"])
-    assert {json.loads(p["info"])["threads"] for p in parts} == {cores}
+    parts = st.parts(runs(st, "replay")[-1]["run_id"])
+    assert {p["info"].threads for p in parts} == {cores}
     if cores >= 2:
         assert len(parts) == 1, rep.stderr
         assert (f"--jobs 2 asks for 2 workers of {cores} torch threads each (the record's), "
                 f"and {cores} cores are available: replaying with 1 worker") in rep.stderr
     told = flor(d, "replay", "--jobs", "2", "--threads", "1", "threads.py",
                 drop=("OMP_NUM_THREADS",))
-    parts = st.rows("parts", runs(st, "replay")[-1]["run_id"])
-    assert {json.loads(p["info"])["threads"] for p in parts} == {1}
+    parts = st.parts(runs(st, "replay")[-1]["run_id"])
+    assert {p["info"].threads for p in parts} == {1}
     assert len(parts) == min(2, cores) and "asks for" not in told.stderr

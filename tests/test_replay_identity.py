@@ -4,7 +4,6 @@ times per iteration, changed end() calls, changed helpers in the script or
 in another module, state outside state_dict(), explicit random generators.
 
 Each case once replayed wrong values (or crashed) and was found in review."""
-import json
 import os
 import textwrap
 
@@ -412,7 +411,7 @@ def test_a_crashed_run_is_recorded_as_failed(tmp_path):
     assert direct.returncode != 0
     rows = Store(os.path.join(d, ".flor")).runs()
     assert [r["status"] for r in rows] == ["finished", "failed"]
-    assert "KeyboardInterrupt" in json.loads(rows[-1]["info"])["error"]
+    assert "KeyboardInterrupt" in rows[-1]["info"].error
     rep = flor(d, "replay", "s.py")
     assert f"the latest record of s.py, run {rows[-1]['run_id']}, failed; replaying run " \
         f"{rows[0]['run_id']}" in rep.stderr

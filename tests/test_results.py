@@ -63,15 +63,15 @@ def stored(r, run_id, name):
 # --- arguments ---------------------------------------------------------------
 
 def test_the_command_line_becomes_columns():
-    record = {"kind": "record", "script_name": "train.py", "argv": json.dumps(
-        ["train.py", "--epochs", "4", "--lr=1e-3", "--batch-size", "8", "data.csv",
-         "--neg", "-1", "--tag", "a", "--tag", "b", "--name", "x1", "--verbose"])}
+    record = {"kind": "record", "script_name": "train.py", "argv": [
+        "train.py", "--epochs", "4", "--lr=1e-3", "--batch-size", "8", "data.csv",
+        "--neg", "-1", "--tag", "a", "--tag", "b", "--name", "x1", "--verbose"]}
     assert script_args(record) == {"epochs": 4, "lr": 1e-3, "batch_size": 8, "neg": -1,
                                    "tag": ("a", "b"), "name": "x1", "verbose": True,
                                    "arg0": "data.csv"}
     # A replay stores its arguments without the script; `--` ends the options.
     replay = {"kind": "replay", "script_name": "train.py",
-              "argv": json.dumps(["--fast", "--x", "0.5", "--", "--y"])}
+              "argv": ["--fast", "--x", "0.5", "--", "--y"]}
     assert script_args(replay) == {"fast": True, "x": 0.5, "arg0": "--y"}
 
 

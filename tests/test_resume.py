@@ -102,7 +102,7 @@ def test_a_killed_record_resumes_to_the_uninterrupted_result(tmp_path, torch, ho
     (after,) = store(str(cut)).runs()
     assert after["status"] == "finished" and after["iterations"] == 6
     # From the checkpoint of the last iteration it finished, not the start.
-    assert json.loads(after["info"])["resumed"] == [3]
+    assert after["info"].resumed == [3]
     assert _same_model(whole / "final.pt", cut / "final.pt")
     w, c = _stored(str(whole)), _stored(str(cut))
     assert c[1] == w[1]  # every printed line, once, in order
@@ -326,8 +326,8 @@ def test_replay_on_a_local_ray_cluster(tmp_path, torch):
     assert "deferred checks passed" in ray.stderr, ray.stderr
     st = store(d)
     replay = [r for r in st.runs() if r["kind"] == "replay"][-1]
-    info = json.loads(replay["info"])
-    assert info["mode"] == "ray" and info["nparts"] == 2
+    info = replay["info"]
+    assert info.mode == "ray" and info.nparts == 2
     local = flor(d, "replay", "train.py", "4")
     assert ray.stdout == local.stdout and ray.stdout.count("norm ") == 4
 

@@ -118,3 +118,28 @@ def test_a_calibration_of_an_older_flor_keeps_its_write_bandwidth(tmp_path):
     cal = Layout(str(root)).calibration(write_bytes_per_s=never, copy_bytes_per_s=lambda: 9.0)
     assert cal == {"write_bytes_per_s": 5e8, "copy_bytes_per_s": 9.0}
     assert json.loads((root / "calibration.json").read_text())["other"] == {"x": 1}
+
+
+def test_run_info_is_parsed_once_into_the_object_of_its_kind(tmp_path):
+    """A run's info reads as its kind's typed object: a key an older flor
+    did not write reads as its default, a key a newer flor wrote is kept
+    and written back unchanged."""
+    from flor.runinfo import PartInfo, RecordInfo, ReplayInfo
+    st = Store(str(tmp_path / ".flor"))
+    rec = st.new_run("record", None, ["train.py", "3"], None,
+                     info='{"adaptive": false, "from_a_newer_flor": [1, 2]}')
+    run = st.run(rec)
+    assert isinstance(run["info"], RecordInfo) and run["argv"] == ["train.py", "3"]
+    assert run["info"].adaptive is False and run["info"].fingerprint == 1  # not written: 1
+    assert run["info"].extra == {"from_a_newer_flor": [1, 2]}
+    run["info"].main_ended = True
+    st.update_run(rec, info=run["info"], versions={"torch": "x"})
+    again = st.run(rec)
+    assert again["info"] == run["info"] and again["versions"] == {"torch": "x"}
+    assert '"from_a_newer_flor": [1, 2]' in st.db.execute(
+        "SELECT info FROM runs WHERE run_id = ?", (rec,)).fetchone()[0]
+    rep = st.new_run("replay", None, [], None, parent=rec, info=ReplayInfo(nparts=3))
+    assert st.run(rep)["info"].nparts == 3 and st.run(rep)["info"].checks_passed is None
+    st.set_part(rep, 1, "finished", 2.0, PartInfo(main_seen=True))
+    st.set_part(rep, 0, "finished", 1.0)
+    assert [(p["part"], p["info"].main_seen) for p in st.parts(rep)] == [(0, False), (1, True)]

@@ -110,7 +110,7 @@ def explain(report, store, plan, source, rec=None):
     states = [m for m in report.mismatches if m[1].startswith(STATE)]
     values = [m for m in report.mismatches + report.missing if not m[1].startswith(STATE)]
     blockruns = store.run_rows("blockruns", plan.replay_id)
-    parts = store.rows("parts", plan.replay_id)
+    parts = store.parts(plan.replay_id)
     boundary = _boundary_cause(values, plan, parts) if values else None
     for loc in {m[0] for m in values}:
         rel, cur = current(loc)
@@ -147,10 +147,9 @@ def _boundary_cause(values, plan, parts):
         return None
     for p in parts:
         start, end = plan.segments[p["part"]]
-        info = json.loads(p["info"] or "{}")
-        if start <= first < end and info.get("resumed_from"):
-            part, restored = p["part"], info.get("restored") or []
-            unverified = info.get("unverified") or []
+        info = p["info"]
+        if start <= first < end and info.resumed_from:
+            part, restored, unverified = p["part"], info.restored, info.unverified
             break
     else:
         return None
@@ -213,8 +212,7 @@ def _state_cause(states, blockruns) -> str:
 def _gpu_cause(rec, tolerance):
     """Named when the record ran CUDA kernels without asking torch for
     deterministic algorithms."""
-    info = json.loads(rec["info"] or "{}") if rec is not None else {}
-    if not info.get("cuda") or info.get("deterministic"):
+    if rec is None or not rec["info"].cuda or rec["info"].deterministic:
         return None
     fix = ("a larger --tolerance" if tolerance else "compare with --tolerance REL (1e-4, say)")
     return ("the record ran on a GPU without deterministic algorithms: CUDA kernels (cuBLAS, "
@@ -228,9 +226,9 @@ def _thread_cause(rec, parts, blockruns):
     """Named only when a block ran again with another thread count."""
     if rec is None:
         return None
-    rec_threads = json.loads(rec["info"] or "{}").get("threads")
+    rec_threads = rec["info"].threads
     ran = {b["part"] for b in blockruns if b["state"] == "step_into"}
-    used = {json.loads(p["info"] or "{}").get("threads") for p in parts if p["part"] in ran}
+    used = {p["info"].threads for p in parts if p["part"] in ran}
     used.discard(None)
     if rec_threads is None or not used - {rec_threads}:
         return None
@@ -259,7 +257,7 @@ def _statement_cause(report, prog, cur, rel, plan, blockruns, parts):
                 "(nondeterminism, the clock, other processes or files)")
     captured = {}  # block -> what the replay captured, completion included
     for part in parts:
-        for key, labels in (json.loads(part["info"] or "{}").get("captured") or {}).items():
+        for key, labels in part["info"].captured.items():
             for label in labels:
                 for name in label.split(":", 1)[0].split(", "):
                     captured.setdefault(key, set()).add(name.removeprefix("global "))

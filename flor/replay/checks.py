@@ -270,11 +270,12 @@ def _boundaries(store, replay_id) -> list[str]:
     """What the starts of the replay's segments did not verify: a segment
     whose iteration checkpoint put back state unlike the record's ran again
     from its start; one that restored what it could not verify says so."""
-    info = json.loads((store.run(replay_id) or {}).get("info") or "{}")
+    run = store.run(replay_id)
+    restarted = run["info"].restarted if run is not None else {}
     out = [f"segment {part} ran again from its start, without its iteration checkpoint: {why}"
-           for part, why in sorted(info.get("restarted", {}).items(), key=lambda kv: int(kv[0]))]
-    for p in store.rows("parts", replay_id, "ORDER BY part"):
-        unverified = json.loads(p["info"] or "{}").get("unverified")
+           for part, why in sorted(restarted.items(), key=lambda kv: int(kv[0]))]
+    for p in store.parts(replay_id):
+        unverified = p["info"].unverified
         if unverified:
             out.append(f"segment {p['part']} started from an iteration checkpoint and could "
                        f"not verify what it restored of {'; '.join(unverified)}")

@@ -25,6 +25,7 @@ from ..errors import FlorError, note
 from ..program.instrument import instrument
 from ..program.probe import detect
 from ..program.source import Comparison, FileMap, changed_functions, manual_blocks, map_files
+from ..runinfo import ReplayInfo
 from ..runtime import ranks as ranking
 from ..store import Store, new_run_id
 
@@ -219,8 +220,7 @@ def segments_for(jobs, work, rec) -> int:
     record's time before its main loop)."""
     if jobs <= 1:
         return 1
-    info = json.loads(rec["info"] or "{}")
-    startup = max(info.get("startup_s") or 0.0, 0.5)
+    startup = max(rec["info"].startup_s or 0.0, 0.5)
     per_worker = int(sum(work) / (jobs * 20 * startup))
     return jobs * max(1, min(4, per_worker))
 
@@ -237,7 +237,7 @@ def instrument_current(source, script, lines: dict):
 def _arguments(rec, script, args, differ_ok) -> list:
     """The script's arguments for the replay: the recorded ones when none
     are given; given ones that differ only with `differ_ok`."""
-    recorded = json.loads(rec["argv"])[1:]
+    recorded = rec["argv"][1:]
     if args is None:
         return recorded
     if list(args) != recorded and not differ_ok:
@@ -325,7 +325,7 @@ def _compare(store, script, rec):
                 new[rel] = f.read()
     cmp = Comparison(files=map_files(old, new), changed_functions=changed_functions(old, new))
     hands_free = None
-    if json.loads(rec["info"] or "{}").get("hands_free"):
+    if rec["info"].hands_free:
         # What to step into: the blocks that hold (or reach) a change.
         rel = os.path.basename(script)
         lines = cmp.files[rel].lines if rel in cmp.files else {}
@@ -344,7 +344,7 @@ def worker_threads(rec, jobs: int, threads=None, cores=None):
     """(torch threads per worker, workers, notes): the record's thread count
     unless `threads` says otherwise, and no more workers than `cores` (when
     given) can run at that count without oversubscribing them."""
-    recorded = json.loads(rec["info"] or "{}").get("threads")
+    recorded = rec["info"].threads
     chosen = threads or recorded
     notes = []
     if cores is not None:
@@ -444,7 +444,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
         workers=jobs, ranks=group_plan,
-        ended=bool(json.loads(rec["info"] or "{}").get("main_ended")))
+        ended=rec["info"].main_ended)
     return plan, rec, cmp, new[os.path.basename(script)], notes
 
 
@@ -454,9 +454,9 @@ def register(store: Store, plan: Plan, rec, source: str, mode: str):
         store.new_run("replay", plan.script, plan.argv, source, parent=rec["run_id"],
                       run_id=plan.replay_id, main_loop=plan.main_loop,
                       main_run=plan.main_run, iterations=plan.iterations,
-                      info=json.dumps({"nparts": len(plan.segments), "mode": mode,
-                                       "segments": [list(s) for s in plan.segments],
-                                       "probed": sorted(plan.probed)}))
+                      info=ReplayInfo(nparts=len(plan.segments), mode=mode,
+                                      segments=[list(s) for s in plan.segments],
+                                      probed=sorted(plan.probed)))
     plan.save(store.layout.plan_path(plan.replay_id))
 
 
@@ -483,7 +483,7 @@ def describe(plan: Plan, rec, cmp: Comparison, args) -> list[str]:
             notes.append("WARNING: the script changed in ways other than hindsight "
                          "statements (their blocks are re-executed; --strict refuses):\n" +
                          "\n".join(f"    line {line}: {text}" for line, text in hf["other"]))
-    recorded_argv = json.loads(rec["argv"])
+    recorded_argv = rec["argv"]
     if list(args) != recorded_argv[1:]:
         notes.append(f"the script's arguments differ from the record's {recorded_argv[1:]} "
                      "(--args-differ-ok)")

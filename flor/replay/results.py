@@ -7,7 +7,6 @@ what came after it (Store.run_rows).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -49,11 +48,11 @@ def conclude(store: Store, plan: Plan, rec, seconds, strict) -> int:
     with open(plan.script) as f:
         explain(report, store, plan, f.read(), rec)
     recorded = (rec["finished"] or 0) - (rec["started"] or 0)
-    info = json.loads(store.run(replay_id)["info"] or "{}")
-    info.update(checks_passed=report.passed, compared=report.compared,
-                mismatches=len(report.mismatches), missing=len(report.missing),
-                seconds=seconds)
-    store.update_run(replay_id, finished=time.time(), status="finished", info=json.dumps(info))
+    info = store.run(replay_id)["info"]
+    info.checks_passed, info.compared = report.passed, report.compared
+    info.mismatches, info.missing = len(report.mismatches), len(report.missing)
+    info.seconds = seconds
+    store.update_run(replay_id, finished=time.time(), status="finished", info=info)
     note(report.summary())
     for cause in report.run_causes:
         note(f"likely cause: {cause}")
@@ -84,7 +83,7 @@ def merge(store: Store, replay_id=None, strict=False) -> int:
                         f"run them with --part I/{nparts}")
     for db in dbs:
         store.import_part(db)
-    parts = {p["part"]: p for p in store.rows("parts", replay_id)}
+    parts = {p["part"]: p for p in store.parts(replay_id)}
     unfinished = [p for p in range(nparts) if parts.get(p, {}).get("status") != "finished"]
     if unfinished:
         raise FlorError(f"replay {replay_id}: parts {unfinished} of {nparts} did not finish")

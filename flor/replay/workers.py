@@ -7,7 +7,6 @@ iteration on a pipe, which drives the progress bar.
 """
 from __future__ import annotations
 
-import json
 import os
 import select
 import shutil
@@ -243,10 +242,10 @@ def _reached_main(plan, a) -> bool:
     """Whether a failed attempt got to the main loop (a failure before it,
     say of the script's argument parsing, would only happen again)."""
     try:
-        rows = Store(plan.store, db_file=a.db, create=False).rows("parts", plan.replay_id)
+        rows = Store(plan.store, db_file=a.db, create=False).parts(plan.replay_id)
     except FlorError:
         return False
-    return any(json.loads(r["info"] or "{}").get("main_seen") for r in rows)
+    return any(r["info"].main_seen for r in rows)
 
 
 def _script_failure(plan, a, lines=20):
@@ -313,9 +312,9 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
     for part in range(nparts):
         store.import_part(queue.won[part].db)
     if queue.restarted:  # for the checks' report
-        info = json.loads(store.run(plan.replay_id)["info"] or "{}")
-        info["restarted"] = {str(p): why for p, why in queue.restarted.items()}
-        store.update_run(plan.replay_id, info=json.dumps(info))
+        info = store.run(plan.replay_id)["info"]
+        info.restarted = {str(p): why for p, why in queue.restarted.items()}
+        store.update_run(plan.replay_id, info=info)
     for a in [*queue.won.values(), *queue.lost]:
         for path in (a.db, a.db + "-wal", a.db + "-shm"):
             if os.path.exists(path):

@@ -7,7 +7,6 @@ merge imports).  Each sets up its Session (session.py) with its policy
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -53,7 +52,7 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
         store = Store(create=False)
         point = resuming.find(store, script, args, force)
         if args is None:  # no ARGS: the interrupted record's
-            args = json.loads(store.run(point.run_id)["argv"])[1:]
+            args = store.run(point.run_id)["argv"][1:]
     session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive,
                              hands_free=inst, resume=point)
     sys.argv = [script, *args]

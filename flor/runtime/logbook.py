@@ -108,8 +108,8 @@ class RecordedFingerprints:
     def of(cls, recorded, plan) -> "RecordedFingerprints":
         """Where the record of `plan` (its rows in the store `recorded`)
         took one."""
-        info = json.loads((recorded.run(plan.record) or {}).get("info") or "{}")
-        version = info.get("fingerprint", 1)  # records before version 2 do not say
+        run = recorded.run(plan.record)
+        version = run["info"].fingerprint if run is not None else 1
         if plan.tolerance:
             return cls(set(), version)
         return cls({(r["loc"], r["ctx"]) for r in recorded.logged(plan.record, [STATE_ITERATION],

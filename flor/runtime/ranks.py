@@ -48,6 +48,7 @@ import os
 import sys
 
 from ..errors import CheckpointCorrupt, FlorError
+from ..runinfo import RecordInfo
 
 __all__ = ["Group", "world", "rank_run_id", "replicated", "split", "join", "read", "sources",
            "unusable", "group_runs", "share_plan"]
@@ -145,7 +146,7 @@ class Group:
             machine.overruled(handle, agreed, write_s, nbytes)
         return agreed, reason
 
-    def new_run_id(self, store, make, info: dict) -> str:
+    def new_run_id(self, store, make, info: RecordInfo) -> str:
         """This rank's run id: rank 0's is new (`make()`), rank r's follows
         it; one that is already in the store is refused.  `info` (the run's)
         gets the group, this rank and the world size."""
@@ -153,7 +154,7 @@ class Group:
         if store.run(run_id) is not None:
             raise FlorError(f"rank {self.rank}: run {run_id} is already in {store.root}; "
                             "record it again")
-        info.update(group=self.leader or run_id, rank=self.rank, world_size=self.size)
+        info.group, info.rank, info.world_size = self.leader or run_id, self.rank, self.size
         return run_id
 
     def agree(self, key: str, ctx: str, occurrence: int, mine: bool) -> tuple[bool, int]:
@@ -282,11 +283,11 @@ def read(ckpt_dir: str, fname: str, expect: bytes, group: dict | None):
 def group_runs(store, rec) -> list[dict] | None:
     """The runs of every rank of a data-parallel record, by rank; None
     for a record of one process."""
-    info = json.loads(rec["info"] or "{}")
-    size = info.get("world_size")
+    info = rec["info"]
+    size = info.world_size
     if not size or size < 2:
         return None
-    leader = info.get("group") or rec["run_id"]
+    leader = info.group or rec["run_id"]
     runs = [store.run(rank_run_id(leader, r)) for r in range(size)]
     missing = [r for r, run in enumerate(runs) if run is None]
     if missing:

@@ -23,6 +23,7 @@ from .. import _core
 from ..context import checkpoint_name, iteration_key
 from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
 from ..program.gradients import manual_gradients
+from ..runinfo import RecordInfo
 from ..schema import DECISIONS
 from ..store import new_run_id, process_start
 from ..version import __version__
@@ -85,23 +86,23 @@ class Recording(Policy):
         if script is not None:
             with open(script) as f:
                 source = f.read()
-        info = {"adaptive": adaptive, "hands_free": hands_free is not None,
-                "pid": os.getpid(), "pid_start": process_start(os.getpid()),
-                "host": socket.gethostname(), "fingerprint": self.fingerprint_version}
+        info = RecordInfo(adaptive=adaptive, hands_free=hands_free is not None,
+                          pid=os.getpid(), pid_start=process_start(os.getpid()),
+                          host=socket.gethostname(), fingerprint=self.fingerprint_version)
         self.point = resume  # a flor.runtime.resume.ResumePoint
         self.restored = resume is None or resume.start == 0
         if resume is None:
             run_id = self.group.new_run_id(store, new_run_id, info) if self.group else None
             self.run_id = store.new_run("record", self.script, argv, source, epsilon=eps, c=c,
-                                        versions=json.dumps(versions()), info=json.dumps(info),
+                                        versions=versions(), info=info,
                                         run_id=run_id)
             if self.group is not None:
                 self.group.publish(self.run_id)
         else:
             self.run_id = resume.run_id
-            info["resumed"] = json.loads(run["info"] or "{}").get("resumed", []) + [resume.start]
+            info.resumed = run["info"].resumed + [resume.start]
             store.truncate_record(self.run_id, resume.ord, resume.decisions)
-            store.update_run(self.run_id, status="running", info=json.dumps(info),
+            store.update_run(self.run_id, status="running", info=info,
                              iterations=resume.start)
         self.info = info
         self.hands_free = hands_free is not None
@@ -303,22 +304,20 @@ class Recording(Policy):
         # A run that never reached a loop or block of flor's (a --help run, a
         # crash or an exit before the main loop) has nothing to replay.
         empty = main is None and not any(st["n"] for st in self.machine.stats())
-        self.info.update({"failed_writes": [f[0] for f in failures],
-                          "threads": torch.get_num_threads() if torch is not None else None,
-                          # is_initialized() never initialises CUDA itself
-                          "cuda": torch is not None and torch.cuda.is_initialized(),
-                          "deterministic": torch is not None and
-                          torch.are_deterministic_algorithms_enabled(),
-                          "adaptive": self.machine.adaptive, "hands_free": self.hands_free,
-                          "flor_seconds": session.own_time.seconds,
-                          "startup_s": session.loops.startup_s(),
-                          "captured": session.block_labels,
-                          "main_ended": main is not None
-                          and (main.loop, main.run) in session.loops.ended,
-                          "error": repr(error) if failed else None})
+        info = self.info
+        info.failed_writes = [f[0] for f in failures]
+        info.threads = torch.get_num_threads() if torch is not None else None
+        # is_initialized() never initialises CUDA itself
+        info.cuda = torch is not None and torch.cuda.is_initialized()
+        info.deterministic = torch is not None and torch.are_deterministic_algorithms_enabled()
+        info.adaptive, info.hands_free = self.machine.adaptive, self.hands_free
+        info.flor_seconds = session.own_time.seconds
+        info.startup_s = session.loops.startup_s()
+        info.captured = session.block_labels
+        info.main_ended = main is not None and (main.loop, main.run) in session.loops.ended
+        info.error = repr(error) if failed else None
         self.store.update_run(
             self.run_id, finished=time.time(),
             status="empty" if empty else "failed" if failed else "finished",
             main_loop=main.loop if main else None, main_run=main.run if main else None,
-            iterations=main.iterations if main else 0, versions=json.dumps(versions()),
-            info=json.dumps(self.info))
+            iterations=main.iterations if main else 0, versions=versions(), info=info)

@@ -24,6 +24,7 @@ import time
 from .. import _core, trust
 from ..context import PRE, block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
+from ..runinfo import PartInfo
 from ..schema import BLOCKRUNS
 from . import blockstate, ranks
 from .logbook import RecordedFingerprints
@@ -219,11 +220,10 @@ class Replaying(Policy):
                  "the whole script ran in every worker")
         self.store.set_part(self.run_id, self.part, "failed" if failed else "finished",
                             time.time() - session.started,
-                            {"reexecuted": self.reexecuted,
-                             "threads": torch.get_num_threads() if torch is not None else None,
-                             "main_seen": self.main_seen,
-                             "resumed_from": self.resumed_from,
-                             "unverified": self.unverified,
-                             "restored": self.restored_labels,
-                             "captured": session.block_labels,
-                             "error": repr(error) if failed else None})
+                            PartInfo(reexecuted=self.reexecuted,
+                                     threads=torch.get_num_threads() if torch is not None
+                                     else None,
+                                     main_seen=self.main_seen, resumed_from=self.resumed_from,
+                                     unverified=self.unverified, restored=self.restored_labels,
+                                     captured=session.block_labels,
+                                     error=repr(error) if failed else None))

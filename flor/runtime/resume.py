@@ -12,7 +12,6 @@ again from its start.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -62,7 +61,7 @@ def find(store, script, args, force=False) -> ResumePoint:
         if not force:
             raise FlorError(msg + ". Restore the script, record it anew, or pass --force")
         note(msg + " (--force)")
-    argv = json.loads(run["argv"])[1:]
+    argv = run["argv"][1:]
     if args is not None and argv != list(args):
         msg = f"run {rid} recorded {name} with arguments {argv}, not {list(args)}"
         if not force:

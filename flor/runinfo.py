@@ -1,0 +1,103 @@
+"""What the `info` column of a run and of a replay part says, typed.
+
+The store parses the JSON once, when it reads a row (`Store.run`,
+`Store.runs`, `Store.parts`...), into the object of the row's kind, and
+writes these objects back as JSON; nothing else decodes the column.  A key
+this version does not know (a newer flor wrote it) is kept in `extra` and
+written back unchanged; a key an older flor did not write reads as its
+field's default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+__all__ = ["Info", "RecordInfo", "ReplayInfo", "PartInfo", "run_info"]
+
+
+@dataclass
+class Info:
+    """The fields every info object shares: the keys it does not know."""
+
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, text: str | None):
+        data = json.loads(text or "{}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in data.items() if k in known},
+                   extra={k: v for k, v in data.items() if k not in known})
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "extra"}
+        return {**out, **self.extra}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+@dataclass
+class RecordInfo(Info):
+    """A record: how it ran, and what it measured at its end."""
+
+    adaptive: bool = True
+    hands_free: bool = False
+    pid: int | None = None  # the recording process, to tell a killed record
+    pid_start: float | None = None
+    host: str | None = None
+    fingerprint: int = 1  # the state fingerprint's version (records before 2 do not say)
+    resumed: list = field(default_factory=list)  # iterations record --resume started at
+    group: str | None = None  # data-parallel: rank 0's run id, this rank, the world size
+    rank: int | None = None
+    world_size: int | None = None
+    failed_writes: list = field(default_factory=list)  # checkpoint files not written
+    threads: int | None = None  # torch's thread count
+    cuda: bool = False  # whether the script initialised CUDA
+    deterministic: bool = False
+    flor_seconds: float | None = None  # what flor's own work cost the script
+    startup_s: float | None = None  # from the start to the main loop's first iteration
+    captured: dict = field(default_factory=dict)  # block: the labels its checkpoints hold
+    main_ended: bool = False  # whether the main loop ran until its iterable ended
+    error: str | None = None  # what ended a failed run
+
+    @property
+    def follower(self) -> bool:
+        """A data-parallel rank other than 0 (listed under rank 0's run)."""
+        return bool(self.rank)
+
+
+@dataclass
+class ReplayInfo(Info):
+    """A replay: its plan's outline, and what its checks concluded."""
+
+    nparts: int = 1
+    mode: str | None = None  # how its parts ran: "serial", "local", "ray", "parts"...
+    segments: list = field(default_factory=list)
+    probed: list = field(default_factory=list)
+    restarted: dict = field(default_factory=dict)  # part (a string): why it ran again
+    checks_passed: bool | None = None  # None until the replay concluded
+    compared: int | None = None
+    mismatches: int | None = None
+    missing: int | None = None
+    seconds: float | None = None  # the replay's own measure, from start to conclusion
+
+
+@dataclass
+class PartInfo(Info):
+    """One part of a replay: what its worker restored and ran."""
+
+    reexecuted: int = 0  # blocks whose checkpoints the edited script could not use
+    threads: int | None = None
+    main_seen: bool = False  # whether the recorded main loop ran in this part
+    resumed_from: list | None = None  # [iteration, seconds] of the restore
+    unverified: list = field(default_factory=list)  # restored, and not verified
+    restored: list = field(default_factory=list)  # the labels of what it restored
+    captured: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def run_info(kind: str, text: str | None) -> Info:
+    """The info of a run of `kind` ("record" or "replay") from its column."""
+    return (RecordInfo if kind == "record" else ReplayInfo).from_json(text)
