@@ -107,7 +107,7 @@ def _plan(store, o, jobs, part=None):
     from .replay.plan import plan_replay
 
     try:
-        plan, rec, cmp, source, notes = plan_replay(
+        plan, notes = plan_replay(
             store, o.script, o.args if o.explicit_args else None, jobs, o.run, part=part,
             tolerance=o.tolerance, threads=_threads(o),
             cores=None if part is not None else _cores(), args_differ_ok=o.args_differ_ok)
@@ -123,7 +123,7 @@ def _plan(store, o, jobs, part=None):
     if o.strict and hf and hf["other"]:
         raise FlorError("--strict: the script changed in ways other than hindsight "
                         "statements:\n" + "\n".join(f"  line {ln}: {t}" for ln, t in hf["other"]))
-    return plan, rec, cmp, source
+    return plan
 
 
 def cmd_replay(o) -> int:
@@ -155,13 +155,13 @@ def cmd_replay(o) -> int:
         o.part = f"{index}/{o.parts}"
     if o.part is not None:
         i, n = _parse_part(o.part)
-        plan, rec, cmp, source = _plan(store, o, n, part=i)
+        plan = _plan(store, o, n, part=i)
         nparts = len(plan.segments)
         if i >= nparts:
             note(f"the recorded checkpoints allow only {nparts} segment"
                  f"{'s' if nparts > 1 else ''}; part {i}/{n} has nothing to replay")
             return 0
-        for line in describe(plan, rec, cmp, plan.argv[1:]):
+        for line in describe(plan, store):
             note(line)
         plan.save(store.layout.plan_path(plan.replay_id))
         code = run_part(plan, i, tee=True, own_db=True)
@@ -172,12 +172,10 @@ def cmd_replay(o) -> int:
     if o.backend == "ray":
         from .replay.distributed import run_ray
 
-        plan, rec, cmp, source = _plan(store, o, o.jobs, part=-1)
-        return run_ray(store, plan, rec, describe(plan, rec, cmp, plan.argv[1:]), source,
-                       strict=strict)
-    plan, rec, cmp, source = _plan(store, o, o.jobs)
-    code = run_local(store, plan, rec, describe(plan, rec, cmp, plan.argv[1:]), source,
-                     strict=strict)
+        plan = _plan(store, o, o.jobs, part=-1)
+        return run_ray(store, plan, describe(plan, store), strict=strict)
+    plan = _plan(store, o, o.jobs)
+    code = run_local(store, plan, describe(plan, store), strict=strict)
     hint = _hint_options(o) if code and _failed(store, plan.replay_id) else None
     if hint:
         note(hint)

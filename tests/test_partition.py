@@ -1,4 +1,5 @@
 """Splitting the main loop among replay workers, and the Plan that says how."""
+import dataclasses
 import json
 
 import pytest
@@ -90,3 +91,34 @@ def test_a_plan_is_typed_in_memory_and_json_only_on_disk(tmp_path):
     assert data["checkpoints"][1] == ["train.py:9", "[[\"L\",\"e\",0,1]]", 0, None]
     assert "threads" not in data  # optional fields left out when unset
     assert Plan.load(path) == plan
+
+
+def test_a_hands_free_plan_carries_its_compiled_instrumented_code(tmp_path):
+    """The process that plans a hands-free replay compiles the instrumented
+    script once and saves the code beside plan.json: a worker loads it and
+    runs it (line numbers kept) instead of instrumenting the script again;
+    a worker of another Python (another bytecode magic) compiles it anew."""
+    import importlib.util
+
+    script = tmp_path / "train.py"
+    script.write_text("x = 0\nfor e in range(2):\n    for i in range(3):\n"
+                      "        x += i\n    print(e, x)\n")
+    code = compile("raise ValueError('from the planner')", str(script), "exec")
+    plan = Plan(store=str(tmp_path), script=str(script), argv=("train.py",), record="r1",
+                replay_id="r2", segments=((0, 2),), probed=frozenset(),
+                changed_end=frozenset(), files={}, checkpoints={}, ckpt_dir="/c",
+                main_loop="train.py:2", main_run=0, iterations=2, epsilon=0.1, c=1.38,
+                hands_free={"hindsight": [], "other": [], "blocks": []},
+                changed_functions=frozenset({"step"}), instrumented=code)
+    path = str(tmp_path / "run" / "plan.json")
+    plan.save(path)
+    assert json.loads(read(path))["changed_functions"] == ["step"]
+    loaded = Plan.load(path)
+    assert loaded == plan and loaded.code().co_consts == code.co_consts
+    saved = tmp_path / "run" / "instrumented.code"
+    saved.write_bytes(b"\0\0\r\n" + saved.read_bytes()[len(importlib.util.MAGIC_NUMBER):])
+    again = Plan.load(path).code()  # compiled here from the script itself
+    assert again.co_filename == str(script) and "from the planner" not in again.co_consts
+    manual = dataclasses.replace(plan, hands_free=None, instrumented=None)
+    manual.save(str(tmp_path / "m" / "plan.json"))
+    assert Plan.load(str(tmp_path / "m" / "plan.json")).code() is None  # runs the script

@@ -59,13 +59,13 @@ def import_ray():
     return ray
 
 
-def run_ray(store, plan: Plan, rec, notes, source, strict=False) -> int:
+def run_ray(store, plan: Plan, notes, strict=False) -> int:
     """Replay every segment as a Ray task, then assemble."""
     ray = import_ray()
     for line in notes:
         note(line)
     t0 = time.time()
-    register(store, plan, rec, source, "ray")
+    register(store, plan, "ray")
     started_here = not ray.is_initialized()
     if started_here:
         # RAY_ADDRESS names a running cluster; without it Ray starts one here.
@@ -74,7 +74,7 @@ def run_ray(store, plan: Plan, rec, notes, source, strict=False) -> int:
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
         cpus = ray.cluster_resources().get("CPU", 1)
-        threads = plan.threads or max(1, int(cpus // max(1, len(plan.segments))))
+        threads = plan.threads_per_worker(int(cpus), len(plan.segments))
         task = ray.remote(_segment).options(
             max_retries=RETRIES, retry_exceptions=[WorkerKilled],
             num_gpus=1 if gpus else 0, num_cpus=0 if gpus else threads)
@@ -102,7 +102,7 @@ def run_ray(store, plan: Plan, rec, notes, source, strict=False) -> int:
         for path in (r["db"], r["db"] + "-wal", r["db"] + "-shm"):
             if os.path.exists(path):
                 os.unlink(path)
-    return conclude(store, plan, rec, time.time() - t0, strict)
+    return conclude(store, plan, time.time() - t0, strict)
 
 
 def array_index(env=None) -> int:

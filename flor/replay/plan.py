@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
+import marshal
 import os
 import shlex
 from dataclasses import dataclass
@@ -65,11 +67,18 @@ class Plan:
     # rank), "ports" (by segment: its process group's)}; flor/runtime/ranks.py
     ended: bool = False  # the record's main loop ended with its iterable (not by a
     # break): the last part draws it to its end too, so its code after the last item runs
+    changed_functions: frozenset[str] = frozenset()  # functions whose code changed
+    # A hands-free replay's instrumented script, compiled once by the process
+    # that plans; saved beside plan.json (not in it), compiled again only by
+    # a worker of another Python version (see code()).
+    instrumented: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "instrumented"}
         data.update(argv=list(self.argv), segments=[list(s) for s in self.segments],
                     probed=sorted(self.probed), changed_end=sorted(self.changed_end),
+                    changed_functions=sorted(self.changed_functions),
                     files={rel: f.to_json() for rel, f in self.files.items()},
                     checkpoints=[[*k, f] for k, f in self.checkpoints.items()],
                     resume={str(i): f for i, f in self.resume.items()})
@@ -81,10 +90,11 @@ class Plan:
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
         names = {f.name for f in dataclasses.fields(cls)}
-        data = {k: v for k, v in data.items() if k in names}
+        data = {k: v for k, v in data.items() if k in names - {"instrumented"}}
         data.update(argv=tuple(data["argv"]), segments=tuple(tuple(s) for s in data["segments"]),
                     probed=frozenset(data["probed"]),
                     changed_end=frozenset(data["changed_end"]),
+                    changed_functions=frozenset(data.get("changed_functions", ())),
                     files={rel: FileMap.from_json(f) for rel, f in data["files"].items()},
                     checkpoints={(b, c, int(o)): f for b, c, o, f in data["checkpoints"]},
                     resume={int(i): f for i, f in data.get("resume", {}).items()})
@@ -92,15 +102,53 @@ class Plan:
 
     def save(self, path: str):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f)
-        os.replace(tmp, path)
+        if self.instrumented is not None:
+            try:
+                data = marshal.dumps(self.instrumented)
+            except ValueError:  # a constant marshal cannot write: workers instrument
+                data = None
+            if data is not None:
+                _write(_code_path(path), importlib.util.MAGIC_NUMBER + data)
+        _write(path, json.dumps(self.to_json()).encode())
 
     @classmethod
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
-            return cls.from_json(json.load(f))
+            plan = cls.from_json(json.load(f))
+        try:
+            with open(_code_path(path), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return plan
+        magic = importlib.util.MAGIC_NUMBER
+        if not plan.hands_free or not data.startswith(magic):
+            return plan  # planned by another Python: code() compiles it again
+        return dataclasses.replace(plan, instrumented=marshal.loads(data[len(magic):]))
+
+    def threads_per_worker(self, cores: int, workers: int) -> int:
+        """Torch threads of each worker: the plan's (as given, else the
+        record's), else the `cores` shared among the `workers`."""
+        return self.threads or max(1, cores // max(1, workers))
+
+    def code(self):
+        """The code a worker runs for the script: None for the script itself
+        (manual API), else its instrumented code (hands-free)."""
+        if not self.hands_free or self.instrumented is not None:
+            return self.instrumented
+        fmap = self.files.get(os.path.basename(self.script))
+        with open(self.script) as f:
+            return instrument_current(f.read(), self.script, fmap.lines if fmap else {}).code
+
+
+def _code_path(plan_path: str) -> str:
+    return os.path.join(os.path.dirname(plan_path), "instrumented.code")
+
+
+def _write(path: str, data: bytes):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None,
@@ -310,7 +358,8 @@ def _interrupted(store, rec):
 
 
 def _compare(store, script, rec):
-    """(Comparison, hands-free summary or None, recorded and current sources)."""
+    """(Comparison, hands-free summary or None, the instrumented code or
+    None, the current sources)."""
     recorded = store.layout.module_sources(rec["run_id"])
     if None not in recorded:
         raise FlorError(f"the source of run {rec['run_id']} is missing from {store.root}")
@@ -324,7 +373,7 @@ def _compare(store, script, rec):
             with open(path) as f:
                 new[rel] = f.read()
     cmp = Comparison(files=map_files(old, new), changed_functions=changed_functions(old, new))
-    hands_free = None
+    hands_free = code = None
     if rec["info"].hands_free:
         # What to step into: the blocks that hold (or reach) a change.
         rel = os.path.basename(script)
@@ -334,10 +383,11 @@ def _compare(store, script, rec):
         cmp.probed = probe.probed
         hands_free = {"hindsight": probe.hindsight, "other": probe.other,
                       "blocks": inst.summary()["blocks"]}
+        code = inst.code
     else:
         cmp.probed, cmp.changed_end, cmp.added = manual_blocks(old, new, cmp.files,
                                                                cmp.changed_functions)
-    return cmp, hands_free, new
+    return cmp, hands_free, code, new
 
 
 def worker_threads(rec, jobs: int, threads=None, cores=None):
@@ -372,8 +422,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     `threads` torch threads each (the record's by default; no more workers
     than `cores` allow).  `part`: the part of a --part I/N replay, or -1 for
     Ray (one segment per worker).  Arguments that differ from the recorded
-    ones are refused unless `args_differ_ok`.  Returns (plan, record row,
-    comparison, current source of the script, notes)."""
+    ones are refused unless `args_differ_ok`.  Returns (plan, notes)."""
     if not os.path.isfile(script):
         raise FlorError(f"no such script: {script}")
     rec = _pick_record(store, script, run_id)
@@ -384,7 +433,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
                         "--part, --parts and --backend ray do not replay it")
     threads, jobs, notes = worker_threads(rec, jobs, threads, cores)
     notes += _interrupted(store, rec)
-    cmp, hands_free, new = _compare(store, script, rec)
+    cmp, hands_free, code, new = _compare(store, script, rec)
     recorded = store.rows("decisions", rec["run_id"])
     # A data-parallel replay skips an execution on every rank or on none.
     dropped = ranking.unusable(store, group) if group is not None else {}
@@ -443,15 +492,18 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         ckpt_dir=store.layout.ckpt_dir(rec["run_id"]), main_loop=rec["main_loop"],
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
-        workers=jobs, ranks=group_plan,
-        ended=rec["info"].main_ended)
-    return plan, rec, cmp, new[os.path.basename(script)], notes
+        workers=jobs, ranks=group_plan, ended=rec["info"].main_ended,
+        changed_functions=frozenset(cmp.changed_functions), instrumented=code)
+    return plan, notes
 
 
-def register(store: Store, plan: Plan, rec, source: str, mode: str):
-    """Create the replay run (if new) and write its plan next to it."""
+def register(store: Store, plan: Plan, mode: str):
+    """Create the replay run (if new), with the script's source, and write
+    its plan next to it."""
     if store.run(plan.replay_id) is None:
-        store.new_run("replay", plan.script, plan.argv, source, parent=rec["run_id"],
+        with open(plan.script) as f:
+            source = f.read()
+        store.new_run("replay", plan.script, plan.argv, source, parent=plan.record,
                       run_id=plan.replay_id, main_loop=plan.main_loop,
                       main_run=plan.main_run, iterations=plan.iterations,
                       info=ReplayInfo(nparts=len(plan.segments), mode=mode,
@@ -460,22 +512,22 @@ def register(store: Store, plan: Plan, rec, source: str, mode: str):
     plan.save(store.layout.plan_path(plan.replay_id))
 
 
-def describe(plan: Plan, rec, cmp: Comparison, args) -> list[str]:
+def describe(plan: Plan, store: Store) -> list[str]:
     """What replay is about to do, as notes."""
     notes = []
     hf = plan.hands_free
     if hf is not None and not hf["blocks"]:
         notes.append("the script has no SkipBlock (no loop nested in a loop, no call of a "
                      "looping function of the script): replay re-executes all of it")
-    elif cmp.probed:
-        notes.append("stepping into changed blocks: " + ", ".join(sorted(cmp.probed)))
+    elif plan.probed:
+        notes.append("stepping into changed blocks: " + ", ".join(sorted(plan.probed)))
     else:
         notes.append("no block changed: every block is skipped")
-    if cmp.changed_end:
-        notes.append("end() changed for: " + ", ".join(sorted(cmp.changed_end)) +
+    if plan.changed_end:
+        notes.append("end() changed for: " + ", ".join(sorted(plan.changed_end)) +
                      " (their checkpoints are not used)")
-    if cmp.changed_functions:
-        notes.append("changed functions: " + ", ".join(sorted(cmp.changed_functions)))
+    if plan.changed_functions:
+        notes.append("changed functions: " + ", ".join(sorted(plan.changed_functions)))
     if hf is not None:
         for line, text in hf["hindsight"]:
             notes.append(f"hindsight statement at line {line}: {text}")
@@ -483,11 +535,11 @@ def describe(plan: Plan, rec, cmp: Comparison, args) -> list[str]:
             notes.append("WARNING: the script changed in ways other than hindsight "
                          "statements (their blocks are re-executed; --strict refuses):\n" +
                          "\n".join(f"    line {line}: {text}" for line, text in hf["other"]))
-    recorded_argv = rec["argv"]
-    if list(args) != recorded_argv[1:]:
-        notes.append(f"the script's arguments differ from the record's {recorded_argv[1:]} "
+    recorded_args = store.run(plan.record)["argv"][1:]
+    if list(plan.argv[1:]) != recorded_args:
+        notes.append(f"the script's arguments differ from the record's {recorded_args} "
                      "(--args-differ-ok)")
     segs = ", ".join(f"[{s}, {e})" for s, e in plan.segments)
-    notes.append(f"replaying run {rec['run_id']}: {plan.iterations} iterations "
+    notes.append(f"replaying run {plan.record}: {plan.iterations} iterations "
                  f"in segments {segs}")
     return notes

@@ -37,7 +37,7 @@ def merged_output(store: Store, run_id):
     return tuple(out)
 
 
-def conclude(store: Store, plan: Plan, rec, seconds, strict) -> int:
+def conclude(store: Store, plan: Plan, seconds, strict) -> int:
     """Print the replay's output, run the deferred checks, report; the exit
     status (1 if the checks failed and `strict`)."""
     replay_id = plan.replay_id
@@ -45,6 +45,7 @@ def conclude(store: Store, plan: Plan, rec, seconds, strict) -> int:
     sys.stdout.write(out)
     sys.stdout.flush()
     sys.stderr.write(err)
+    rec = store.run(plan.record)
     report = compare_logs(store, rec["run_id"], replay_id, plan, tolerance=plan.tolerance or 0.0)
     with open(plan.script) as f:
         explain(report, store, plan, f.read(), rec)
@@ -88,9 +89,6 @@ def merge(store: Store, replay_id=None, strict=False) -> int:
     unfinished = [p for p in range(nparts) if parts.get(p, {}).get("status") != "finished"]
     if unfinished:
         raise FlorError(f"replay {replay_id}: parts {unfinished} of {nparts} did not finish")
-    rec = store.run(plan.record)
-    with open(plan.script) as f:
-        source = f.read()
-    register(store, plan, rec, source, "parts")
+    register(store, plan, "parts")
     seconds = max(p["seconds"] or 0 for p in parts.values())
-    return conclude(store, plan, rec, seconds, strict)
+    return conclude(store, plan, seconds, strict)

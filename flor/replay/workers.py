@@ -115,7 +115,7 @@ class _Queue:
         self.failed: list[_Attempt] = []
         self.seconds_per_iter: list[float] = []
         self.gpus = _gpus()
-        self.threads = str(plan.threads or max(1, (os.cpu_count() or 1) // slots))
+        self.threads = str(plan.threads_per_worker(os.cpu_count() or 1, slots))
         self.shown = [0] * len(plan.segments)  # iterations of each segment on the progress bar
         self.restarted: dict[int, str] = {}  # part -> why it ran again from its start
 
@@ -271,7 +271,7 @@ def _stopped(signum, frame):
     raise Interrupted()
 
 
-def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int:
+def run_local(store: Store, plan: Plan, notes, strict=False) -> int:
     """Replay the plan's segments on the plan's number of local worker
     processes, then assemble."""
     nparts = len(plan.segments)
@@ -279,7 +279,7 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
     t0 = time.time()
     for line in notes:
         note(line)
-    register(store, plan, rec, source, "local")
+    register(store, plan, "local")
     progress = Progress(sum(e - s for s, e in plan.segments), slots)
     queue = _Queue(store, plan, slots)
     own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
@@ -319,4 +319,4 @@ def run_local(store: Store, plan: Plan, rec, notes, source, strict=False) -> int
         for path in (a.db, a.db + "-wal", a.db + "-shm"):
             if os.path.exists(path):
                 os.unlink(path)
-    return conclude(store, plan, rec, time.time() - t0, strict)
+    return conclude(store, plan, time.time() - t0, strict)

@@ -15,7 +15,7 @@ import traceback
 from ..context import is_iteration, is_outermost, location
 from ..errors import FlorError, Interrupted, note
 from ..program.instrument import instrument, uses_flor
-from ..replay.plan import Plan, instrument_current
+from ..replay.plan import Plan
 from ..store import Store
 from . import blockstate
 from . import resume as resuming
@@ -61,7 +61,7 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     if own:
         signal.signal(signal.SIGTERM, _evicted)
     try:
-        code, error = run_main(script, sys.stderr, inst)
+        code, error = run_main(script, sys.stderr, inst.code if inst is not None else None)
     finally:
         if own:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -148,14 +148,10 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
     script = plan.script
     sys.argv = list(plan.argv)
     sys.path[0] = os.path.dirname(script)
-    inst = None
-    if plan.hands_free:
-        fmap = plan.files.get(os.path.basename(script))
-        with open(script) as f:
-            inst = instrument_current(f.read(), script, fmap.lines if fmap else {})
+    instrumented = plan.code()
     error, code = None, 0
     try:
-        code, error = run_main(script, sys.__stderr__, inst)
+        code, error = run_main(script, sys.__stderr__, instrumented)
     finally:
         session.finish(error)
     return code

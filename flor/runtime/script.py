@@ -12,8 +12,8 @@ from ..errors import SegmentDone
 __all__ = ["run_main", "run_instrumented"]
 
 
-def run_instrumented(path: str, inst):
-    """Run the instrumented code of `path` (hands-free mode) as ``__main__``."""
+def run_instrumented(path: str, code):
+    """Run the instrumented `code` of `path` (hands-free mode) as ``__main__``."""
     from ..program.instrument import RUNTIME
     from . import handsfree
 
@@ -23,17 +23,17 @@ def run_instrumented(path: str, inst):
     main.__dict__[RUNTIME] = handsfree
     # Kept as __main__ after the run: objects the script defined pickle by name.
     sys.modules["__main__"] = main
-    exec(inst.code, main.__dict__)
+    exec(code, main.__dict__)
 
 
-def run_main(script, stderr, inst=None):
-    """Run `script` as ``__main__`` (its instrumented code `inst` in hands-free
+def run_main(script, stderr, instrumented=None):
+    """Run `script` as ``__main__`` (its `instrumented` code in hands-free
     mode), and return (exit status, the exception that ended it or None).
     A traceback, or the message of ``sys.exit("...")``, goes to `stderr` as
     Python would print it."""
     try:
-        if inst is not None:
-            run_instrumented(script, inst)
+        if instrumented is not None:
+            run_instrumented(script, instrumented)
         else:
             runpy.run_path(script, run_name="__main__")
     except SegmentDone:
