@@ -5,7 +5,8 @@ import json
 import pytest
 
 from flor.program.source import FileMap
-from flor.replay.plan import Plan, partition
+from flor.replay.plan import Plan
+from flor.replay.segments import partition
 
 from conftest import read
 
