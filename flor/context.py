@@ -33,12 +33,13 @@ import functools
 import hashlib
 import json
 import re
+from typing import NamedTuple
 
 __all__ = ["LOOP", "BLOCK", "Context", "encode", "decode", "top_key", "is_outermost",
            "enclosing_blocks", "describe", "location", "parse_location", "checkpoint_name",
            "block_context", "within", "iteration_key", "is_iteration",
            "PRINTED", "TB", "LOG", "STATE", "STATE_BLOCK", "STATE_ITERATION", "STATE_RANDOM",
-           "PRE", "MAIN", "POST"]
+           "PRE", "MAIN", "POST", "Where", "iter_column"]
 
 LOOP, BLOCK = "L", "B"
 
@@ -313,4 +314,21 @@ def printed_lines(output: list[dict]) -> list[dict]:
 @functools.lru_cache(maxsize=4096)
 def _indices(ctx):
     """The `iter` column of a context: the indices of its loops."""
-    return json.dumps([f[3] for f in json.loads(ctx or "[]") if f[0] == "L"])
+    return iter_column(f[3] for f in json.loads(ctx or "[]") if f[0] == "L")
+
+
+def iter_column(indices) -> str:
+    """The `iter` column of logs and decisions: the JSON list of the
+    indices of a context's loops, outermost first."""
+    return json.dumps(list(indices))
+
+
+class Where(NamedTuple):
+    """Where the run is: what every value and output row is stored with,
+    kept current by the session at each change of context."""
+
+    phase: str | None  # PRE, MAIN, POST in replay; None in record
+    ctx: str  # the context, encoded
+    top: str | None  # the outermost loop, encoded [loop, run] (None: outside loops)
+    top_iter: int | None  # its index
+    indices: tuple  # the index of each loop of the context, outermost first

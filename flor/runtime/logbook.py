@@ -17,7 +17,7 @@ import sys
 import time
 
 from .. import _core
-from ..context import STATE_BLOCK, STATE_ITERATION, STATE_RANDOM, block_context
+from ..context import STATE_BLOCK, STATE_ITERATION, STATE_RANDOM, block_context, iter_column
 from ..schema import LOGS, OUTPUT
 from .blockstate import fingerprint, random_fingerprint, state_owners
 from .capture import STREAMS
@@ -147,7 +147,7 @@ class Logbook:
         or array is copied now and written to a file of the run in the
         background; the row refers to it."""
         s = self.s
-        phase, ctx, top, _, indices = s.info
+        phase, ctx, top, _, indices = s.where
         seq = s.context.next("S", (name, loc), ctx)
         ord_ = self.next_ord()
         if _large(value):
@@ -155,7 +155,7 @@ class Logbook:
         else:
             stored = jsonable(value)
         self.logs.append(LOGS.Row(run_id=s.run_id, part=s.part, ord=ord_, phase=phase, top=top,
-                                  ctx=ctx, name=name, iter=indices, seq=seq,
+                                  ctx=ctx, name=name, iter=iter_column(indices), seq=seq,
                                   value=json.dumps(stored), loc=loc))
 
     def _store_array(self, value, name) -> dict:
@@ -190,7 +190,7 @@ class Logbook:
         if self.s.discard or frame.scope is None:
             return None
         budget, loop = self.s.policy.fingerprints, (frame[1], frame[2])
-        if budget is not None and not budget.due(loop, (frame[1], self.s.info[1])):
+        if budget is not None and not budget.due(loop, (frame[1], self.s.where.ctx)):
             return None
         t0 = time.perf_counter()
         owners = state_owners([], frame.scope)
@@ -214,13 +214,14 @@ class Logbook:
         it captured (`sig` names it), with a CRC of `sig`, since only the
         same objects compare."""
         s = self.s
-        phase, _, top, _, indices = s.info
+        phase, _, top, _, indices = s.where
         ctx = block_context(b.ctx, b.key, b.occurrence)
         value = [_core.crc32c(json.dumps(sig).encode()),
                  fingerprint(list(objs), self.s.policy.fingerprint_version)]
         self.logs.append(LOGS.Row(run_id=s.run_id, part=s.part, ord=self.next_ord(),
                                   phase=phase, top=top, ctx=ctx, name=STATE_BLOCK,
-                                  iter=indices, seq=0, value=json.dumps(value), loc=b.key))
+                                  iter=iter_column(indices), seq=0, value=json.dumps(value),
+                                  loc=b.key))
 
     def _is_user_code(self, code) -> bool | None:
         """Whether a code object belongs to a file of the user's program;
@@ -245,8 +246,8 @@ class Logbook:
     def digest(self):
         """Turn the journaled output into output rows."""
         s = self.s
-        for ord_, stream, code, offset, info, text in self.journal.take():
-            phase, ctx, top, it, _ = info
+        for ord_, stream, code, offset, where, text in self.journal.take():
+            phase, ctx, top, it, _ = where
             loc = None
             if code is not None:
                 # Keyed by id: hashing a code object walks its bytecode.

@@ -66,7 +66,7 @@ class Loops:
         iteration to the next, if it is the main loop."""
         s = self.s
         key = name or s.site(frame, structural=True)
-        run = s.context.next("L", key, s.info[1])
+        run = s.context.next("L", key, s.where.ctx)
         span = s.policy.span(s, key, run, carrier) if s.context.at_top_level() else None
         return self._iterate(iterable, key, run, frame, carrier, span)
 

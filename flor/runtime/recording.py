@@ -12,7 +12,6 @@ count and status.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
@@ -20,7 +19,7 @@ import sys
 import time
 
 from .. import _core
-from ..context import checkpoint_name, iteration_key
+from ..context import checkpoint_name, iter_column, iteration_key
 from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
 from ..program.gradients import manual_gradients
 from ..runinfo import RecordInfo
@@ -189,7 +188,7 @@ class Recording(Policy):
                                  carry.digests(objs, frame.scope))
 
         # The checkpoint is charged its fingerprint, wherever it was taken.
-        self._checkpoint(session, iteration_key(loop), handle, session.info[1], 0, seconds,
+        self._checkpoint(session, iteration_key(loop), handle, session.where.ctx, 0, seconds,
                          objs, make, session.logbook.fingerprint_s if fp is not None else 0.0,
                          unheld=blockstate.unheld(sig))
 
@@ -252,9 +251,9 @@ class Recording(Policy):
             ok, reason = self.group.follow(self.machine, handle, key, ctx, occurrence,
                                            (ok, reason), write_s, nbytes)
         fname = None
-        _, _, top, top_iter, indices = session.info
+        _, _, top, top_iter, indices = session.where
         if ok:
-            fname = checkpoint_name(key, ctx, occurrence, json.loads(indices))
+            fname = checkpoint_name(key, ctx, occurrence, indices)
             mat = self.writes.materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
             payload = make()
@@ -273,8 +272,9 @@ class Recording(Policy):
                 fname = None
         st = self.machine.stats()[handle]
         session.logbook.decisions.append(DECISIONS.Row(
-            run_id=self.run_id, block=key, ctx=ctx, occurrence=occurrence, iter=indices,
-            top=top, top_iter=top_iter, n=st["n"], k=st["k"], compute_s=seconds,
+            run_id=self.run_id, block=key, ctx=ctx, occurrence=occurrence,
+            iter=iter_column(indices), top=top, top_iter=top_iter, n=st["n"], k=st["k"],
+            compute_s=seconds,
             mean_compute_s=st["compute_s"] / st["n"], nbytes=nbytes, bandwidth=bw,
             materialize_s=M, ratio=ratio if math.isfinite(ratio) else None, limit_value=limit,
             checkpoint=int(ok), reason=reason, file=fname + ".flor" if fname else None))

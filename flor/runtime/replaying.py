@@ -203,7 +203,7 @@ class Replaying(Policy):
 
     def _recorded_output(self, session, b):
         """What the record printed inside this block execution, in order."""
-        where = session.info[2:4]
+        where = session.where[2:4]
         if self._output_at != where:
             self._output_at = where
             self._output = self.recorded.output_by_block(self.plan.record, *where)

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import os
 import sys
 import time
 
 from .. import _core
-from ..context import Context, PLAIN, PRE
+from ..context import Context, PLAIN, PRE, Where
 from ..errors import StoreError, note
 from ..schema import BLOCKS, LOOPS
 from ..store import Store
@@ -182,7 +181,7 @@ class Session:
         self.context = Context(self._context_changed)
         self.logbook = Logbook(self)
         self._phase = policy.first_phase
-        self.info = None  # (phase, context, top loop, its index, loop indices): see _context_changed
+        self.where = None  # a Where (flor/context.py): see _context_changed
         self._context_changed()
         self.names: dict[str, str] = {}  # block name -> its call site
         self.loops = Loops(self)
@@ -200,11 +199,11 @@ class Session:
     # -- where the run is -----------------------------------------------------
 
     def _context_changed(self):
-        """Keep `info`, what every value and output row is stored with, current."""
+        """Keep `where`, what every value and output row is stored with, current."""
         top, it = self.context.top()
-        self.info = (self._phase, self.context.encode(), top, it,
-                     json.dumps(self.context.indices()))
-        self.logbook.journal.info = self.info
+        self.where = Where(self._phase, self.context.encode(), top, it,
+                           tuple(self.context.indices()))
+        self.logbook.journal.info = self.where
 
     @property
     def phase(self):
@@ -279,7 +278,7 @@ class Session:
                     "give each block its own name")
         key = name or where
         handle = self.machine.block(key)
-        ctx = self.info[1]
+        ctx = self.where.ctx
         occurrence = self.context.next("B", key, ctx)
         payload, load_s, probed = self.policy.checkpoint_for(key, ctx, occurrence, probed,
                                                              expect_sig)
