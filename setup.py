@@ -11,6 +11,9 @@ from setuptools import Extension, setup
 sources = sorted(
     os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".c")
 )
+headers = sorted(
+    os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".h")
+)
 cflags = ["-std=c11", "-Wall", "-Wextra", "-O2", "-pthread"]
 ldflags = ["-pthread"]
 if os.environ.get("FLOR_WERROR") == "1":
@@ -28,7 +31,7 @@ setup(
         Extension(
             "flor._core",
             sources=sources,
-            depends=[os.path.join("csrc", "flor.h")],
+            depends=headers,
             extra_compile_args=cflags,
             extra_link_args=ldflags,
         )

@@ -12,7 +12,12 @@
  *   walk.c          flor.snapshot(): the copy walk, and the Snapshot type; state
  *                   fingerprints (CUDA tensors through the Python module flor._cuda)
  *   dedup.c         the durable blobs of a run by content, for incremental checkpoints
- *   format.c        the checkpoint file: atomic writer and verifying reader
+ *   format.c        the checkpoint file's bytes (format.h: the layout, shared with
+ *                   picklescan.c and reader.c) and its atomic writer; tags, signing
+ *   picklescan.c    the opcode scan of a file's metadata pickle, run before anything
+ *                   unpickles it
+ *   reader.c        the verifying reader: the Mapping, header and table checks,
+ *                   the earlier files a file refers to, load()
  *   materializer.c  inline / thread / fork background writers
  *   skipblock.c     the SkipBlock state machine and the adaptive checkpoint rule
  *   capture.c       output capture: the Journal of writes and the Tee that feeds it
@@ -271,13 +276,6 @@ typedef struct {
     const char *step; /* "open", "write", "fsync", "rename", ... */
 } flor_ioerr;
 
-/* A private, writable memory map of a checkpoint file. */
-typedef struct {
-    PyObject_HEAD
-    char *base;
-    size_t len;
-} FlorMapping;
-
 #define FLOR_TAG_LEN 32
 enum flor_file_flags {
     FLOR_FILE_TAGGED = 1, /* the header holds the tag of what the file is for */
@@ -296,8 +294,21 @@ int flor_write_file(const char *path, const char *meta, size_t meta_len, const F
                     flor_wopts *opts, flor_ioerr *err);
 int flor_sign(PyObject *signer, const unsigned char *tag, PyObject *meta, unsigned char *out);
 int flor_tag_arg(PyObject *arg, unsigned char *out);
-extern PyType_Spec flor_mapping_spec;
 extern PyMethodDef flor_format_functions[];
+
+/* picklescan.c: 0, or -1 with FormatError(path, "metadata", ...) set. */
+int flor_scan_pickle(flor_state *st, const char *path, const unsigned char *p, uint64_t len);
+
+/* reader.c */
+/* A private, writable memory map of a checkpoint file. */
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    size_t len;
+} FlorMapping;
+
+extern PyType_Spec flor_mapping_spec;
+extern PyMethodDef flor_reader_functions[];
 
 /* materializer.c */
 extern PyType_Spec flor_materializer_spec;

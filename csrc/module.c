@@ -3,14 +3,16 @@
  * adds them to the module and owns the per-module state's lifetime.
  *
  *     snapshot, measure, fingerprint, Snapshot       walk.c
- *     save(obj, path), load(path, hook), Mapping     format.c
+ *     save(obj, path)                                format.c
+ *     load(path, hook, policy), Mapping              reader.c
  *     _rebuild(kind, i, payload), Ref                skeleton.c
  *     crc32c, hash64, digest64                       crc32c.c
  *     pool_stats(), trim_pool()                      arena.c
  *     Materializer                                   materializer.c
  *     SkipMachine, rule(...), state constants        skipblock.c
  *     Journal, Tee                                   capture.c
- *     FormatError                                    raised by format.c and skeleton.c
+ *     FormatError                                    raised by reader.c, picklescan.c
+ *                                                    and skeleton.c
  *
  * Nothing here imports torch: torch objects are looked up the first time a
  * snapshot or load runs after someone else imported torch (support.c).
@@ -45,6 +47,7 @@ module_exec(PyObject *module)
     st->pool.owner = 0;
     if (PyModule_AddFunctions(module, flor_walk_functions) < 0 ||
         PyModule_AddFunctions(module, flor_format_functions) < 0 ||
+        PyModule_AddFunctions(module, flor_reader_functions) < 0 ||
         PyModule_AddFunctions(module, flor_skeleton_functions) < 0 ||
         PyModule_AddFunctions(module, flor_crc32c_functions) < 0 ||
         PyModule_AddFunctions(module, flor_arena_functions) < 0 ||

@@ -20,7 +20,7 @@
  *         ARRAY  -> numpy.frombuffer(blob).reshape(shape);  BYTEARRAY -> bytearray(blob)
  *         dtype / device / Size / Generator -> rebuilt from payload
  *
- * Used by walk.c (Snapshot.restore), format.c (load) and materializer.c
+ * Used by walk.c (Snapshot.restore), reader.c (load) and materializer.c
  * (pickling in a writer); it depends on none of them.
  */
 #include "flor.h"
