@@ -111,93 +111,117 @@ base_name(const char *path)
     return slash != NULL ? slash + 1 : path;
 }
 
-int
-flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
-                flor_wopts *opts, flor_ioerr *err)
+/* A fresh name beside path for the file while it is written.  Runs
+ * without the GIL: NULL when out of memory (no exception). */
+static char *
+temp_name(const char *path)
 {
-    int rc = -1, fd = -1, created = 0;
-    char *tmp = NULL;
-    unsigned char *table = NULL, header[HEADER_SIZE];
-    const char **dtypes = NULL, **ref_file = NULL, **sources = NULL;
-    uint64_t *hashes = NULL, *offs = NULL;
-    uint32_t *crcs = NULL, *src_of = NULL, n_sources = 0;
-    uint64_t table_len = 16 + (uint64_t)BLOB_REC * s->n_blobs, meta_off = HEADER_SIZE;
-    uint64_t table_off, data_off, data_len = 0, file_size, payload = 0;
-    uint32_t i, k;
-    unsigned char *p;
-    const char *data = s->arena != NULL ? s->arena->base : NULL;
-    flor_dedup *dedup = opts != NULL ? opts->dedup : NULL;
+    size_t len = strlen(path) + 64;
+    char *tmp = malloc(len);
     struct timespec ts;
-    size_t tmplen, n = s->n_blobs ? s->n_blobs : 1;
+    if (tmp == NULL) {
+        return NULL;
+    }
+    clock_gettime(CLOCK_REALTIME, &ts);
+    snprintf(tmp, len, "%s.tmp.%ld.%lld%09ld", path, (long)getpid(), (long long)ts.tv_sec,
+             (long)ts.tv_nsec);
+    return tmp;
+}
 
-    err->err = 0;
-    err->step = NULL;
-    dtypes = blob_dtypes(s);
-    ref_file = calloc(n, sizeof(char *));
-    sources = calloc(n, sizeof(char *));
-    hashes = calloc(n, sizeof(uint64_t));
-    offs = calloc(n, sizeof(uint64_t));
-    crcs = calloc(n, sizeof(uint32_t));
-    src_of = calloc(n, sizeof(uint32_t));
-    tmplen = strlen(path) + 64;
-    tmp = malloc(tmplen);
-    if (dtypes == NULL || ref_file == NULL || sources == NULL || hashes == NULL || offs == NULL ||
-        crcs == NULL || src_of == NULL || tmp == NULL) {
+/* Where each part of a file goes, worked out before a byte is written.
+ * Per blob: the dtype of the first entry that views it, its content hash,
+ * CRC-32C and offset; src_of is 0 for a blob this file holds (the offset is
+ * in its data section) and k for one that the earlier file sources[k - 1]
+ * holds (the offset is in that file's data section). */
+typedef struct {
+    const char **dtypes, **sources;
+    uint64_t *hashes, *offs;
+    uint32_t *crcs, *src_of, n_sources;
+    uint64_t meta_off, table_off, table_len, data_off, data_len, file_size;
+    uint64_t payload; /* bytes of the blobs this file holds */
+} plan_t;
+
+static void
+plan_free(plan_t *pl)
+{
+    free(pl->dtypes);
+    free(pl->sources);
+    free(pl->hashes);
+    free(pl->offs);
+    free(pl->crcs);
+    free(pl->src_of);
+}
+
+/* Lay out the file: which blobs an earlier file of this run holds already,
+ * and where; where this file's own blobs go; each section's offset and
+ * length.  *pl starts zeroed; plan_free releases it either way.  Runs
+ * without the GIL: 0, or -1 with *err set. */
+static int
+plan_file(plan_t *pl, const char *path, size_t meta_len, const FlorSnapshot *s,
+          flor_dedup *dedup, flor_ioerr *err)
+{
+    const char *data = s->arena != NULL ? s->arena->base : NULL;
+    size_t n = s->n_blobs ? s->n_blobs : 1;
+    uint32_t i, k;
+
+    pl->dtypes = blob_dtypes(s);
+    pl->sources = calloc(n, sizeof(char *));
+    pl->hashes = calloc(n, sizeof(uint64_t));
+    pl->offs = calloc(n, sizeof(uint64_t));
+    pl->crcs = calloc(n, sizeof(uint32_t));
+    pl->src_of = calloc(n, sizeof(uint32_t));
+    if (pl->dtypes == NULL || pl->sources == NULL || pl->hashes == NULL || pl->offs == NULL ||
+        pl->crcs == NULL || pl->src_of == NULL) {
         err->err = ENOMEM;
         err->step = "allocate";
-        goto cleanup;
+        return -1;
     }
-    /* Which blobs an earlier file of this run holds already, and where. */
+    pl->meta_off = HEADER_SIZE;
+    pl->table_len = 16 + (uint64_t)BLOB_REC * s->n_blobs;
     for (i = 0; i < s->n_blobs; i++) {
         const flor_blob *b = &s->blobs[i];
-        hashes[i] = b->hashed ? b->hash : flor_hash64(data + b->offset, (size_t)b->nbytes);
+        const char *ref = NULL;
+        pl->hashes[i] = b->hashed ? b->hash : flor_hash64(data + b->offset, (size_t)b->nbytes);
         if (dedup != NULL && b->nbytes > 0 &&
-            flor_dedup_find(dedup, hashes[i], b->nbytes, dtypes[i], &ref_file[i], &offs[i],
-                            &crcs[i]) &&
-            strcmp(ref_file[i], base_name(path)) != 0) { /* never the file being replaced */
-            for (k = 0; k < n_sources && strcmp(sources[k], ref_file[i]) != 0; k++) {
+            flor_dedup_find(dedup, pl->hashes[i], b->nbytes, pl->dtypes[i], &ref, &pl->offs[i],
+                            &pl->crcs[i]) &&
+            strcmp(ref, base_name(path)) != 0) { /* never the file being replaced */
+            for (k = 0; k < pl->n_sources && strcmp(pl->sources[k], ref) != 0; k++) {
             }
-            if (k == n_sources) {
-                sources[n_sources++] = ref_file[i];
-                table_len += align8(2 + strlen(ref_file[i]));
+            if (k == pl->n_sources) {
+                pl->sources[pl->n_sources++] = ref;
+                pl->table_len += align8(2 + strlen(ref));
             }
-            src_of[i] = k + 1;
+            pl->src_of[i] = k + 1;
         }
         else {
-            offs[i] = data_len;
-            data_len += flor_align_up(b->nbytes);
-            payload += b->nbytes;
+            pl->offs[i] = pl->data_len;
+            pl->data_len += flor_align_up(b->nbytes);
+            pl->payload += b->nbytes;
         }
     }
     for (i = 0; i < s->n_entries; i++) {
-        table_len += entry_size(&s->entries[i]);
+        pl->table_len += entry_size(&s->entries[i]);
     }
-    table_off = align8(meta_off + meta_len);
-    data_off = flor_align_up(table_off + table_len);
-    file_size = data_off + data_len;
-    table = calloc(1, (size_t)table_len);
-    if (table == NULL) {
-        err->err = ENOMEM;
-        err->step = "allocate";
-        goto cleanup;
-    }
-    clock_gettime(CLOCK_REALTIME, &ts);
-    snprintf(tmp, tmplen, "%s.tmp.%ld.%lld%09ld", path, (long)getpid(), (long long)ts.tv_sec,
-             (long)ts.tv_nsec);
-    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        err->err = errno;
-        err->step = "create";
-        goto cleanup;
-    }
-    created = 1;
+    pl->table_off = align8(pl->meta_off + meta_len);
+    pl->data_off = flor_align_up(pl->table_off + pl->table_len);
+    pl->file_size = pl->data_off + pl->data_len;
+    return 0;
+}
 
-    /* Data first, checksumming each blob while its bytes are in cache. */
+/* Write the blobs this file holds into its data section, checksumming each
+ * while its bytes are in cache.  Runs without the GIL: 0, or -1 with *err
+ * set. */
+static int
+write_blobs(int fd, const FlorSnapshot *s, plan_t *pl, flor_ioerr *err)
+{
+    const char *data = s->arena != NULL ? s->arena->base : NULL;
+    uint32_t i;
     for (i = 0; i < s->n_blobs; i++) {
         const flor_blob *b = &s->blobs[i];
         uint64_t done = 0, span = flor_align_up(b->nbytes);
         uint32_t crc = 0;
-        if (src_of[i] != 0) {
+        if (pl->src_of[i] != 0) {
             continue;
         }
         while (done < span) {
@@ -206,32 +230,42 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
                 uint64_t m = b->nbytes - done < c ? b->nbytes - done : c;
                 crc = flor_crc32c(crc, data + b->offset + done, (size_t)m);
             }
-            if (pwrite_all(fd, data + b->offset + done, c, data_off + offs[i] + done) < 0) {
+            if (pwrite_all(fd, data + b->offset + done, c, pl->data_off + pl->offs[i] + done) < 0) {
                 err->err = errno;
                 err->step = "write";
-                goto cleanup;
+                return -1;
             }
             done += c;
         }
-        crcs[i] = crc;
+        pl->crcs[i] = crc;
     }
+    return 0;
+}
+
+/* The tensor table: counts, the names of the earlier files referred to, a
+ * record per blob, then one per entry. */
+static void
+encode_table(unsigned char *table, const FlorSnapshot *s, const plan_t *pl)
+{
+    unsigned char *p;
+    uint32_t i, k;
     put32(table, s->n_blobs);
     put32(table + 4, s->n_entries);
-    put32(table + 8, n_sources);
+    put32(table + 8, pl->n_sources);
     p = table + 16;
-    for (k = 0; k < n_sources; k++) {
-        size_t len = strlen(sources[k]);
+    for (k = 0; k < pl->n_sources; k++) {
+        size_t len = strlen(pl->sources[k]);
         p[0] = (unsigned char)(len & 0xff);
         p[1] = (unsigned char)(len >> 8);
-        memcpy(p + 2, sources[k], len);
+        memcpy(p + 2, pl->sources[k], len);
         p += align8(2 + len);
     }
     for (i = 0; i < s->n_blobs; i++) {
-        put64(p, offs[i]);
+        put64(p, pl->offs[i]);
         put64(p + 8, s->blobs[i].nbytes);
-        put32(p + 16, crcs[i]);
-        put32(p + 20, src_of[i]);
-        put64(p + 24, hashes[i]);
+        put32(p + 16, pl->crcs[i]);
+        put32(p + 20, pl->src_of[i]);
+        put64(p + 24, pl->hashes[i]);
         p += BLOB_REC;
     }
     for (i = 0; i < s->n_entries; i++) {
@@ -251,25 +285,33 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         memcpy(p + ENTRY_FIXED + 16 * (size_t)e->ndim + dl, e->device, vl);
         p += entry_size(e);
     }
+}
 
-    memset(header, 0, sizeof(header));
+/* The header: sections, counts, checksums of the metadata and the table,
+ * flags, tag and signature, and its own checksum last. */
+static void
+encode_header(unsigned char *header, const char *meta, size_t meta_len,
+              const unsigned char *table, const FlorSnapshot *s, const plan_t *pl,
+              const flor_wopts *opts)
+{
+    memset(header, 0, HEADER_SIZE);
     memcpy(header, MAGIC, 8);
     put32(header + 8, FORMAT_VERSION);
     put32(header + 12, HEADER_SIZE);
-    put64(header + 16, file_size);
-    put64(header + 24, meta_off);
+    put64(header + 16, pl->file_size);
+    put64(header + 24, pl->meta_off);
     put64(header + 32, meta_len);
-    put64(header + 40, table_off);
-    put64(header + 48, table_len);
-    put64(header + 56, data_off);
-    put64(header + 64, data_len);
+    put64(header + 40, pl->table_off);
+    put64(header + 48, pl->table_len);
+    put64(header + 56, pl->data_off);
+    put64(header + 64, pl->data_len);
     put32(header + 72, s->n_blobs);
     put32(header + 76, s->n_entries);
     put32(header + 80, flor_crc32c(0, meta, meta_len));
-    put32(header + 84, flor_crc32c(0, table, (size_t)table_len));
+    put32(header + 84, flor_crc32c(0, table, (size_t)pl->table_len));
     put32(header + 88, (opts != NULL && opts->tag != NULL ? FLOR_FILE_TAGGED : 0) |
                            (opts != NULL && opts->sig != NULL ? FLOR_FILE_SIGNED : 0));
-    put32(header + 92, n_sources);
+    put32(header + 92, pl->n_sources);
     if (opts != NULL && opts->tag != NULL) {
         memcpy(header + 96, opts->tag, FLOR_TAG_LEN);
     }
@@ -277,14 +319,72 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         memcpy(header + 128, opts->sig, FLOR_TAG_LEN);
     }
     put32(header + HEADER_SIZE - 4, flor_crc32c(0, header, HEADER_SIZE - 4));
-    if (pwrite_all(fd, (const char *)header, HEADER_SIZE, 0) < 0 ||
-        pwrite_all(fd, meta, meta_len, meta_off) < 0 ||
-        pwrite_all(fd, (const char *)table, (size_t)table_len, table_off) < 0) {
-        err->err = errno;
-        err->step = "write";
+}
+
+/* The file is durable: later checkpoints may refer to the blobs it holds
+ * (if a reader will accept its name as a source). */
+static void
+remember_blobs(flor_dedup *dedup, const char *path, const FlorSnapshot *s, const plan_t *pl)
+{
+    const char *name = base_name(path);
+    uint32_t i;
+    if (dedup == NULL || !valid_source_name((const unsigned char *)name, strlen(name))) {
+        return;
+    }
+    for (i = 0; i < s->n_blobs; i++) {
+        if (pl->src_of[i] == 0 && s->blobs[i].nbytes > 0) {
+            (void)flor_dedup_add(dedup, pl->hashes[i], s->blobs[i].nbytes, pl->dtypes[i], name,
+                                 pl->offs[i], pl->crcs[i]);
+        }
+    }
+    flor_dedup_next_generation(dedup);
+}
+
+int
+flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
+                flor_wopts *opts, flor_ioerr *err)
+{
+    int rc = -1, fd = -1, created = 0;
+    char *tmp = NULL;
+    unsigned char *table = NULL, header[HEADER_SIZE];
+    flor_dedup *dedup = opts != NULL ? opts->dedup : NULL;
+    plan_t pl;
+
+    memset(&pl, 0, sizeof(pl));
+    err->err = 0;
+    err->step = NULL;
+    tmp = temp_name(path);
+    if (tmp == NULL) {
+        err->err = ENOMEM;
+        err->step = "allocate";
         goto cleanup;
     }
-    if (data_len == 0 && ftruncate(fd, (off_t)file_size) < 0) {
+    if (plan_file(&pl, path, meta_len, s, dedup, err) < 0) {
+        goto cleanup;
+    }
+    table = calloc(1, (size_t)pl.table_len);
+    if (table == NULL) {
+        err->err = ENOMEM;
+        err->step = "allocate";
+        goto cleanup;
+    }
+    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        err->err = errno;
+        err->step = "create";
+        goto cleanup;
+    }
+    created = 1;
+    /* Data first: the table holds the checksums taken as it is written. */
+    if (write_blobs(fd, s, &pl, err) < 0) {
+        goto cleanup;
+    }
+    encode_table(table, s, &pl);
+    encode_header(header, meta, meta_len, table, s, &pl, opts);
+    if (pwrite_all(fd, (const char *)header, HEADER_SIZE, 0) < 0 ||
+        pwrite_all(fd, meta, meta_len, pl.meta_off) < 0 ||
+        pwrite_all(fd, (const char *)table, (size_t)pl.table_len, pl.table_off) < 0 ||
+        (pl.data_len == 0 && ftruncate(fd, (off_t)pl.file_size) < 0)) {
         err->err = errno;
         err->step = "write";
         goto cleanup;
@@ -312,20 +412,9 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         err->step = "fsync directory";
         goto cleanup;
     }
-    /* Durable: later checkpoints may refer to this file's blobs (if a reader
-     * will accept its name as a source). */
-    if (dedup != NULL &&
-        valid_source_name((const unsigned char *)base_name(path), strlen(base_name(path)))) {
-        for (i = 0; i < s->n_blobs; i++) {
-            if (src_of[i] == 0 && s->blobs[i].nbytes > 0) {
-                (void)flor_dedup_add(dedup, hashes[i], s->blobs[i].nbytes, dtypes[i],
-                                     base_name(path), offs[i], crcs[i]);
-            }
-        }
-        flor_dedup_next_generation(dedup);
-    }
+    remember_blobs(dedup, path, s, &pl);
     if (opts != NULL) {
-        opts->written = payload;
+        opts->written = pl.payload;
     }
     rc = 0;
 cleanup:
@@ -337,13 +426,7 @@ cleanup:
     }
     free(tmp);
     free(table);
-    free(dtypes);
-    free(ref_file);
-    free(sources);
-    free(hashes);
-    free(offs);
-    free(crcs);
-    free(src_of);
+    plan_free(&pl);
     return rc;
 }
 
