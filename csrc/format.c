@@ -1,13 +1,31 @@
-/* format.c: the checkpoint file's bytes (format.h holds the layout shared
- * with the reader) and its atomic writer.  docs/FORMAT.md describes the
- * layout byte by byte.
+/* format.c: the checkpoint file's bytes and its atomic writer, format
+ * version 2 (format.h holds the layout that the reader shares;
+ * docs/FORMAT.md describes it byte by byte).
  *
- *     def write(path, meta, snapshot):        # no Python object touched: runs
- *         tmp = f"{path}.tmp.{pid}.{ns}"     # without the GIL, in a writer
- *         for blob in snapshot.blobs:         # thread or in a forked child
- *             pwrite(tmp, data_off + blob.offset, blob bytes); crc32c(blob)
- *         pwrite(tmp, 0, header + meta + table)   # each with its CRC-32C
+ *     def write(path, meta, snap, tag, sig, dedup):  # touches no Python object:
+ *         for b in snap.blobs:                       # runs without the GIL, in a
+ *             b.hash = b.hash or hash64(b.bytes)     # writer thread or a forked child
+ *             ref = dedup and dedup.find(b.hash, b.nbytes, dtype of b's first entry)
+ *             if ref and ref.file != basename(path):  # bytes an earlier file holds
+ *                 b.source = 1 + sources.index(ref.file)  # (added once)
+ *                 b.offset, b.crc = ref.offset, ref.crc
+ *             else:                                  # bytes this file holds
+ *                 b.source, b.offset = 0, data_len; data_len += align64(b.nbytes)
+ *         tmp = open(f"{path}.tmp.{pid}.{ns}", O_EXCL)
+ *         for b in snap.blobs if b.source == 0:
+ *             pwrite(tmp, data_off + b.offset, b.bytes); b.crc = crc32c(b.bytes)
+ *         table = counts, source names, blobs (offset, nbytes, crc, source,
+ *                 hash), entries (kind, flags, sizes, strides, dtype, device)
+ *         header = magic, version 2, section offsets and lengths, counts,
+ *                  crc32c(meta), crc32c(table), flags, tag, sig, its own CRC
+ *         pwrite(tmp, 0, header + meta + table)      # 192 + meta_len, pad 8, table
  *         fsync(tmp); rename(tmp, path); fsync(dirname(path))
+ *         if dedup and basename(path) can name a source:  # durable: later files
+ *             dedup.add(b) for b in snap.blobs if b.source == 0  # may refer to its blobs
+ *         # at the first failure: unlink(tmp), return (errno, the step that failed)
+ *
+ * save(obj, path, tag, signer) snapshots obj, pickles its skeleton, signs
+ * the tag and metadata, and writes the file with the GIL released.
  */
 #include "flor.h"
 #include "format.h"

@@ -1,7 +1,21 @@
-/* picklescan.c: the pickle of a checkpoint's metadata is scanned before
- * anything unpickles it: every opcode known and complete, no persistent ids,
- * extension codes or out-of-band buffers, and memo indices that grow one at
- * a time (so the unpickler's memo stays proportional to the metadata's size).
+/* picklescan.c: the pickle of a checkpoint's metadata, scanned before
+ * anything unpickles it, so that the unpickler only ever sees opcodes flor
+ * writes and a memo proportional to the metadata's size.
+ *
+ *     def scan_pickle(meta):
+ *         memo = 0
+ *         for op, arg in opcodes(meta):   # each complete: its argument inside meta
+ *             if op is unknown, text, a persistent id, an extension code or an
+ *                 out-of-band buffer: bad()   # flor writes binary opcodes only
+ *             if op == MEMOIZE: memo += 1
+ *             if op in (BINPUT, LONG_BINPUT):
+ *                 if arg > memo: bad()    # memo indices grow one at a time
+ *                 if arg == memo: memo += 1
+ *             if op in (BINGET, LONG_BINGET) and arg >= memo: bad()
+ *             if op == STOP: return ok if nothing follows it else bad()
+ *         bad()                           # an incomplete pickle
+ *
+ * bad() raises FormatError(path, "metadata", why).
  */
 #include "flor.h"
 #include "format.h"

@@ -1,11 +1,22 @@
-/* reader.c: a checkpoint file read with verification, and the Mapping its
- * tensors are views of.  docs/FORMAT.md describes the layout byte by byte.
+/* reader.c: a checkpoint file (format version 1 or 2) read with
+ * verification, and the Mapping its tensors are views of.  docs/FORMAT.md
+ * describes the layout byte by byte.
  *
- *     def load(path, hook):
- *         m = mmap(path, MAP_PRIVATE)         # tensors alias the page cache
- *         check magic, version, sizes, header/meta/table/blob checksums
- *         with loader(m.entries, m.blobs):    # _rebuild() builds each tensor
- *             return pickle.loads(m.meta)     # as a view of the mapping
+ *     def load(path, hook, policy):
+ *         m, h, meta, table = map_checked(path)  # mmap MAP_PRIVATE; the header, meta and
+ *             # table copied out, then checked: magic, version, header CRC, sections in
+ *             # order ending at file_size == the file's size, meta and table CRCs
+ *         entries, blobs, sources = parse_table(table)  # counts, source names, the
+ *             # blobs of source 0 inside the data, every entry's dims, dtype and device
+ *         scan_pickle(meta)                      # picklescan.c: before any unpickling
+ *         for b in blobs sharing a region of one source, all but the first:
+ *             b.copy = True                      # tensors saved apart stay apart
+ *         maps = [m] + [map_checked(dirname(path) / s)[0] for s in sources]
+ *         check each blob with b.source > 0 lies inside maps[b.source]'s data
+ *         loads = policy(h.version, h.tag, h.sig, meta)  # the caller's trust decision
+ *         with loader(entries, blobs, maps, hook):  # _rebuild() makes each tensor a view
+ *             return loads(meta)                 # of its mapping, its blob's CRC checked
+ *                                                # the first time it is used
  *
  * A damaged file raises FormatError(path, section, detail); Python turns it
  * into flor.CheckpointCorrupt.  Nothing is trusted before its checksum passes,
