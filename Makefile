@@ -8,7 +8,7 @@ ASAN_VENV ?= .venv-asan
 TORCH := torch==2.13.0
 PIP := pip install -q --disable-pip-version-check
 
-.PHONY: setup demo check test test-fast test-asan docs bench clean
+.PHONY: setup demo check test test-fast test-asan docs format format-check bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,20 @@ docs: setup
 	$(BIN)/$(PIP) 'mkdocs==1.6.1'
 	$(BIN)/python docs/gen_cli.py --check
 	$(BIN)/mkdocs build --strict --site-dir build/site
+
+# The C core in the style of .clang-format. clang-format is pinned (versions
+# lay code out differently); it is a small wheel with no dependencies, so it
+# needs the venv, not the rest of setup. `make format` rewrites the files.
+CLANG_FORMAT := clang-format==22.1.8
+C_SOURCES = csrc/*.c csrc/*.h
+
+format-check: $(BIN)/python
+	$(BIN)/$(PIP) $(CLANG_FORMAT)
+	$(BIN)/clang-format --dry-run --Werror $(C_SOURCES)
+
+format: $(BIN)/python
+	$(BIN)/$(PIP) $(CLANG_FORMAT)
+	$(BIN)/clang-format -i $(C_SOURCES)
 
 bench: setup
 	$(BIN)/$(PIP) --no-build-isolation -e '.[bench]'

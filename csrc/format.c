@@ -503,7 +503,7 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     flor_ioerr err = {0, NULL};
     flor_wopts opts;
     unsigned char tag[FLOR_TAG_LEN], sig[FLOR_TAG_LEN];
-    int rc, has_tag = 0;
+    int has_tag = 0;
 
     memset(&opts, 0, sizeof(opts));
     if (flor_check_nargs("save", nargs, 2, 4) < 0) {
@@ -531,10 +531,10 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         opts.sig = sig;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = flor_write_file(PyBytes_AS_STRING(path), PyBytes_AS_STRING(meta),
-                         (size_t)PyBytes_GET_SIZE(meta), (FlorSnapshot *)snap, &opts, &err);
+    /* What failed, if anything, is in err. */
+    flor_write_file(PyBytes_AS_STRING(path), PyBytes_AS_STRING(meta),
+                    (size_t)PyBytes_GET_SIZE(meta), (FlorSnapshot *)snap, &opts, &err);
     Py_END_ALLOW_THREADS
-    (void)rc;
     res = Py_BuildValue("(Kis)", (unsigned long long)((FlorSnapshot *)snap)->nbytes, err.err,
                         err.step != NULL ? err.step : "");
 cleanup:

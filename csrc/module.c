@@ -127,6 +127,9 @@ cleanup:
     return rc;
 }
 
+/* Kept as written (clang-format would re-flow the X list): grouped as flor_state
+ * declares its objects. */
+/* clang-format off */
 #define FLOR_STATE_OBJECTS(X)                                                                  \
     X(SnapshotType) X(RefType) X(MappingType) X(MaterializerType) X(SkipMachineType)           \
     X(JournalType) X(TeeType)                                                                  \
@@ -139,6 +142,7 @@ cleanup:
     X(s_state_dict)                                                                            \
     X(s_load_state_dict) X(s_deepcopy_attr) X(s_reduce_ex) X(s_setstate) X(s_dict) X(s_append) \
     X(s_items)
+/* clang-format on */
 
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)

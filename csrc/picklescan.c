@@ -30,6 +30,9 @@ flor_scan_pickle(flor_state *st, const char *path, const unsigned char *p, uint6
     while (p < end) {
         unsigned char op = *p++;
         uint64_t avail = (uint64_t)(end - p), skip = 0, idx = UINT64_MAX;
+        /* Kept as written: the case labels are grouped by the size of their opcode's
+         * argument. */
+        /* clang-format off */
         switch (op) {
         case '(': case '.': case '0': case '1': case '2': case 'N': case 'R': case 'a':
         case 'b': case 'd': case '}': case 'e': case 'l': case ']': case 'o': case 's':
@@ -92,6 +95,7 @@ flor_scan_pickle(flor_state *st, const char *path, const unsigned char *p, uint6
                   "out-of-band buffer)";
             goto bad;
         }
+        /* clang-format on */
         if (skip > avail) {
             goto truncated;
         }
