@@ -161,8 +161,8 @@ flor_pool_take(flor_state *st, size_t nbytes, int pinned)
     if (a->base == MAP_FAILED) {
         free(a);
         errno = ENOMEM;
-        PyErr_Format(PyExc_MemoryError,
-                     "flor: cannot map a %zu-byte staging buffer for a snapshot", cap);
+        PyErr_Format(PyExc_MemoryError, "flor: cannot map a %zu-byte staging buffer for a snapshot",
+                     cap);
         return NULL;
     }
     a->cap = cap;

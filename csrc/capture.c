@@ -481,8 +481,7 @@ static PyGetSetDef journal_getset[] = {
      "The session's context, attached to each segment.", NULL},
     {"capturing", (getter)journal_get_capturing, (setter)journal_set_capturing,
      "False: writes are passed on but not journaled.", NULL},
-    {"ord", (getter)journal_get_ord, (setter)journal_set_ord,
-     "The last row number used.", NULL},
+    {"ord", (getter)journal_get_ord, (setter)journal_set_ord, "The last row number used.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -545,9 +544,8 @@ tee_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *journal, *real;
     int stream, tee;
     FlorTee *t;
-    if (st == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwds, "O!Oip:Tee", kwlist, st->JournalType, &journal,
-                                     &real, &stream, &tee)) {
+    if (st == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O!Oip:Tee", kwlist, st->JournalType,
+                                                   &journal, &real, &stream, &tee)) {
         return NULL;
     }
     if (stream != 0 && stream != 1) {

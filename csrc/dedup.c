@@ -91,8 +91,8 @@ lookup(slot *slots, size_t cap, uint64_t hash, uint64_t nbytes, const char *dtyp
 }
 
 int
-flor_dedup_find(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype,
-                const char **file, uint64_t *offset, uint32_t *crc)
+flor_dedup_find(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype, const char **file,
+                uint64_t *offset, uint32_t *crc)
 {
     slot *s;
     int found = 0;
@@ -145,8 +145,8 @@ rehash_locked(flor_dedup *d)
 }
 
 int
-flor_dedup_add(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype,
-               const char *file, uint64_t offset, uint32_t crc)
+flor_dedup_add(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype, const char *file,
+               uint64_t offset, uint32_t crc)
 {
     slot *s;
     int rc = -1;

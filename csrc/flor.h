@@ -175,8 +175,8 @@ flor_state_of_type(PyTypeObject *tp)
 /* support.c */
 int flor_torch_init(flor_state *st);   /* 0: torch not imported yet, 1: ready, -1: error */
 int flor_numpy_init(flor_state *st);
-PyObject *flor_format_error(flor_state *st, const char *path, const char *section,
-                            const char *fmt, ...);
+PyObject *flor_format_error(flor_state *st, const char *path, const char *section, const char *fmt,
+                            ...);
 double flor_now(void);
 int flor_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t lo,
                      Py_ssize_t hi); /* 0, or -1 with a TypeError set */

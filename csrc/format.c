@@ -175,8 +175,8 @@ plan_free(plan_t *pl)
  * length.  *pl starts zeroed; plan_free releases it either way.  Runs
  * without the GIL: 0, or -1 with *err set. */
 static int
-plan_file(plan_t *pl, const char *path, size_t meta_len, const FlorSnapshot *s,
-          flor_dedup *dedup, flor_ioerr *err)
+plan_file(plan_t *pl, const char *path, size_t meta_len, const FlorSnapshot *s, flor_dedup *dedup,
+          flor_ioerr *err)
 {
     const char *data = s->arena != NULL ? s->arena->base : NULL;
     size_t n = s->n_blobs ? s->n_blobs : 1;
@@ -308,9 +308,8 @@ encode_table(unsigned char *table, const FlorSnapshot *s, const plan_t *pl)
 /* The header: sections, counts, checksums of the metadata and the table,
  * flags, tag and signature, and its own checksum last. */
 static void
-encode_header(unsigned char *header, const char *meta, size_t meta_len,
-              const unsigned char *table, const FlorSnapshot *s, const plan_t *pl,
-              const flor_wopts *opts)
+encode_header(unsigned char *header, const char *meta, size_t meta_len, const unsigned char *table,
+              const FlorSnapshot *s, const plan_t *pl, const flor_wopts *opts)
 {
     memset(header, 0, HEADER_SIZE);
     memcpy(header, MAGIC, 8);

@@ -450,9 +450,9 @@ parse_results(flor_child *c)
             memcpy(&j->seconds, c->buf + pos + 12, 8);
             if (err != 0) {
                 /* step names are static strings on this side */
-                static const char *const steps[] = {"create", "write", "fsync", "close",
-                                                    "rename", "fsync directory", "pickle",
-                                                    "allocate", "copy"};
+                static const char *const steps[] = {"create", "write",    "fsync",
+                                                    "close",  "rename",   "fsync directory",
+                                                    "pickle", "allocate", "copy"};
                 size_t s;
                 j->step = "write";
                 for (s = 0; s < sizeof(steps) / sizeof(steps[0]); s++) {
@@ -890,8 +890,7 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
         m->batch_now += j->bytes;
         j = NULL;
         handed = 1;
-        if ((m->batch_now >= m->batch_bytes || m->batch_n >= m->batch_count) &&
-            fork_batch(m) < 0) {
+        if ((m->batch_now >= m->batch_bytes || m->batch_n >= m->batch_count) && fork_batch(m) < 0) {
             goto cleanup;
         }
     }
@@ -1030,17 +1029,15 @@ mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
     }
     writing = pending;
     pending += (uint64_t)m->batch_n;
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K,s:K}",
-                         "bytes_referenced", (unsigned long long)m->bytes_referenced, "submitted",
-                         (unsigned long long)m->submitted, "written",
-                         (unsigned long long)m->written, "failed", (unsigned long long)m->failed,
-                         "bytes_written", (unsigned long long)m->bytes_written, "write_seconds", ws,
-                         "block_seconds", m->block_seconds, "max_block_seconds",
-                         m->max_block_seconds, "forks", (unsigned long long)m->forks,
-                         "fork_fallbacks", (unsigned long long)m->fork_fallbacks, "held_bytes",
-                         (unsigned long long)held, "peak_held_bytes",
-                         (unsigned long long)peak, "pending", (unsigned long long)pending,
-                         "writing", (unsigned long long)writing);
+    return Py_BuildValue(
+        "{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K,s:K}", "bytes_referenced",
+        (unsigned long long)m->bytes_referenced, "submitted", (unsigned long long)m->submitted,
+        "written", (unsigned long long)m->written, "failed", (unsigned long long)m->failed,
+        "bytes_written", (unsigned long long)m->bytes_written, "write_seconds", ws, "block_seconds",
+        m->block_seconds, "max_block_seconds", m->max_block_seconds, "forks",
+        (unsigned long long)m->forks, "fork_fallbacks", (unsigned long long)m->fork_fallbacks,
+        "held_bytes", (unsigned long long)held, "peak_held_bytes", (unsigned long long)peak,
+        "pending", (unsigned long long)pending, "writing", (unsigned long long)writing);
 }
 
 static PyObject *
@@ -1069,8 +1066,8 @@ PyDoc_STRVAR(mat_children_doc,
 static PyObject *
 mat_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"mode", "max_buffer_bytes", "max_children", "batch_bytes",
-                             "batch_count", "incremental", "signer", NULL};
+    static char *kwlist[] = {"mode",        "max_buffer_bytes", "max_children", "batch_bytes",
+                             "batch_count", "incremental",      "signer",       NULL};
     FlorMaterializer *m;
     flor_state *st = flor_state_of_type(type);
     int mode, max_children, incremental = 0;
@@ -1078,10 +1075,9 @@ mat_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_ssize_t batch_count;
     PyObject *signer = Py_None;
 
-    if (st == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwds, "iKiKn|pO:Materializer", kwlist, &mode,
-                                     &max_buffer, &max_children, &batch_bytes, &batch_count,
-                                     &incremental, &signer)) {
+    if (st == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "iKiKn|pO:Materializer", kwlist,
+                                                   &mode, &max_buffer, &max_children, &batch_bytes,
+                                                   &batch_count, &incremental, &signer)) {
         return NULL;
     }
     if (signer != Py_None && !PyCallable_Check(signer)) {
@@ -1119,8 +1115,7 @@ mat_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m->dedup = incremental && mode != MODE_FORK ? flor_dedup_new() : NULL;
     m->submitted_index = m->dedup != NULL ? flor_dedup_new() : NULL;
     if (m->failures == NULL || m->children == NULL ||
-        (incremental && mode != MODE_FORK &&
-         (m->dedup == NULL || m->submitted_index == NULL))) {
+        (incremental && mode != MODE_FORK && (m->dedup == NULL || m->submitted_index == NULL))) {
         int nomem = m->failures != NULL;
         Py_DECREF(m);
         return nomem ? PyErr_NoMemory() : NULL;

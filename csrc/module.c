@@ -65,9 +65,10 @@ module_exec(PyObject *module)
         goto cleanup;
     }
     st->FormatError = PyErr_NewExceptionWithDoc(
-        "flor._core.FormatError",
-        "A checkpoint file is damaged. args: (path, section, detail).", PyExc_ValueError, NULL);
-    if (st->FormatError == NULL || PyModule_AddObjectRef(module, "FormatError", st->FormatError) < 0) {
+        "flor._core.FormatError", "A checkpoint file is damaged. args: (path, section, detail).",
+        PyExc_ValueError, NULL);
+    if (st->FormatError == NULL ||
+        PyModule_AddObjectRef(module, "FormatError", st->FormatError) < 0) {
         goto cleanup;
     }
     st->kind_cache = PyDict_New();
@@ -105,9 +106,9 @@ module_exec(PyObject *module)
         st->weakref_t == NULL) {
         goto cleanup;
     }
-#define INTERN(field, s)                                          \
+#define INTERN(field, s)                                       \
     if ((st->field = PyUnicode_InternFromString(s)) == NULL) { \
-        goto cleanup;                                             \
+        goto cleanup;                                          \
     }
     INTERN(s_state_dict, "state_dict");
     INTERN(s_load_state_dict, "load_state_dict");

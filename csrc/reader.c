@@ -287,8 +287,8 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
     uint64_t rec = h->version >= 2 ? BLOB_REC : BLOB_REC_V1, head = h->version >= 2 ? 16 : 8;
 
     if (h->table_len < head || get32(t) != h->n_blobs || get32(t + 4) != h->n_entries ||
-        (h->version >= 2 && (get32(t + 8) != h->n_sources || get32(t + 12) != 0 ||
-                             h->n_sources > h->n_blobs)) ||
+        (h->version >= 2 &&
+         (get32(t + 8) != h->n_sources || get32(t + 12) != 0 || h->n_sources > h->n_blobs)) ||
         (uint64_t)h->n_blobs * rec > h->table_len - head ||
         (uint64_t)h->n_entries * ENTRY_FIXED > h->table_len - head - (uint64_t)h->n_blobs * rec) {
         flor_format_error(st, path, "tensor table", "counts disagree with the header");
@@ -304,7 +304,8 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
     p = t + head;
     for (k = 0; k < h->n_sources; k++) {
         size_t len;
-        if (end - p < 2 || (len = (size_t)p[0] | ((size_t)p[1] << 8), (size_t)(end - p) < align8(2 + len)) ||
+        if (end - p < 2 ||
+            (len = (size_t)p[0] | ((size_t)p[1] << 8), (size_t)(end - p) < align8(2 + len)) ||
             !valid_source_name(p + 2, len)) {
             flor_format_error(st, path, "tensor table", "source %u is malformed", k);
             goto error;
@@ -382,7 +383,8 @@ parse_table(flor_state *st, const char *path, const unsigned char *t, const head
         memcpy(e->dtype, p + ENTRY_FIXED + 16 * (size_t)e->ndim, dl);
         memcpy(e->device, p + ENTRY_FIXED + 16 * (size_t)e->ndim + dl, vl);
         if (!valid_name(e->dtype) || !flor_device_name(e->device)) {
-            flor_format_error(st, path, "tensor table", "entry %u has a malformed dtype or device", i);
+            flor_format_error(st, path, "tensor table", "entry %u has a malformed dtype or device",
+                              i);
             goto error;
         }
         if (align8(need) > (size_t)(end - p)) {
@@ -454,8 +456,8 @@ mark_shared_regions(flor_blob *blobs, uint32_t n)
 /* Map the earlier files this one refers to; check each referenced range lies
  * in its data section.  maps[0] is the file itself. */
 static int
-map_sources(flor_state *st, const char *path, const header_t *h, char **sources,
-            flor_blob *blobs, PyObject **maps, uint64_t *data_offs, uint64_t *data_lens)
+map_sources(flor_state *st, const char *path, const header_t *h, char **sources, flor_blob *blobs,
+            PyObject **maps, uint64_t *data_offs, uint64_t *data_lens)
 {
     const char *slash = strrchr(path, '/');
     size_t dirlen = slash != NULL ? (size_t)(slash - path) + 1 : 0;
@@ -503,10 +505,10 @@ map_sources(flor_state *st, const char *path, const header_t *h, char **sources,
     }
     for (i = 0; i < h->n_blobs; i++) {
         const flor_blob *b = &blobs[i];
-        if (b->source != 0 && (b->offset > data_lens[b->source] ||
-                               b->nbytes > data_lens[b->source] - b->offset)) {
-            flor_format_error(st, path, "tensor table",
-                              "blob %u lies outside the data of %s", i, sources[b->source - 1]);
+        if (b->source != 0 &&
+            (b->offset > data_lens[b->source] || b->nbytes > data_lens[b->source] - b->offset)) {
+            flor_format_error(st, path, "tensor table", "blob %u lies outside the data of %s", i,
+                              sources[b->source - 1]);
             goto cleanup;
         }
     }

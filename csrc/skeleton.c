@@ -202,7 +202,8 @@ flor_unpickle(flor_state *st, PyObject *loads, PyObject *meta, flor_loader *ld)
         PyObject *t, *v, *tb;
         int r;
         PyErr_Fetch(&t, &v, &tb);
-        r = prev != NULL ? PyDict_SetItem(st->loaders, key, prev) : PyDict_DelItem(st->loaders, key);
+        r = prev != NULL ? PyDict_SetItem(st->loaders, key, prev)
+                         : PyDict_DelItem(st->loaders, key);
         if (r < 0) {
             PyErr_Clear();
         }
@@ -446,8 +447,8 @@ build_tensor(flor_state *st, flor_loader *ld, Py_ssize_t index, PyObject *cls)
     if (t == NULL) {
         goto cleanup;
     }
-    Py_SETREF(t, PyObject_CallMethod(t, "set_", "OLOO", storage, (long long)e->storage_offset,
-                                     size, stride));
+    Py_SETREF(t, PyObject_CallMethod(t, "set_", "OLOO", storage, (long long)e->storage_offset, size,
+                                     stride));
     if (t == NULL) {
         goto cleanup;
     }
@@ -580,8 +581,7 @@ build_array(flor_state *st, flor_loader *ld, Py_ssize_t index)
     fn = PyObject_GetAttrString(np, "frombuffer");
     args = src == NULL ? NULL : PyTuple_Pack(1, src);
     kw = Py_BuildValue("{s:O,s:K,s:K}", "dtype", dtype, "count", (unsigned long long)nelem,
-                       "offset",
-                       (unsigned long long)(mapping != NULL ? moff : 0));
+                       "offset", (unsigned long long)(mapping != NULL ? moff : 0));
     if (fn == NULL || args == NULL || kw == NULL) {
         goto cleanup;
     }
@@ -703,8 +703,7 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 (!PyType_Check(payload) ||
                  !PyType_IsSubtype((PyTypeObject *)payload, (PyTypeObject *)st->Tensor))) {
                 return flor_format_error(st, ld->path, "metadata",
-                                         "reference %zd names a class that is not a tensor",
-                                         index);
+                                         "reference %zd names a class that is not a tensor", index);
             }
             res = build_tensor(st, ld, index, payload);
         }
@@ -748,8 +747,9 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                  PyObject_TypeCheck(PyTuple_GET_ITEM(payload, 1), (PyTypeObject *)st->Tensor)) {
             PyObject *r;
             res = PyObject_CallMethod(torch, "Generator", "(O)", PyTuple_GET_ITEM(payload, 0));
-            r = res == NULL ? NULL
-                            : PyObject_CallMethod(res, "set_state", "(O)", PyTuple_GET_ITEM(payload, 1));
+            r = res == NULL
+                    ? NULL
+                    : PyObject_CallMethod(res, "set_state", "(O)", PyTuple_GET_ITEM(payload, 1));
             if (r == NULL) {
                 Py_CLEAR(res);
             }

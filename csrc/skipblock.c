@@ -306,16 +306,16 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
         snprintf(reason, sizeof(reason),
                  "no checkpoint: M/C = %.4g (M = %.4g s for %llu B, C = %.4g s) >= "
                  "n/(k+1) * eps = %llu/%llu * %.4g = %.4g",
-                 ratio, M, nbytes, C, (unsigned long long)b->n,
-                 (unsigned long long)(b->k + 1), m->epsilon, limit);
+                 ratio, M, nbytes, C, (unsigned long long)b->n, (unsigned long long)(b->k + 1),
+                 m->epsilon, limit);
     }
     else {
         snprintf(reason, sizeof(reason),
                  "%s: M/C = %.4g (M = %.4g s for %llu B, C = %.4g s) < n/(k+1) * eps; "
                  "(M + c*W)/C = %.4g (c = %.4g, W = %.4g s) %s n/(k+1) = %llu/%llu = %.4g",
-                 worth ? "checkpoint" : "no checkpoint", oratio, M,
-                 nbytes, C, rratio, m->c, write_s, worth ? "<" : ">=",
-                 (unsigned long long)b->n, (unsigned long long)(b->k + 1), rlimit);
+                 worth ? "checkpoint" : "no checkpoint", oratio, M, nbytes, C, rratio, m->c,
+                 write_s, worth ? "<" : ">=", (unsigned long long)b->n,
+                 (unsigned long long)(b->k + 1), rlimit);
     }
     if (yes) {
         b->k++;
@@ -515,8 +515,7 @@ sm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         /* The values as parsed: they may have come by keyword. */
         char got[96];
         snprintf(got, sizeof(got), "epsilon=%.17g, c=%.17g", eps, c);
-        PyErr_Format(PyExc_ValueError, "epsilon must be in (0, 1) and c at least 0 (got %s)",
-                     got);
+        PyErr_Format(PyExc_ValueError, "epsilon must be in (0, 1) and c at least 0 (got %s)", got);
         return NULL;
     }
     m = (FlorSkipMachine *)type->tp_alloc(type, 0);

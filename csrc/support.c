@@ -83,10 +83,10 @@ collect_atom_names(flor_state *st)
                 /* The first name wins: torch.float32 before its alias torch.float. */
                 PyObject *s = PyObject_Str(v);
                 const char *full = s == NULL ? NULL : PyUnicode_AsUTF8(s);
-                PyObject *shortname = full == NULL ? NULL
-                                      : PyUnicode_FromString(strncmp(full, "torch.", 6) == 0
-                                                                 ? full + 6
-                                                                 : full);
+                PyObject *shortname = full == NULL
+                                          ? NULL
+                                          : PyUnicode_FromString(
+                                                strncmp(full, "torch.", 6) == 0 ? full + 6 : full);
                 r = shortname == NULL ? -1 : PyDict_SetItem(st->atom_names, v, shortname);
                 Py_XDECREF(shortname);
                 Py_XDECREF(s);
@@ -121,9 +121,9 @@ flor_torch_init(flor_state *st)
         return 0; /* nobody imported torch: no object can be a tensor */
     }
     st->torch = Py_NewRef(torch);
-#define GET(field, obj, name)                                            \
+#define GET(field, obj, name)                                          \
     if ((st->field = PyObject_GetAttrString((obj), (name))) == NULL) { \
-        goto cleanup;                                                    \
+        goto cleanup;                                                  \
     }
     GET(Tensor, torch, "Tensor");
     GET(Generator, torch, "Generator");
@@ -206,10 +206,10 @@ flor_entries_free(flor_entry *e, uint32_t n)
 int
 flor_device_name(const char *s)
 {
-    static const char *const types[] = {"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl",
-                                        "opencl", "ideep", "hip", "ve", "fpga", "maia", "xla",
-                                        "lazy", "vulkan", "mps", "meta", "hpu", "mtia",
-                                        "privateuseone"};
+    static const char *const types[] = {"cpu",    "cuda",   "ipu",   "xpu",  "mkldnn",
+                                        "opengl", "opencl", "ideep", "hip",  "ve",
+                                        "fpga",   "maia",   "xla",   "lazy", "vulkan",
+                                        "mps",    "meta",   "hpu",   "mtia", "privateuseone"};
     const char *colon = strchr(s, ':');
     size_t i, n = colon != NULL ? (size_t)(colon - s) : strlen(s);
     for (i = 0; i < sizeof(types) / sizeof(types[0]); i++) {

@@ -426,7 +426,7 @@ walk_tensor(walker *w, PyObject *t)
      * (complex) view: its storage bytes alone have the wrong values, so
      * copy the resolved values.  Both calls return t itself when no bit is set. */
     resolved = strncmp(nm, "complex", 7) == 0 ? PyObject_CallMethod(t, "resolve_conj", NULL)
-                                               : Py_NewRef(t);
+                                              : Py_NewRef(t);
     if (resolved != NULL) {
         Py_SETREF(resolved, PyObject_CallMethod(resolved, "resolve_neg", NULL));
     }
@@ -483,7 +483,8 @@ walk_tensor(walker *w, PyObject *t)
     e->kind = FLOR_REF_TENSOR;
     e->blob = (uint32_t)bidx;
     e->storage_offset = PyLong_AsLongLong(offset);
-    if (PyErr_Occurred() || fill_dims(e, shape, stride) < 0 || set_name(e->dtype, name, "dtype") < 0) {
+    if (PyErr_Occurred() || fill_dims(e, shape, stride) < 0 ||
+        set_name(e->dtype, name, "dtype") < 0) {
         goto cleanup;
     }
     if (is_cpu) {
@@ -1172,10 +1173,10 @@ classify(flor_state *st, PyTypeObject *tp)
     if (PyErr_Occurred()) {
         return -1;
     }
-    if (PyType_IsSubtype(tp, &PyType_Type) || tp == &PyFunction_Type ||
-        tp == &PyCFunction_Type || tp == &PyCode_Type || tp == &PyModule_Type ||
-        tp == &PyRange_Type || tp == &PyComplex_Type || tp == Py_TYPE(Py_Ellipsis) ||
-        tp == Py_TYPE(Py_NotImplemented) || tp == &PyProperty_Type || (PyObject *)tp == st->weakref_t) {
+    if (PyType_IsSubtype(tp, &PyType_Type) || tp == &PyFunction_Type || tp == &PyCFunction_Type ||
+        tp == &PyCode_Type || tp == &PyModule_Type || tp == &PyRange_Type ||
+        tp == &PyComplex_Type || tp == Py_TYPE(Py_Ellipsis) || tp == Py_TYPE(Py_NotImplemented) ||
+        tp == &PyProperty_Type || (PyObject *)tp == st->weakref_t) {
         kind = K_ATOM;
     }
     else if (st->torch_ready && PyType_IsSubtype(tp, (PyTypeObject *)st->Tensor)) {
@@ -1311,8 +1312,7 @@ walk(walker *w, PyObject *o, int shared)
     }
     case K_NDARRAY:
     case K_BYTEARRAY:
-        switch (walk_buffer(w, o, kind == K_NDARRAY ? FLOR_REF_ARRAY : FLOR_REF_BYTEARRAY,
-                            &res)) {
+        switch (walk_buffer(w, o, kind == K_NDARRAY ? FLOR_REF_ARRAY : FLOR_REF_BYTEARRAY, &res)) {
         case 0:
             return walk_reduce(w, o, shared);
         case -1:
@@ -2063,8 +2063,7 @@ mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
         if (version != 1 && version != 2) {
-            PyErr_Format(PyExc_ValueError, "fingerprint: version must be 1 or 2, not %ld",
-                         version);
+            PyErr_Format(PyExc_ValueError, "fingerprint: version must be 1 or 2, not %ld", version);
             return NULL;
         }
     }
