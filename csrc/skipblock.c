@@ -4,11 +4,14 @@
  *         mode: RECORD or REPLAY;  phase: WORK or PSEUDORESUME (replay)
  *         blocks[i]: n executions, k checkpoints, compute seconds, restores
  *
+ *         def wants(probed):        # the skip table: restore rather than run?
+ *             return mode == REPLAY and (phase == PSEUDORESUME or not probed)
+ *
  *         def enter(i, probed, has_checkpoint):      # SkipBlock.step_into
- *             if mode == RECORD:            state = EXECUTE
- *             elif phase == PSEUDORESUME:   state = PSEUDORESUME if has_checkpoint else STEP_INTO
- *             elif probed or not has_checkpoint: state = STEP_INTO
- *             else:                         state = SKIP
+ *             if has_checkpoint and wants(probed):
+ *                 state = PSEUDORESUME if phase == PSEUDORESUME else SKIP
+ *             else:
+ *                 state = EXECUTE if mode == RECORD else STEP_INTO
  *             push (i, state, now); return state  # the body runs for EXECUTE, STEP_INTO
  *
  *         def leave(i):                             # SkipBlock.end
@@ -17,10 +20,11 @@
  *         def decide(i, nbytes, M, W):              # record: checkpoint now?
  *             C = compute / n          # M: what training pays per checkpoint,
  *             R = c * W                # W: its write time, R: a restore's
- *             if (k + 1) * M < n * epsilon * C and (k + 1) * (M + R) < n * C \
- *                     or not adaptive:
- *                 k += 1; materialize += W; return True, reason
- *             return False, reason
+ *             cheap = (k + 1) * M < n * epsilon * C
+ *             worth = (k + 1) * (M + R) < n * C
+ *             if cheap and worth or not adaptive:
+ *                 k += 1; materialize += W; return True, terms
+ *             return False, terms  # the numbers compared: Python words them
  *
  * The two halves of the paper's joint invariant (Eq. 4): k * M < n * epsilon
  * * C keeps record overhead at most epsilon, and k * (M + R) < n * C keeps
@@ -110,6 +114,28 @@ sm_block(FlorSkipMachine *m, PyObject *key)
     return hv;
 }
 
+/* The skip table, in one place: whether a block execution that has a
+ * checkpoint restores it instead of running its body. */
+static int
+wants_checkpoint(const FlorSkipMachine *m, int probed)
+{
+    return m->mode == SB_REPLAY && (m->phase == PHASE_PSEUDORESUME || !probed);
+}
+
+PyDoc_STRVAR(sm_wants_doc, "wants($self, probed, /)\n--\n\n"
+                           "Whether enter() would restore a checkpoint of a block (probed or\n"
+                           "not) rather than run it: the caller loads one only then.");
+
+static PyObject *
+sm_wants(FlorSkipMachine *m, PyObject *arg)
+{
+    int probed = PyObject_IsTrue(arg);
+    if (probed < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(wants_checkpoint(m, probed));
+}
+
 PyDoc_STRVAR(sm_enter_doc,
              "enter($self, handle, probed, has_checkpoint, /)\n--\n\n"
              "Open a block and return its state: EXECUTE or STEP_INTO run the body,\n"
@@ -129,14 +155,11 @@ sm_enter(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     if ((i == -1 && PyErr_Occurred()) || probed < 0 || has_ckpt < 0 || check_handle(m, i) < 0) {
         return NULL;
     }
-    if (m->mode == SB_RECORD) {
-        state = ST_EXECUTE;
-    }
-    else if (m->phase == PHASE_PSEUDORESUME) {
-        state = has_ckpt ? ST_PSEUDORESUME : ST_STEP_INTO;
+    if (has_ckpt && wants_checkpoint(m, probed)) {
+        state = m->phase == PHASE_PSEUDORESUME ? ST_PSEUDORESUME : ST_SKIP;
     }
     else {
-        state = (probed || !has_ckpt) ? ST_STEP_INTO : ST_SKIP;
+        state = m->mode == SB_RECORD ? ST_EXECUTE : ST_STEP_INTO;
     }
     if (m->depth == m->stack_cap) {
         Py_ssize_t cap = m->stack_cap ? m->stack_cap * 2 : 8;
@@ -244,18 +267,20 @@ PyDoc_STRVAR(sm_decide_doc,
              "(replay from checkpoints cheaper than re-running), with M the seconds a\n"
              "checkpoint costs training, write_s the seconds its background write takes\n"
              "(accounted as its materialize time) and C the mean compute time. Returns\n"
-             "(checkpoint, reason, ratio, limit, M): ratio and limit of the half that\n"
-             "binds (the overhead half when both hold).");
+             "(checkpoint, ratio, limit, M, terms): ratio and limit of the half that\n"
+             "binds (the overhead half when both hold); terms = (cheap, worth, C, n, k,\n"
+             "overhead ratio, overhead limit, replay ratio, replay limit), each half and\n"
+             "the numbers it compared, k before this decision.");
 
 static PyObject *
 sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t i;
-    unsigned long long nbytes;
-    double write_s, M, C, ratio, limit, oratio, rratio, rlimit;
+    unsigned long long nbytes, n, k;
+    double write_s, M, C, ratio, limit, oratio, olimit, rratio, rlimit;
     int yes, cheap, worth;
     sb_block *b;
-    char reason[400];
+    PyObject *terms;
 
     if (flor_check_nargs("decide", nargs, 4, 4) < 0) {
         return NULL;
@@ -285,44 +310,27 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_RuntimeError, "decide() before the block ever executed");
         return NULL;
     }
+    n = (unsigned long long)b->n;
+    k = (unsigned long long)b->k;
     C = b->compute / (double)b->n;
     /* the overhead half: the paper's rule with c = 0 puts epsilon in the floor */
-    cheap = joint_invariant(M, C, b->n, b->k, 0.0, m->epsilon, &ratio, &limit);
+    cheap = joint_invariant(M, C, b->n, b->k, 0.0, m->epsilon, &oratio, &olimit);
     /* the replay half: (M + R)/C < n/(k+1) */
-    oratio = ratio;
     worth = joint_invariant(M + m->c * write_s, C, b->n, b->k, 0.0, 1.0, &rratio, &rlimit);
-    yes = cheap && worth;
-    if (cheap && !worth) {
-        ratio = rratio;
-        limit = rlimit;
-    }
-    if (!m->adaptive) {
-        yes = 1;
-        snprintf(reason, sizeof(reason),
-                 "checkpoint: adaptivity off (the rule would %s: M/C = %.4g vs limit %.4g)",
-                 cheap && worth ? "checkpoint" : "not checkpoint", ratio, limit);
-    }
-    else if (!cheap) {
-        snprintf(reason, sizeof(reason),
-                 "no checkpoint: M/C = %.4g (M = %.4g s for %llu B, C = %.4g s) >= "
-                 "n/(k+1) * eps = %llu/%llu * %.4g = %.4g",
-                 ratio, M, nbytes, C, (unsigned long long)b->n, (unsigned long long)(b->k + 1),
-                 m->epsilon, limit);
-    }
-    else {
-        snprintf(reason, sizeof(reason),
-                 "%s: M/C = %.4g (M = %.4g s for %llu B, C = %.4g s) < n/(k+1) * eps; "
-                 "(M + c*W)/C = %.4g (c = %.4g, W = %.4g s) %s n/(k+1) = %llu/%llu = %.4g",
-                 worth ? "checkpoint" : "no checkpoint", oratio, M, nbytes, C, rratio, m->c,
-                 write_s, worth ? "<" : ">=", (unsigned long long)b->n,
-                 (unsigned long long)(b->k + 1), rlimit);
+    yes = (cheap && worth) || !m->adaptive;
+    ratio = cheap && !worth ? rratio : oratio;
+    limit = cheap && !worth ? rlimit : olimit;
+    terms = Py_BuildValue("(NNdKKdddd)", PyBool_FromLong(cheap), PyBool_FromLong(worth), C, n, k,
+                          oratio, olimit, rratio, rlimit);
+    if (terms == NULL) {
+        return NULL;
     }
     if (yes) {
         b->k++;
         b->materialize += write_s;
         b->nbytes = nbytes;
     }
-    return Py_BuildValue("(Nsddd)", PyBool_FromLong(yes), reason, ratio, limit, M);
+    return Py_BuildValue("(NdddN)", PyBool_FromLong(yes), ratio, limit, M, terms);
 }
 
 PyDoc_STRVAR(sm_overruled_doc,
@@ -571,6 +579,7 @@ sm_dealloc(FlorSkipMachine *m)
 
 static PyMethodDef sm_methods[] = {
     {"block", FLOR_CFUNC(sm_block), METH_O, sm_block_doc},
+    {"wants", FLOR_CFUNC(sm_wants), METH_O, sm_wants_doc},
     {"enter", FLOR_CFUNC(sm_enter), METH_FASTCALL, sm_enter_doc},
     {"leave", FLOR_CFUNC(sm_leave), METH_O, sm_leave_doc},
     {"decide", FLOR_CFUNC(sm_decide), METH_FASTCALL, sm_decide_doc},

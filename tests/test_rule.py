@@ -2,6 +2,7 @@
 import pytest
 
 from flor import _core
+from flor.runtime import charge
 
 pytestmark = pytest.mark.unit  # in-process: `make check` runs these
 
@@ -100,7 +101,9 @@ def test_decide_uses_the_rule_with_measured_time():
     h = m.block("b")
     m.enter(h, False, False)
     _, elapsed = m.leave(h)
-    ok, reason, ratio, limit, M = m.decide(h, 1_000_000, 1e-3, 0.25)
+    decided = m.decide(h, 1_000_000, 1e-3, 0.25)
+    ok, ratio, limit, M, _ = decided
+    reason = charge.reason(m, 1_000_000, 0.25, decided)
     assert M == 1e-3
     # The overhead half, the paper's rule with the write left out of the floor.
     overhead = _core.rule(M, elapsed, 1, 0, 0.0, EPS)
@@ -118,11 +121,15 @@ def test_decide_keeps_replay_from_checkpoints_cheaper_than_running():
     h = m.block("b")
     m.enter(h, False, False)
     m.leave(h)
-    ok, reason, ratio, limit, _ = m.decide(h, 1 << 30, 0.0, 1e6)
-    assert not ok and limit == 1.0 and ratio > 1.0
+    decided = m.decide(h, 1 << 30, 0.0, 1e6)
+    ok, ratio, limit, _, (cheap, worth, _, n, k, *_) = decided
+    assert not ok and cheap and not worth and limit == 1.0 and ratio > 1.0 and (n, k) == (1, 0)
+    reason = charge.reason(m, 1 << 30, 1e6, decided)
     assert reason.startswith("no checkpoint:") and "(M + c*W)/C" in reason
-    ok, reason, ratio, limit, _ = m.decide(h, 0, 0.0, 0.0)
-    assert ok and reason.startswith("checkpoint:") and m.stats()[0]["k"] == 1
+    assert f"W = {1e6:.4g} s) >= n/(k+1) = 1/1 = 1" in reason
+    decided = m.decide(h, 0, 0.0, 0.0)
+    assert decided[0] and charge.reason(m, 0, 0.0, decided).startswith("checkpoint:")
+    assert m.stats()[0]["k"] == 1
 
 
 def test_decide_refuses_seconds_that_are_not_finite():
@@ -277,3 +284,27 @@ def test_overruled_moves_the_accounting_to_the_group_decision():
         m.overruled(h, True, float("nan"), 1)
     with pytest.raises(IndexError):
         m.overruled(7, True, 0.1, 1)
+
+
+@pytest.mark.parametrize("mode", [_core.RECORD, _core.REPLAY])
+def test_the_skip_table_has_one_home(mode):
+    """enter() restores a checkpoint (SKIP, PSEUDORESUME) exactly where
+    wants() tells the caller to load one: a replay's unprobed block, or any
+    block while pseudoresuming; a record runs every block."""
+    m = _core.SkipMachine(mode, EPS, C)
+    h = m.block("b")
+    phases = [_core.WORK] + ([_core.PSEUDORESUME_PHASE] if mode == _core.REPLAY else [])
+    for phase in phases:
+        m.phase = phase
+        for probed in (False, True):
+            want = m.wants(probed)
+            assert want == (mode == _core.REPLAY and (phase == _core.PSEUDORESUME_PHASE
+                                                      or not probed))
+            for has in (False, True):
+                state = m.enter(h, probed, has)
+                m.leave(h)
+                restores = state in (_core.SKIP, _core.PSEUDORESUME)
+                assert restores == (has and want), (phase, probed, has, state)
+                assert state != _core.PSEUDORESUME or phase == _core.PSEUDORESUME_PHASE
+                if not restores:
+                    assert state == (_core.EXECUTE if mode == _core.RECORD else _core.STEP_INTO)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["Charges"]
+__all__ = ["Charges", "reason"]
 
 SPARE_CORE_SHARE = 0.25  # of the write time, charged before any measure
 # What training pays per byte of a CUDA tensor before a checkpoint is
@@ -154,3 +154,22 @@ class Charges:
         self._blocks.setdefault(key, _Block()).blocking.append(blocking)
         if self._open:
             self._open[-1].inner += blocking
+
+
+def reason(machine, nbytes: int, write_s: float, decided) -> str:
+    """The adaptive rule's decision for one block execution, in words, from
+    what SkipMachine.decide() returned (`decided`: the decision, the ratio
+    and limit of the half that binds, M, and the terms both halves
+    compared; the C rule gives numbers, this gives the words)."""
+    _, ratio, limit, M, (cheap, worth, C, n, k, oratio, _, rratio, rlimit) = decided
+    if not machine.adaptive:
+        would = "checkpoint" if cheap and worth else "not checkpoint"
+        return f"checkpoint: adaptivity off (the rule would {would}: M/C = {ratio:.4g} " \
+               f"vs limit {limit:.4g})"
+    measured = f"M/C = {oratio:.4g} (M = {M:.4g} s for {nbytes} B, C = {C:.4g} s)"
+    if not cheap:
+        return f"no checkpoint: {measured} >= n/(k+1) * eps = {n}/{k + 1} * " \
+               f"{machine.epsilon:.4g} = {limit:.4g}"
+    return f"{'checkpoint' if worth else 'no checkpoint'}: {measured} < n/(k+1) * eps; " \
+           f"(M + c*W)/C = {rratio:.4g} (c = {machine.c:.4g}, W = {write_s:.4g} s) " \
+           f"{'<' if worth else '>='} n/(k+1) = {n}/{k + 1} = {rlimit:.4g}"

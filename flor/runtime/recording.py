@@ -26,7 +26,7 @@ from ..runinfo import RecordInfo
 from ..schema import DECISIONS
 from ..store import new_run_id, process_start
 from ..version import __version__
-from . import blockstate, carry, ranks
+from . import blockstate, carry, charge, ranks
 from .charge import Charges
 from .logbook import FingerprintBudget
 from .loops import Span
@@ -244,7 +244,9 @@ class Recording(Policy):
         bw, copy_bw = self.writes.bandwidth()
         write_s = nbytes / bw
         M = self.charges.cost(key, nbytes, copy_bw, write_s, self.on_device.get(key, 0.0))
-        ok, reason, ratio, limit, M = self.machine.decide(handle, nbytes, M, write_s)
+        decided = self.machine.decide(handle, nbytes, M, write_s)
+        ok, ratio, limit, M, _ = decided
+        reason = charge.reason(self.machine, nbytes, write_s, decided)
         if unheld:  # replay runs it again (a worker: the iterations before its segment)
             ok, reason = False, f"no checkpoint: none holds {'; '.join(unheld)}"
         if self.group is not None:  # every rank follows the first to get here

@@ -120,8 +120,7 @@ class Replaying(Policy):
         """(checkpoint, seconds to load it, probed) for a block execution:
         None where the block runs instead."""
         probed = probed or key in self.plan.probed
-        pseudo = self.machine.phase == _core.PSEUDORESUME_PHASE
-        if not (pseudo or not probed) or key in self.plan.changed_end:
+        if not self.machine.wants(probed) or key in self.plan.changed_end:
             return None, 0.0, probed
         t0 = time.perf_counter()
         payload = self._load(key, ctx, occurrence)
