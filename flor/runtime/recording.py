@@ -6,34 +6,29 @@ block's side effects costs training (measured by runtime/charge.py), and
 the time to write and restore it (bytes measured by the snapshot walk over
 this machine's write bandwidth), against C, the block's mean compute time;
 a checkpoint that passes is handed, with the random state, to a background
-Materializer.  Each decision and its reason is stored.  At the end the run
-row gets its main loop (the longest-running top-level loop), iteration
-count and status.
+Materializer.  Each decision and its reason is stored.  The run's row in
+the store is recordrow.py's.
 """
 from __future__ import annotations
 
 import math
 import os
-import socket
-import sys
 import time
 
 from .. import _core
 from ..context import checkpoint_name, iter_column, iteration_key
-from ..errors import CheckpointWriteError, FlorError, Interrupted, SegmentDone, note
+from ..errors import CheckpointWriteError, FlorError, Interrupted, note
 from ..program.gradients import manual_gradients
-from ..runinfo import RecordInfo
 from ..schema import DECISIONS
-from ..store import new_run_id, process_start
-from ..version import __version__
 from . import blockstate, carry, charge, ranks
 from .charge import Charges
 from .logbook import FingerprintBudget
 from .loops import Span
 from .policy import Policy
+from .recordrow import RecordRow
 from .writes import Writes
 
-__all__ = ["Recording", "DEFAULT_EPSILON", "DEFAULT_C", "versions"]
+__all__ = ["Recording", "DEFAULT_EPSILON", "DEFAULT_C"]
 
 DEFAULT_EPSILON = 1 / 15
 DEFAULT_C = 1.38
@@ -47,15 +42,6 @@ def estimate_c(store, script_name) -> float:
         return DEFAULT_C
     ratios = sorted(store.restore_ratios(script_name))
     return ratios[len(ratios) // 2] if ratios else DEFAULT_C
-
-
-def versions() -> dict:
-    v = {"python": sys.version.split()[0], "flor": __version__}
-    for mod in ("torch", "numpy"):
-        m = sys.modules.get(mod)
-        if m is not None:
-            v[mod] = getattr(m, "__version__", "?")
-    return v
 
 
 class Recording(Policy):
@@ -81,32 +67,11 @@ class Recording(Policy):
         # A quarter of the overhead the rule allows goes to state fingerprints;
         # --no-adaptive takes one at every iteration, as it checkpoints every block.
         self.fingerprints = FingerprintBudget(eps / 4) if adaptive else None
-        source = None
-        if script is not None:
-            with open(script) as f:
-                source = f.read()
-        info = RecordInfo(adaptive=adaptive, hands_free=hands_free is not None,
-                          pid=os.getpid(), pid_start=process_start(os.getpid()),
-                          host=socket.gethostname(), fingerprint=self.fingerprint_version)
         self.point = resume  # a flor.runtime.resume.ResumePoint
         self.restored = resume is None or resume.start == 0
-        if resume is None:
-            run_id = self.group.new_run_id(store, new_run_id, info) if self.group else None
-            self.run_id = store.new_run("record", self.script, argv, source, epsilon=eps, c=c,
-                                        versions=versions(), info=info,
-                                        run_id=run_id)
-            if self.group is not None:
-                self.group.publish(self.run_id)
-        else:
-            self.run_id = resume.run_id
-            info.resumed = run["info"].resumed + [resume.start]
-            store.truncate_record(self.run_id, resume.ord, resume.decisions)
-            store.update_run(self.run_id, status="running", info=info,
-                             iterations=resume.start)
-        self.info = info
-        self.hands_free = hands_free is not None
-        if hands_free is not None:
-            store.layout.save_instrumented(self.run_id, hands_free.text, hands_free.summary())
+        self.row = RecordRow(store, self.script, argv, eps, c, adaptive, hands_free, resume,
+                             self.group, self.fingerprint_version)
+        self.run_id, source = self.row.run_id, self.row.source
         # Manual API: blocks whose gradients are read after their end().
         self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
             if source is not None and hands_free is None else set()
@@ -289,37 +254,9 @@ class Recording(Policy):
         return self.writes.close()
 
     def finish(self, session, error, failures):
-        failed = error is not None and not isinstance(error, SegmentDone)
         if isinstance(error, Interrupted) or not self.restored:
             # SIGTERM, or a resume that did not get to its main loop: the
             # run stays interrupted, as far as it committed.
-            self.store.update_run(self.run_id, status="interrupted")
-            note(f"record of run {self.run_id} interrupted; continue it with: python -m flor "
-                 f"record --resume {' '.join(sys.argv)}")
+            self.row.interrupted()
             return
-        torch = sys.modules.get("torch")
-        top = [row for row in session.loops.stats if row.depth == 0]
-        if self.point is not None and self.point.start:
-            top = [row for row in top if (row.loop, row.run) == (self.point.loop,
-                                                                 self.point.loop_run)]
-        main = max(top, key=lambda r: r.seconds) if top else None
-        # A run that never reached a loop or block of flor's (a --help run, a
-        # crash or an exit before the main loop) has nothing to replay.
-        empty = main is None and not any(st["n"] for st in self.machine.stats())
-        info = self.info
-        info.failed_writes = [f[0] for f in failures]
-        info.threads = torch.get_num_threads() if torch is not None else None
-        # is_initialized() never initialises CUDA itself
-        info.cuda = torch is not None and torch.cuda.is_initialized()
-        info.deterministic = torch is not None and torch.are_deterministic_algorithms_enabled()
-        info.adaptive, info.hands_free = self.machine.adaptive, self.hands_free
-        info.flor_seconds = session.own_time.seconds
-        info.startup_s = session.loops.startup_s()
-        info.captured = session.block_labels
-        info.main_ended = main is not None and (main.loop, main.run) in session.loops.ended
-        info.error = repr(error) if failed else None
-        self.store.update_run(
-            self.run_id, finished=time.time(),
-            status="empty" if empty else "failed" if failed else "finished",
-            main_loop=main.loop if main else None, main_run=main.run if main else None,
-            iterations=main.iterations if main else 0, versions=versions(), info=info)
+        self.row.finish(session, self.machine, self.point, error, failures)

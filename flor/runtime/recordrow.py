@@ -1,0 +1,97 @@
+"""A record's row in the run store: made as the record starts (or, for
+``record --resume``, reopened, after what the interrupted run stored past
+its resume point is deleted), and completed at the end with what the run
+measured: its main loop (the longest-running top-level loop), iteration
+count, status and info (flor/runinfo.py).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+from ..errors import SegmentDone, note
+from ..runinfo import RecordInfo
+from ..store import new_run_id, process_start
+from ..version import __version__
+
+__all__ = ["RecordRow", "versions"]
+
+
+def versions() -> dict:
+    v = {"python": sys.version.split()[0], "flor": __version__}
+    for mod in ("torch", "numpy"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            v[mod] = getattr(m, "__version__", "?")
+    return v
+
+
+class RecordRow:
+    """The row of one record run (`run_id`), its `info`, and the script's
+    `source` as the run stored it."""
+
+    def __init__(self, store, script, argv, epsilon, c, adaptive, hands_free, resume, group,
+                 fingerprint):
+        self.store = store
+        self.source = None
+        if script is not None:
+            with open(script) as f:
+                self.source = f.read()
+        info = RecordInfo(adaptive=adaptive, hands_free=hands_free is not None,
+                          pid=os.getpid(), pid_start=process_start(os.getpid()),
+                          host=socket.gethostname(), fingerprint=fingerprint)
+        if resume is None:
+            run_id = group.new_run_id(store, new_run_id, info) if group else None
+            self.run_id = store.new_run("record", script, argv, self.source, epsilon=epsilon,
+                                        c=c, versions=versions(), info=info, run_id=run_id)
+            if group is not None:
+                group.publish(self.run_id)
+        else:
+            self.run_id = resume.run_id
+            info.resumed = store.run(resume.run_id)["info"].resumed + [resume.start]
+            store.truncate_record(self.run_id, resume.ord, resume.decisions)
+            store.update_run(self.run_id, status="running", info=info,
+                             iterations=resume.start)
+        self.info = info
+        if hands_free is not None:
+            store.layout.save_instrumented(self.run_id, hands_free.text, hands_free.summary())
+
+    def interrupted(self):
+        """The run stays interrupted, as far as it committed."""
+        self.store.update_run(self.run_id, status="interrupted")
+        note(f"record of run {self.run_id} interrupted; continue it with: python -m flor "
+             f"record --resume {' '.join(sys.argv)}")
+
+    def finish(self, session, machine, point, error, failures):
+        """Complete the row: `machine` (the SkipMachine) says whether any
+        block ran, `point` (record --resume) which run of the main loop
+        this process resumed, `error` what ended the run (if not its end),
+        `failures` the checkpoint writes that failed."""
+        failed = error is not None and not isinstance(error, SegmentDone)
+        torch = sys.modules.get("torch")
+        top = [row for row in session.loops.stats if row.depth == 0]
+        if point is not None and point.start:
+            top = [row for row in top if (row.loop, row.run) == (point.loop, point.loop_run)]
+        main = max(top, key=lambda r: r.seconds) if top else None
+        # A run that never reached a loop or block of flor's (a --help run, a
+        # crash or an exit before the main loop) has nothing to replay.
+        empty = main is None and not any(st["n"] for st in machine.stats())
+        info = self.info
+        info.failed_writes = [f[0] for f in failures]
+        info.threads = torch.get_num_threads() if torch is not None else None
+        # is_initialized() never initialises CUDA itself
+        info.cuda = torch is not None and torch.cuda.is_initialized()
+        info.deterministic = torch is not None and torch.are_deterministic_algorithms_enabled()
+        info.adaptive = machine.adaptive
+        info.flor_seconds = session.own_time.seconds
+        info.startup_s = session.loops.startup_s()
+        info.captured = session.block_labels
+        info.main_ended = main is not None and (main.loop, main.run) in session.loops.ended
+        info.error = repr(error) if failed else None
+        self.store.update_run(
+            self.run_id, finished=time.time(),
+            status="empty" if empty else "failed" if failed else "finished",
+            main_loop=main.loop if main else None, main_run=main.run if main else None,
+            iterations=main.iterations if main else 0, versions=versions(), info=info)
