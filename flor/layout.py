@@ -1,6 +1,6 @@
-"""The files of the run store under ``.flor/`` (flor/store.py holds the
-database and documents the whole layout): run directories, kept sources,
-plans, part databases, logged arrays, and this machine's calibration."""
+"""The files of the run store under ``.flor/`` (flor/store.py holds its
+database): run directories, kept sources, plans, part databases, logged
+arrays, and this machine's calibration.  docs/results.md lists every file."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,10 @@
-"""What the `info` column of a run and of a replay part says, typed.
+"""What the `info` column of a run and of a replay part says, typed, and
+the other JSON columns of a run row (argv, versions).
 
 The store parses the JSON once, when it reads a row (`Store.run`,
-`Store.runs`, `Store.parts`...), into the object of the row's kind, and
-writes these objects back as JSON; nothing else decodes the column.  A key
+`Store.runs`, `Store.parts`...; `run_row`), into the object of the row's
+kind, and writes these objects back as JSON (`encoded`); nothing else
+decodes the column.  A key
 this version does not know (a newer flor wrote it) is kept in `extra` and
 written back unchanged; a key an older flor did not write reads as its
 field's default.
@@ -13,7 +15,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-__all__ = ["Info", "RecordInfo", "ReplayInfo", "PartInfo", "run_info"]
+__all__ = ["Info", "RecordInfo", "ReplayInfo", "PartInfo", "run_info", "run_row", "encoded"]
 
 
 @dataclass
@@ -101,3 +103,22 @@ class PartInfo(Info):
 def run_info(kind: str, text: str | None) -> Info:
     """The info of a run of `kind` ("record" or "replay") from its column."""
     return (RecordInfo if kind == "record" else ReplayInfo).from_json(text)
+
+
+def run_row(row) -> dict:
+    """A row of runs, its JSON columns parsed: argv a list, versions a dict,
+    info the typed object of the run's kind."""
+    out = dict(row)
+    out.update(argv=json.loads(out["argv"] or "[]"), versions=json.loads(out["versions"] or "{}"),
+               info=run_info(out["kind"], out["info"]))
+    return out
+
+
+def encoded(fields: dict) -> dict:
+    """Columns of runs as stored: info and versions as JSON."""
+    out = dict(fields)
+    if isinstance(out.get("info"), Info):
+        out["info"] = out["info"].to_json()
+    if isinstance(out.get("versions"), dict):
+        out["versions"] = json.dumps(out["versions"])
+    return out

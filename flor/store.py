@@ -1,24 +1,11 @@
-"""The run store: ``.flor/`` in the working directory (``FLOR_DIR`` moves it).
+"""The run store: ``.flor/`` in the working directory (``FLOR_DIR`` moves it),
+its database ``flor.db`` (SQLite, WAL; the tables of schema.py) beside the
+files that layout.py keeps (docs/results.md lists every one).
 
-    .flor/flor.db                   SQLite (WAL): flor_schema, runs, parts, logs,
-                                    output, decisions, blockruns, blocks, loops
-    .flor/runs/<run>/source.py      the exact source of the script as it ran
-    .flor/runs/<run>/modules/       the source of the program's other files with flor calls
-    .flor/runs/<run>/ckpt/          the run's checkpoints (record runs)
-    .flor/runs/<run>/instrumented.py  a hands-free record's instrumented script
-    .flor/runs/<run>/handsfree.json   its loops, blocks, side-effect sets and give-ups
-    .flor/runs/<run>/plan.json      a replay's plan
-    .flor/runs/<run>/part-N.db      a --part worker's database, until merge imports it
-    .flor/runs/<run>/part-N.aK.db   attempt K of a local (or Ray) worker, until imported
-    .flor/runs/<run>/partN.aK.stderr  attempt K of a local replay worker's standard error
-    .flor/runs/<run>/written/       a replay's marks of the files its parts wrote (files.py)
-    .flor/runs/<run>/values/        large logged tensors and arrays, one flor file each
-    .flor/calibration.json          this machine's measured write and copy bandwidths
-
-This module owns that layout and every SQL statement flor runs.  Every
-process (the recording script, each replay worker) opens its own
-connection; writes are short transactions, so concurrent workers only wait
-on each other for milliseconds.
+This module holds every SQL statement flor runs.  Every process (the
+recording script, each replay worker) opens its own connection; writes are
+short transactions, so concurrent workers only wait on each other for
+milliseconds.
 """
 from __future__ import annotations
 
@@ -32,7 +19,7 @@ import time
 from .errors import StoreError, unusable
 from .context import MAIN, PRE, PRINTED, printed_lines
 from .layout import Layout, new_run_id, process_alive, process_start, store_root
-from .runinfo import Info, PartInfo, run_info
+from .runinfo import PartInfo, encoded, run_row
 from .schema import (BLOCKRUNS, BLOCKS, DECISIONS, LOGS, LOOPS, OUTPUT, PART_TABLES, PARTS,
                      RUNS, TABLES)
 
@@ -175,7 +162,7 @@ class Store(_Database):
                    script_name=os.path.basename(script) if script else None,
                    argv=json.dumps(list(argv)), cwd=os.getcwd(), started=time.time(),
                    status="running")
-        row.update(_encoded(fields))
+        row.update(encoded(fields))
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         try:
@@ -188,7 +175,7 @@ class Store(_Database):
         return run_id
 
     def update_run(self, run_id, **fields):
-        fields = _encoded(fields)
+        fields = encoded(fields)
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self.transaction():
             self.db.execute(f"UPDATE runs SET {sets} WHERE run_id = ?",
@@ -196,10 +183,10 @@ class Store(_Database):
 
     def run(self, run_id) -> dict | None:
         row = self.db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-        return _run_row(row) if row else None
+        return run_row(row) if row else None
 
     def runs(self) -> list[dict]:
-        return [_run_row(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]
+        return [run_row(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]
 
     def script_runs(self, script, kind=None) -> list[dict]:
         """The runs of `script` (of `kind`, "record" or "replay", if given),
@@ -207,7 +194,7 @@ class Store(_Database):
         no file, recorded in an interactive session."""
         of_kind, args = ("", []) if kind is None else (" AND kind = ?", [kind])
         if script is None:
-            return [_run_row(r) for r in self.db.execute(
+            return [run_row(r) for r in self.db.execute(
                 f"SELECT * FROM runs WHERE script IS NULL{of_kind} ORDER BY started", args)]
         path = os.path.abspath(script)
         for key, value in (("script", path), ("script_name", os.path.basename(path))):
@@ -215,7 +202,7 @@ class Store(_Database):
                 f"SELECT * FROM runs WHERE {key} = ?{of_kind} ORDER BY started",
                 [value, *args]).fetchall()
             if rows:
-                return [_run_row(r) for r in rows]
+                return [run_row(r) for r in rows]
         return []
 
     def records(self, script) -> list[dict]:
@@ -387,25 +374,6 @@ class Store(_Database):
         return [dict(r) for r in self.db.execute(
             "SELECT stream, ctx, text FROM output WHERE run_id = ? AND top IS ? AND top_iter IS ? "
             "ORDER BY ord", (run_id, top, it))]
-
-
-def _run_row(row) -> dict:
-    """A row of runs, its JSON columns parsed: argv a list, versions a dict,
-    info the typed object of the run's kind (flor/runinfo.py)."""
-    out = dict(row)
-    out.update(argv=json.loads(out["argv"] or "[]"), versions=json.loads(out["versions"] or "{}"),
-               info=run_info(out["kind"], out["info"]))
-    return out
-
-
-def _encoded(fields: dict) -> dict:
-    """Columns of runs as stored: info and versions as JSON."""
-    out = dict(fields)
-    if isinstance(out.get("info"), Info):
-        out["info"] = out["info"].to_json()
-    if isinstance(out.get("versions"), dict):
-        out["versions"] = json.dumps(out["versions"])
-    return out
 
 
 def _read_only(db_file) -> sqlite3.Connection:
