@@ -44,12 +44,10 @@ LOGS = Table("logs", [
     ("top", "TEXT"), ("ctx", "TEXT"), ("name", "TEXT"), ("iter", "TEXT"), ("seq", "INTEGER"),
     ("value", "TEXT"), ("loc", "TEXT")], index=("logs_by_run", ("run_id", "name")))
 
-# What the program printed, write by write, in the main loop's iteration
-# `top_iter` (as in decisions; `iter` is a JSON list only where it names
-# the indices of every loop, in logs and decisions).
+# What the program printed, write by write; `iter` is the main loop's index.
 OUTPUT = Table("output", [
     ("run_id", "TEXT"), ("part", "INTEGER"), ("ord", "INTEGER"), ("stream", "TEXT"),
-    ("phase", "TEXT"), ("top", "TEXT"), ("top_iter", "INTEGER"), ("text", "TEXT"),
+    ("phase", "TEXT"), ("top", "TEXT"), ("iter", "INTEGER"), ("text", "TEXT"),
     ("ctx", "TEXT"), ("loc", "TEXT")], index=("output_by_run", ("run_id",)))
 
 # The adaptive rule's decision for each block execution of a record.

@@ -26,12 +26,11 @@ from .schema import (BLOCKRUNS, BLOCKS, DECISIONS, LOGS, LOOPS, OUTPUT, PART_TAB
 __all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION", "unusable",
            "printed_lines", "process_start", "process_alive"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 2
 # What turns a store of version v into version v + 1.
 MIGRATIONS = {
     1: ["ALTER TABLE output ADD COLUMN ctx TEXT",  # output rows know their block
         "ALTER TABLE output ADD COLUMN loc TEXT"],  # and the statement that printed them
-    2: ["ALTER TABLE output RENAME COLUMN iter TO top_iter"],  # an index, not a list
 }
 
 
@@ -372,7 +371,7 @@ class Store(_Database):
         """A record's output in one main-loop iteration, with the context of
         each chunk, in order."""
         return [dict(r) for r in self.db.execute(
-            "SELECT stream, ctx, text FROM output WHERE run_id = ? AND top IS ? AND top_iter IS ? "
+            "SELECT stream, ctx, text FROM output WHERE run_id = ? AND top IS ? AND iter IS ? "
             "ORDER BY ord", (run_id, top, it))]
 
 

@@ -7,7 +7,6 @@ import sqlite3
 import pytest
 
 from flor.errors import StoreError
-from flor.schema import OUTPUT
 from flor.store import SCHEMA_VERSION, Store
 
 pytestmark = pytest.mark.unit  # in-process: `make check` runs these
@@ -55,26 +54,21 @@ def test_a_store_of_another_schema_version_is_refused(tmp_path):
 
 def _old_store(root, version):
     """A store as an older flor wrote it: version 1 (or, with None, before
-    the version table) had output rows without their context and location;
-    versions 1 and 2 named the main loop's index of an output row `iter`."""
+    the version table) had output rows without their context and location."""
     from flor.store import ddl
 
     root.mkdir()
     with sqlite3.connect(root / "flor.db") as conn:
         for statement in ddl():
             if version is not None or "flor_schema" not in statement:
-                statement = statement.replace("top_iter INTEGER, text", "iter INTEGER, text")
-                if version in (None, 1):
-                    statement = statement.replace(", ctx TEXT, loc TEXT", "")
-                conn.execute(statement)
+                conn.execute(statement.replace(", ctx TEXT, loc TEXT", ""))
         if version is not None:
             conn.execute("INSERT INTO flor_schema VALUES (?)", (version,))
         conn.execute("INSERT INTO runs (run_id, kind, script) VALUES ('r1', 'record', 'a.py')")
-        conn.execute("INSERT INTO output (run_id, part, ord, stream, iter, text) "
-                     "VALUES ('r1', 0, 1, 'stdout', 4, 'hi')")
+        conn.execute("INSERT INTO output VALUES ('r1', 0, 1, 'stdout', NULL, NULL, NULL, 'hi')")
 
 
-@pytest.mark.parametrize("version", [None, 1, 2])
+@pytest.mark.parametrize("version", [None, 1])
 def test_an_older_store_is_brought_up_to_this_schema(tmp_path, version):
     root = tmp_path / ".flor"
     _old_store(root, version)
@@ -82,17 +76,9 @@ def test_an_older_store_is_brought_up_to_this_schema(tmp_path, version):
     assert [r["run_id"] for r in st.runs()] == ["r1"]
     assert st.db.execute("SELECT version FROM flor_schema").fetchone()[0] == SCHEMA_VERSION
     (row,) = st.rows("output", "r1")
-    assert row["text"] == "hi" and row["top_iter"] == 4 and "iter" not in row
-    assert row["ctx"] is None and row["loc"] is None
-    st.add_output([OUTPUT.Row(run_id="r1", part=0, ord=2, stream="stdout", phase=None, top=None,
-                              top_iter=5, text="again", ctx="[]", loc="a.py:3")])
+    assert row["text"] == "hi" and row["ctx"] is None and row["loc"] is None
+    st.add_output([("r1", 0, 2, "stdout", None, None, None, "again", "[]", "a.py:3")])
     assert [r["text"] for r in st.run_rows("output", "r1")] == ["hi", "again"]
-    # The schema a migrated store ends with is a new store's.
-    new = Store(str(tmp_path / "new"))
-    new.runs()
-    for table in ("runs", "output", "logs"):
-        assert [tuple(r)[1:3] for r in st.db.execute(f"PRAGMA table_info({table})")] == \
-            [tuple(r)[1:3] for r in new.db.execute(f"PRAGMA table_info({table})")]
 
 
 @pytest.mark.parametrize("content", ['[]', 'null', '{"HOST": 5e8}',

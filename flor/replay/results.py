@@ -29,8 +29,7 @@ def merged_output(store: Store, run_id):
     for stream in ("stdout", "stderr"):
         mine = [r for r in rows if r["stream"] == stream]
         main = sorted((r for r in mine if r["phase"] == MAIN),
-                      key=lambda r: (r["top_iter"] if r["top_iter"] is not None else -1, r["part"],
-                                     r["ord"]))
+                      key=lambda r: (r["iter"] if r["iter"] is not None else -1, r["part"], r["ord"]))
         out.append("".join([r["text"] for r in mine if r["phase"] == PRE] +
                            [r["text"] for r in main] +
                            [r["text"] for r in mine if r["phase"] == POST]))

@@ -258,7 +258,7 @@ class Logbook:
                 else:
                     loc = known[1]
             self.out.append(OUTPUT.Row(run_id=s.run_id, part=s.part, ord=ord_,
-                                       stream=STREAMS[stream], phase=phase, top=top, top_iter=it,
+                                       stream=STREAMS[stream], phase=phase, top=top, iter=it,
                                        text=text, ctx=ctx, loc=loc))
 
     def flush(self, store):
