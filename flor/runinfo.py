@@ -20,9 +20,17 @@ __all__ = ["Info", "RecordInfo", "ReplayInfo", "PartInfo", "run_info", "run_row"
 
 @dataclass
 class Info:
-    """The fields every info object shares: the keys it does not know."""
+    """The fields every info object shares: the keys it does not know.
+    Only the keys given (to the constructor, in the JSON read, or set
+    since) are written back: a run's info says what its run stored."""
 
     extra: dict = field(default_factory=dict)
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        given = self.__dict__.get("_given")
+        if given is not None:
+            given.add(name)
 
     @classmethod
     def from_json(cls, text: str | None):
@@ -32,14 +40,29 @@ class Info:
                    extra={k: v for k, v in data.items() if k not in known})
 
     def to_dict(self) -> dict:
+        given = self.__dict__.get("_given", set())
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "extra"}
+               if f.name != "extra" and f.name in given}
         return {**out, **self.extra}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
 
+def _given(cls):
+    """Have `cls` remember the keyword arguments its instances were made
+    with (its fields otherwise at their defaults, and not written)."""
+    init = cls.__init__
+
+    def __init__(self, **given):
+        init(self, **given)
+        object.__setattr__(self, "_given", set(given) - {"extra"})
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_given
 @dataclass
 class RecordInfo(Info):
     """A record: how it ran, and what it measured at its end."""
@@ -70,6 +93,7 @@ class RecordInfo(Info):
         return bool(self.rank)
 
 
+@_given
 @dataclass
 class ReplayInfo(Info):
     """A replay: its plan's outline, and what its checks concluded."""
@@ -86,6 +110,7 @@ class ReplayInfo(Info):
     seconds: float | None = None  # the replay's own measure, from start to conclusion
 
 
+@_given
 @dataclass
 class PartInfo(Info):
     """One part of a replay: what its worker restored and ran."""

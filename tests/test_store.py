@@ -2,6 +2,7 @@
 tables only in a new database, keeps using its own older stores, and leaves
 a database of another program or another schema untouched with an error
 that names it."""
+import json
 import sqlite3
 
 import pytest
@@ -138,7 +139,12 @@ def test_run_info_is_parsed_once_into_the_object_of_its_kind(tmp_path):
     assert again["info"] == run["info"] and again["versions"] == {"torch": "x"}
     assert '"from_a_newer_flor": [1, 2]' in st.db.execute(
         "SELECT info FROM runs WHERE run_id = ?", (rec,)).fetchone()[0]
+    # Only the keys the run stored (or set since) are written back, as before.
+    stored = st.db.execute("SELECT info FROM runs WHERE run_id = ?", (rec,)).fetchone()[0]
+    assert json.loads(stored) == {"adaptive": False, "main_ended": True,
+                                  "from_a_newer_flor": [1, 2]}
     rep = st.new_run("replay", None, [], None, parent=rec, info=ReplayInfo(nparts=3))
+    assert st.run(rep)["info"].to_dict() == {"nparts": 3}
     assert st.run(rep)["info"].nparts == 3 and st.run(rep)["info"].checks_passed is None
     st.set_part(rep, 1, "finished", 2.0, PartInfo(main_seen=True))
     st.set_part(rep, 0, "finished", 1.0)
