@@ -233,3 +233,24 @@ def test_training_idioms_replay_like_a_plain_run(tmp_path, name):
     rep = flor(d, "replay", *rep_opts, "train.py")
     assert rep.stdout == want
     assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
+def test_a_hands_free_script_gets_the_globals_plain_python_gives_it(tmp_path):
+    # dir(__builtins__) is the builtins module's names under plain python,
+    # a dict's methods if flor ran the script with the builtins dict.
+    d = str(tmp_path)
+    write_script(d, "globs.py", (
+        "import random\n"
+        "print(type(__builtins__).__name__, len(dir(__builtins__)) > 100)\n"
+        "print(__name__, __package__, __spec__, __cached__, type(__loader__).__name__)\n"
+        "print(sorted(k for k in globals() if k.startswith('__') and k != '__flor__'))\n"
+        "random.seed(len(dir(__builtins__)))\n"
+        "w = 0.0\n"
+        "for epoch in range(3):\n"
+        "    for step in range(4):\n"
+        "        w += random.random()\n"
+        "    print(epoch, round(w, 6))\n"))
+    want = plain(d, "globs.py").stdout
+    assert want.startswith("module True\n__main__ None None None SourceFileLoader\n"), want
+    assert flor(d, "record", "globs.py").stdout == want
+    assert flor(d, "replay", "globs.py").stdout == want

@@ -1,6 +1,8 @@
 """Run the user's script as ``__main__``, as ``python script.py`` would."""
 from __future__ import annotations
 
+import builtins
+import importlib.machinery
 import os
 import runpy
 import sys
@@ -17,9 +19,14 @@ def run_instrumented(path: str, code):
     from ..program.instrument import RUNTIME
     from . import handsfree
 
+    # The globals `python script.py` gives a script: a script that reads
+    # them (dir(__builtins__), __loader__) behaves as under plain python.
     main = types.ModuleType("__main__")
     main.__file__ = os.path.abspath(path)
-    main.__builtins__ = __builtins__
+    main.__builtins__ = builtins
+    main.__cached__ = None
+    main.__annotations__ = {}
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", main.__file__)
     main.__dict__[RUNTIME] = handsfree
     # Kept as __main__ after the run: objects the script defined pickle by name.
     sys.modules["__main__"] = main
