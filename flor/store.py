@@ -106,6 +106,8 @@ class _Database:
                     if self.db_file.endswith("flor.db"):
                         _wal(conn)
                         conn.execute("PRAGMA synchronous=NORMAL")
+                    else:
+                        _scratch(conn)
             except (OSError, sqlite3.Error) as e:
                 if conn is not None:
                     conn.close()
@@ -125,6 +127,13 @@ class _Database:
 
     def transaction(self):
         return _Transaction(self.db, self.db_file)
+
+    def durable(self):
+        """Every later commit waits for the disk, and with it what earlier
+        ones wrote: a replay part's own database, which does not sync at
+        every commit (`_scratch`), before the part says it finished."""
+        if not self.db_file.endswith("flor.db"):
+            self.db.execute("PRAGMA synchronous=FULL")
 
     def _many(self, sql, rows):
         if rows:
@@ -454,19 +463,37 @@ def _check_schema(conn, db_file, create=True, migrate=True):
             conn.execute("UPDATE flor_schema SET version = ?", (SCHEMA_VERSION,))
 
 
+def _scratch(conn):
+    """A replay part's own database: written by one worker at every main-loop
+    iteration, read once the worker has finished.  A worker killed mid-write
+    leaves it consistent (the rollback journal, which SQLite replays on the
+    next open), and its segment runs again into a new file anyway; what must
+    be durable is only the finished part, which `Store.durable` makes so.  So
+    no commit waits for the disk (a sync per iteration was most of a
+    step-loop replay's time), and the journal is truncated, not deleted."""
+    conn.execute("PRAGMA journal_mode=TRUNCATE")
+    conn.execute("PRAGMA synchronous=OFF")
+
+
 class _Transaction:
     """BEGIN IMMEDIATE ... COMMIT (or ROLLBACK) on an autocommit connection.
-    A write that the file system refuses (read-only, full) becomes a
-    StoreError naming the store (`db_file`)."""
+    One inside another is part of the outer one (writes grouped into one
+    commit).  A write that the file system refuses (read-only, full) becomes
+    a StoreError naming the store (`db_file`)."""
 
     def __init__(self, conn, db_file=None):
         self.conn, self.db_file = conn, db_file
+        self.outer = False
 
     def __enter__(self):
-        self.conn.execute("BEGIN IMMEDIATE")
+        if not self.conn.in_transaction:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.outer = True
         return self.conn
 
     def __exit__(self, exc_type, exc, tb):
+        if not self.outer:
+            return False
         if exc_type is None:
             try:
                 self.conn.execute("COMMIT")

@@ -149,3 +149,37 @@ def test_run_info_is_parsed_once_into_the_object_of_its_kind(tmp_path):
     st.set_part(rep, 1, "finished", 2.0, PartInfo(main_seen=True))
     st.set_part(rep, 0, "finished", 1.0)
     assert [(p["part"], p["info"].main_seen) for p in st.parts(rep)] == [(0, False), (1, True)]
+
+
+def test_a_replay_part_database_commits_without_waiting_for_the_disk_until_it_finishes(
+        tmp_path):
+    """A part's own database is written at every flush of a replay worker:
+    its commits do not sync (a killed worker's segment runs again into a new
+    file) until the part says it finished; the store itself always syncs."""
+    from flor.schema import OUTPUT
+
+    store = Store(str(tmp_path / ".flor"))
+    part = Store(str(tmp_path / ".flor"), db_file=str(tmp_path / "part-0.a0.db"))
+    assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL, with WAL
+    assert part.db.execute("PRAGMA journal_mode").fetchone()[0] == "truncate"
+    assert part.db.execute("PRAGMA synchronous").fetchone()[0] == 0  # OFF
+    part.durable()
+    assert part.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    store.durable()
+    assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 1
+
+    def row(ord_):
+        return OUTPUT.Row(run_id="r", part=0, ord=ord_, stream=1, phase="main", top=None,
+                          iter=None, text="x", ctx=None, loc=None)
+
+    # Writes grouped in one transaction are one commit: all or nothing.
+    with pytest.raises(RuntimeError):
+        with part.transaction():
+            part.add_output([row(1)])
+            part.add_output([row(2)])
+            raise RuntimeError("the worker stops mid-flush")
+    assert part.rows("output", "r") == []
+    with part.transaction():
+        part.add_output([row(1)])
+        part.add_output([row(2)])
+    assert [r["ord"] for r in part.rows("output", "r")] == [1, 2]

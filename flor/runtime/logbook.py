@@ -1,8 +1,9 @@
 """What a session stores as the run goes: logged values, output, the
 adaptive rule's decisions and (replay) how each block ran.
 
-Rows wait in memory and are written to the store at the end of every
-main-loop iteration and when the run finishes.  Output is journaled in C
+Rows wait in memory and are written to the store, in one commit, at the
+end of a main-loop iteration (every one in a record; a replay worker's at
+most once a second, replaying.py) and when the run finishes.  Output is journaled in C
 (csrc/capture.c) in segments, consecutive writes of one statement in one
 context; at a flush each segment becomes one row of the output table, with
 the statement's location.  The store reads the printed lines of a
@@ -265,7 +266,10 @@ class Logbook:
         self.digest()
         logs, out, dec, runs = self.logs, self.out, self.decisions, self.blockruns
         self.logs, self.out, self.decisions, self.blockruns = [], [], [], []
-        store.add_logs(logs)
-        store.add_output(out)
-        store.add_decisions(dec)
-        store.add_blockruns(runs)
+        if not (logs or out or dec or runs):
+            return
+        with store.transaction():  # one commit, not one per table
+            store.add_logs(logs)
+            store.add_output(out)
+            store.add_decisions(dec)
+            store.add_blockruns(runs)

@@ -62,6 +62,12 @@ class Policy:
         the iteration is the process's own, not pseudoresumed."""
         state()
 
+    def flush_due(self, session) -> bool:
+        """Whether what the ended top-level iteration stored is flushed to
+        the store now (then `iteration_committed`), or waits for a later
+        iteration's flush or the end's."""
+        return True
+
     def iteration_committed(self, session, frame):
         """What the iteration stored is flushed to the store."""
 

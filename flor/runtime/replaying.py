@@ -37,6 +37,9 @@ STATE_NAMES = {_core.EXECUTE: "execute", _core.SKIP: "skip", _core.STEP_INTO: "s
                _core.PSEUDORESUME: "pseudoresume"}
 
 
+FLUSH_S = 1.0  # a worker stores its rows at most this often (and at the end)
+
+
 class Replaying(Policy):
     mode = "replay"
     first_phase = PRE
@@ -61,6 +64,7 @@ class Replaying(Policy):
         self.fingerprints = RecordedFingerprints.of(self.recorded, plan)
         self.fingerprint_version = self.fingerprints.version
         self._output_at, self._output = None, []  # the record's output of one iteration
+        self._flushed = time.monotonic()  # the last flush of the rows stored so far
         store.clear_part(self.run_id, part)
         store.set_part(self.run_id, part, "running")
 
@@ -104,6 +108,17 @@ class Replaying(Policy):
     def resumed(self, session, frame, labels, unverified, seconds):
         self.restored_labels, self.unverified = labels, unverified
         self.resumed_from = [self.segment[0] - 1, seconds]
+
+    def flush_due(self, session) -> bool:
+        """At most once every FLUSH_S: nothing reads a worker's rows before
+        it finishes (a killed worker's segment runs again into a new
+        database), and a commit per iteration of a step loop costs more
+        than the step."""
+        now = time.monotonic()
+        if now - self._flushed < FLUSH_S:
+            return False
+        self._flushed = now
+        return True
 
     def iteration_done(self, session, progress, frame, state):
         state()
@@ -202,7 +217,7 @@ class Replaying(Policy):
 
     def _recorded_output(self, session, b):
         """What the record printed inside this block execution, in order."""
-        where = session.where[2:4]
+        where = (session.where.top, session.where.top_iter)
         if self._output_at != where:
             self._output_at = where
             self._output = self.recorded.output_by_block(self.plan.record, *where)
@@ -217,6 +232,7 @@ class Replaying(Policy):
         if not self.main_seen and not failed and self.main[0] is not None:
             note(f"the recorded main loop ({self.main[0]}) never ran in this replay; "
                  "the whole script ran in every worker")
+        self.store.durable()  # what the part wrote stays, once it says it finished
         self.store.set_part(self.run_id, self.part, "failed" if failed else "finished",
                             time.time() - session.started,
                             PartInfo(reexecuted=self.reexecuted,
