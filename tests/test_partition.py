@@ -123,3 +123,33 @@ def test_a_hands_free_plan_carries_its_compiled_instrumented_code(tmp_path):
     manual = dataclasses.replace(plan, hands_free=None, instrumented=None)
     manual.save(str(tmp_path / "m" / "plan.json"))
     assert Plan.load(str(tmp_path / "m" / "plan.json")).code() is None  # runs the script
+
+
+def test_a_step_loop_without_blocks_splits_at_an_iteration_checkpoint_in_the_middle():
+    """Every iteration of a loop without blocks is resumable, but getting past
+    one costs as much as replaying it: a later start is cheaper only at an
+    iteration checkpoint.  The split may not take the furthest start the
+    first worker can reach (it left the second worker 1 iteration of 3000)."""
+    total = 3000
+    work = pseudo = [1.0] * total
+    restart = {s: 5.0 for s in range(974, total, 20)}
+    segs = partition(total, 2, set(range(total)), work, pseudo, restart)
+    times = [sum(work[s:e]) + (restart[s] if s else 0) for s, e in segs]
+    assert len(segs) == 2 and max(times) <= 1.02 * total / 2, segs
+    four = partition(total, 4, set(range(total)), work, pseudo, restart)
+    times = [sum(work[s:e]) + (restart[s] if s else 0) for s, e in four]
+    # the first segment cannot end before the first checkpoint; the rest share
+    assert four[0] == [0, 974] and min(times[1:]) >= 0.95 * max(times[1:]), four
+
+
+def test_the_least_busy_worker_is_as_busy_as_the_busiest_allows():
+    import random
+
+    rng = random.Random(5)
+    for _ in range(30):
+        total = rng.randrange(20, 200)
+        jobs = rng.randrange(2, 5)
+        work = [rng.uniform(0.5, 1.5) for _ in range(total)]
+        segs = partition(total, jobs, set(range(total)), work, [0.0] * total)
+        times = [sum(work[s:e]) for s, e in segs]
+        assert len(segs) == jobs and min(times) >= max(times) - 3.0, (segs, times)

@@ -5,11 +5,14 @@ some seconds to replay (its probed blocks run, the others are restored) and
 some to pseudoresume (to get past it on the way to a later segment);
 an iteration checkpoint lets a worker start after it at the cost of a
 restore.  `partition` chooses the segment starts that let the busiest
-worker finish soonest; `segments_for` how many segments a local replay
+worker finish soonest, and with that the least busy one as late as it
+can (workers that finish together); `segments_for` how many segments a local replay
 makes; FLOR_SEGMENTS is the tests' seam that fixes the starts.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 import os
 
 from ..context import is_outermost, top_key
@@ -24,7 +27,7 @@ def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None,
     """Split iterations [0, total) into at most `jobs` contiguous segments, each
     starting just after a resumable iteration (one whose block executions were
     all checkpointed) or at a key of `restart`, so that the busiest worker
-    finishes soonest.
+    finishes soonest and then the least busy one as late as that allows.
 
     A worker first gets to the start s of its segment, by pseudoresuming the
     iterations before it (pseudo[i] seconds each) or, where s is in
@@ -43,30 +46,63 @@ def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None,
         pw.append(pw[-1] + w)
         pp.append(pp[-1] + p)
 
-    def cost(s, e):
-        return min(pp[s], restart.get(s, pp[s])) + pw[e] - pw[s]
+    def reach(s):
+        """Seconds for a worker to get to start s."""
+        return min(pp[s], restart.get(s, pp[s]))
 
-    def greedy(limit):
-        """Segment starts if every worker can finish within `limit`, else None."""
-        bounds = [0]
-        while cost(bounds[-1], total) > limit:
-            s = bounds[-1]
-            reach = [c for c in starts if c > s and cost(s, c) <= limit]
-            if not reach or len(bounds) == jobs:
-                return None
-            bounds.append(reach[-1])
-        return bounds
+    def fits(limit, floor=0.0):
+        """Segment starts (fewest segments) with which every worker takes
+        between `floor` and `limit` seconds, if at most `jobs` segments do
+        it, else None.  A segment from s may end at any start e where
+        reach(s) + the work from s to e is within the bounds; a nearer start
+        can be cheaper to get to than a later one."""
+        waiting, open_ = [], []  # (first end, n, last end, s); (n, -last end, s)
+        came = {}
+        for s in [0] + starts:
+            while waiting and waiting[0][0] <= s:
+                _, n, last, q = heapq.heappop(waiting)
+                heapq.heappush(open_, (n, -last, q))
+            while open_ and -open_[0][1] < s:
+                heapq.heappop(open_)
+            if s == 0:
+                n = 0
+            elif open_:
+                n, came[s] = open_[0][0], open_[0][2]
+            else:
+                continue
+            if n == jobs:
+                continue
+            base = pw[s] - reach(s)
+            first = max(bisect.bisect_left(pw, floor + base), s + 1)
+            last = bisect.bisect_right(pw, limit + base) - 1
+            if first <= total <= last:
+                bounds = [s]
+                while bounds[-1] != 0:
+                    bounds.append(came[bounds[-1]])
+                return bounds[::-1]
+            if first <= last:
+                heapq.heappush(waiting, (first, n + 1, last, s))
+        return None
 
-    lo, hi = 0.0, cost(0, total)
-    best = [0]
-    for _ in range(60):  # bisect the busiest worker's time
+    # The busiest worker's time, as small as it can be; then, with it, the
+    # least busy one's as large (balanced finish times).
+    hi = reach(0) + pw[total]
+    lo, best = 0.0, fits(hi)
+    while hi - lo > 1e-3 * hi:
         mid = (lo + hi) / 2
-        found = greedy(mid)
+        found = fits(mid)
         if found is None:
             lo = mid
         else:
             hi, best = mid, found
-    best = greedy(hi) or best
+    limit, lo, up = hi, 0.0, hi
+    while up - lo > 1e-3 * limit:
+        mid = (lo + up) / 2
+        found = fits(limit, mid)
+        if found is None:
+            up = mid
+        else:
+            lo, best = mid, found
     return [[b, e] for b, e in zip(best, best[1:] + [total])]
 
 
