@@ -4,7 +4,7 @@ The store (store.py) makes its tables and its inserts from these lists;
 what produces rows (the logbook, the policies, the session) builds each row
 as its table's named record (`Table.Row`), so that no row is a tuple whose
 fields must match the table's columns by position.  A column added here
-needs a migration in store.py (MIGRATIONS), appending it to the table.
+needs a migration in database.py (MIGRATIONS), appending it to the table.
 """
 from __future__ import annotations
 
