@@ -17,6 +17,7 @@ import json
 import os
 import sqlite3
 import sys
+import time
 import traceback
 
 from .cli import build_parser, options_of, parse
@@ -132,6 +133,7 @@ def cmd_replay(o) -> int:
     from .runtime.entry import run_part
     from .store import Store
 
+    started = time.time()
     strict = o.check == "strict"
     if o.backend == "ray":
         from .replay.distributed import import_ray
@@ -173,9 +175,9 @@ def cmd_replay(o) -> int:
         from .replay.distributed import run_ray
 
         plan = _plan(store, o, o.jobs, part=-1)
-        return run_ray(store, plan, describe(plan, store), strict=strict)
+        return run_ray(store, plan, describe(plan, store), strict=strict, started=started)
     plan = _plan(store, o, o.jobs)
-    code = run_local(store, plan, describe(plan, store), strict=strict)
+    code = run_local(store, plan, describe(plan, store), strict=strict, started=started)
     hint = _hint_options(o) if code and _failed(store, plan.replay_id) else None
     if hint:
         note(hint)

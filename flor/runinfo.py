@@ -108,6 +108,7 @@ class ReplayInfo(Info):
     mismatches: int | None = None
     missing: int | None = None
     seconds: float | None = None  # the replay's own measure, from start to conclusion
+    rerun_seconds: float | None = None  # what re-running the script would take (estimate.py)
 
 
 @_given

@@ -57,6 +57,8 @@ def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
             row["group"] = info.group
         if r["kind"] == "replay" and info.checks_passed is not None:
             row["checks_passed"] = info.checks_passed
+        if r["kind"] == "replay" and info.rerun_seconds:
+            row["rerun_seconds"] = info.rerun_seconds
         out.append(row)
     return out
 
@@ -66,6 +68,8 @@ def print_runs(rows) -> None:
     table = [("run", "kind", "script", "started", "seconds", "iters", "ckpts", "status")]
     for r in rows:
         secs = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
+        if r.get("rerun_seconds") and r["seconds"]:  # a replay, against re-running
+            secs += f" ({r['rerun_seconds'] / r['seconds']:.1f}x)"
         status = r["status"]
         if r["parent"]:
             status += f" (of {r['parent']})"

@@ -153,3 +153,43 @@ def test_the_least_busy_worker_is_as_busy_as_the_busiest_allows():
         segs = partition(total, jobs, set(range(total)), work, [0.0] * total)
         times = [sum(work[s:e]) for s, e in segs]
         assert len(segs) == jobs and min(times) >= max(times) - 3.0, (segs, times)
+
+
+def _record(started=100.0, finished=130.0, flor_s=2.0, startup_s=4.0):
+    from flor.runinfo import RecordInfo
+
+    return {"started": started, "finished": finished,
+            "info": RecordInfo(flor_seconds=flor_s, startup_s=startup_s)}
+
+
+def test_re_running_costs_the_record_less_flor_s_own_work():
+    from flor.replay.estimate import closing_line, rerun_seconds
+
+    rec = _record()
+    assert rerun_seconds(rec) == 28.0
+    assert rerun_seconds(_record(finished=None)) is None
+    line = closing_line("R", 7.0, rec)
+    assert "re-running the script would take about 28.0 s" in line and line.endswith("4.0x")
+
+
+def test_the_expected_replay_counts_each_workers_start_and_the_queue():
+    """A 30 s record: 4 s to the main loop, 20 s in it, 4 s after it (and 2 s
+    of flor's).  Every segment's worker pays the start; the last one what
+    comes after the loop; segments go to free workers in order."""
+    from flor.replay.estimate import planning_notes, replay_seconds
+    from flor.replay.segments import Costs
+
+    rec, costs = _record(), Costs(10, [2.0] * 10, [2.0] * 10, {5: 0.5})
+    assert replay_seconds(rec, 20.0, [[0, 10]], costs, 1) == 4 + 20 + 4
+    assert replay_seconds(rec, 20.0, [[0, 5], [5, 10]], costs, 2) == 4 + 0.5 + 10 + 4
+    assert replay_seconds(rec, 20.0, [[0, 5], [5, 10]], costs, 1) == 4 + 10 + 4 + 0.5 + 10 + 4
+    # Re-running takes 28 s: a probe that runs every block is not faster ...
+    (note,) = planning_notes(rec, 20.0, [[0, 10]], [[0, 10]], costs, 1)
+    assert "expected to take about 28.0 s, and re-running the script about 28.0 s" in note
+    # ... and a second worker saves nothing where getting to its start costs
+    # as much as the segment before it.
+    dear = Costs(10, [2.0] * 10, [2.0] * 10, {5: 10.0})
+    notes = planning_notes(rec, 20.0, [[0, 5], [5, 10]], [[0, 10]], dear, 2)
+    assert any(n.startswith("2 workers are not expected to finish sooner") for n in notes)
+    cheap = Costs(10, [0.2] * 10, [0.2] * 10, {5: 0.1})
+    assert planning_notes(rec, 20.0, [[0, 5], [5, 10]], [[0, 10]], cheap, 2) == []

@@ -59,12 +59,13 @@ def import_ray():
     return ray
 
 
-def run_ray(store, plan: Plan, notes, strict=False) -> int:
-    """Replay every segment as a Ray task, then assemble."""
+def run_ray(store, plan: Plan, notes, strict=False, started=None) -> int:
+    """Replay every segment as a Ray task, then assemble; `started`: when
+    the replay command started (before planning)."""
     ray = import_ray()
     for line in notes:
         note(line)
-    t0 = time.time()
+    t0 = started or time.time()
     register(store, plan, "ray")
     started_here = not ray.is_initialized()
     if started_here:

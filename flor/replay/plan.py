@@ -30,7 +30,8 @@ from ..program.source import Comparison, FileMap, changed_functions, manual_bloc
 from ..runinfo import ReplayInfo
 from ..runtime import ranks as ranking
 from ..store import Store, new_run_id
-from .segments import (SEGMENTS_ENV, forced_segments, iteration_costs, main_iteration,
+from .estimate import planning_notes
+from .segments import (SEGMENTS_ENV, Costs, forced_segments, iteration_costs, main_iteration,
                        partition, resume_points, segments_for)
 
 __all__ = ["Plan", "plan_replay", "instrument_current",
@@ -339,6 +340,11 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     if os.environ.get(SEGMENTS_ENV):
         segments = forced_segments(os.environ[SEGMENTS_ENV], total)
     runs = {r["run"] for r in loops if r["loop"] == rec["main_loop"] and r["depth"] == 0}
+    if part is None and group is None and len(runs) <= 1:
+        main_s = sum(r["seconds"] or 0.0 for r in loops if (r["loop"], r["run"], r["depth"])
+                     == (rec["main_loop"], rec["main_run"], 0))
+        notes += planning_notes(rec, main_s, segments, [[0, total]],
+                                Costs(total, work, pseudo, restart), jobs)
     if len(runs) > 1:
         # A worker would have to find its segment's execution among the
         # others, and start it from a checkpoint of that execution alone.

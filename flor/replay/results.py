@@ -16,6 +16,7 @@ from ..errors import FlorError, note
 from ..store import Store
 from .causes import explain
 from .checks import compare_logs
+from .estimate import closing_line, rerun_seconds
 from .plan import Plan, register
 
 __all__ = ["merged_output", "conclude", "merge"]
@@ -48,18 +49,17 @@ def conclude(store: Store, plan: Plan, seconds, strict) -> int:
     report = compare_logs(store, rec["run_id"], replay_id, plan, tolerance=plan.tolerance or 0.0)
     with open(plan.script) as f:
         explain(report, store, plan, f.read(), rec)
-    recorded = (rec["finished"] or 0) - (rec["started"] or 0)
     info = store.run(replay_id)["info"]
     info.checks_passed, info.compared = report.passed, report.compared
     info.mismatches, info.missing = len(report.mismatches), len(report.missing)
-    info.seconds = seconds
+    info.seconds, info.rerun_seconds = seconds, rerun_seconds(rec)
     store.update_run(replay_id, finished=time.time(), status="finished", info=info)
     note(report.summary())
     for cause in report.run_causes:
         note(f"likely cause: {cause}")
-    if recorded > 0 and seconds > 0:
-        note(f"replay {replay_id} took {seconds:.1f} s; the recorded run took "
-             f"{recorded:.1f} s ({recorded / seconds:.1f}x)")
+    line = closing_line(replay_id, seconds, rec)
+    if line:
+        note(line)
     return 1 if strict and not report.passed else 0
 
 

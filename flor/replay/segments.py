@@ -18,8 +18,33 @@ import os
 from ..context import is_outermost, top_key
 from ..errors import FlorError
 
-__all__ = ["partition", "iteration_costs", "resume_points", "main_iteration",
+__all__ = ["Costs", "partition", "iteration_costs", "resume_points", "main_iteration",
            "segments_for", "forced_segments", "SEGMENTS_ENV"]
+
+
+class Costs:
+    """What the record measured of the main loop's iterations, in seconds:
+    `work[i]` to replay iteration i (probed blocks run, the others are
+    restored), `pseudo[i]` to get past it, `restart[s]` to start at s from an
+    iteration checkpoint instead.  Without costs every iteration counts 1
+    and getting to a start 0."""
+
+    def __init__(self, total, work=None, pseudo=None, restart=None):
+        work = list(work) if work is not None else [1.0] * total
+        pseudo = list(pseudo) if pseudo is not None else [0.0] * total
+        self.restart = {s: c for s, c in (restart or {}).items() if 0 < s < total}
+        self.pw, self.pp = [0.0], [0.0]  # prefix sums of work and pseudo
+        for w, p in zip(work, pseudo):
+            self.pw.append(self.pw[-1] + w)
+            self.pp.append(self.pp[-1] + p)
+
+    def reach(self, s) -> float:
+        """Seconds for a worker to get to start s."""
+        return min(self.pp[s], self.restart.get(s, self.pp[s]))
+
+    def segment(self, s, e) -> float:
+        """Seconds for a worker to replay segment [s, e), getting to s first."""
+        return self.reach(s) + self.pw[e] - self.pw[s]
 
 
 def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None,
@@ -37,18 +62,9 @@ def partition(total: int, jobs: int, resumable: set, work=None, pseudo=None,
     """
     if total <= 0:
         return [[0, 0]]
-    work = list(work) if work is not None else [1.0] * total
-    pseudo = list(pseudo) if pseudo is not None else [0.0] * total
-    restart = {s: c for s, c in (restart or {}).items() if 0 < s < total}
-    starts = sorted({i + 1 for i in resumable if 0 <= i < total - 1} | set(restart))
-    pw, pp = [0.0], [0.0]
-    for w, p in zip(work, pseudo):
-        pw.append(pw[-1] + w)
-        pp.append(pp[-1] + p)
-
-    def reach(s):
-        """Seconds for a worker to get to start s."""
-        return min(pp[s], restart.get(s, pp[s]))
+    costs = Costs(total, work, pseudo, restart)
+    pw, reach = costs.pw, costs.reach
+    starts = sorted({i + 1 for i in resumable if 0 <= i < total - 1} | set(costs.restart))
 
     def fits(limit, floor=0.0):
         """Segment starts (fewest segments) with which every worker takes

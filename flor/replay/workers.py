@@ -271,12 +271,13 @@ def _stopped(signum, frame):
     raise Interrupted()
 
 
-def run_local(store: Store, plan: Plan, notes, strict=False) -> int:
+def run_local(store: Store, plan: Plan, notes, strict=False, started=None) -> int:
     """Replay the plan's segments on the plan's number of local worker
-    processes, then assemble."""
+    processes, then assemble; `started`: when the replay command started
+    (time.time(), before planning), which its time counts from."""
     nparts = len(plan.segments)
     slots = max(1, min(plan.workers or nparts, nparts))
-    t0 = time.time()
+    t0 = started or time.time()
     for line in notes:
         note(line)
     register(store, plan, "local")

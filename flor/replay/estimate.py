@@ -1,0 +1,71 @@
+"""What a replay is expected to take, and what re-running the edited script
+would, from what the record measured: the planner says before it starts
+when more workers would not finish sooner or re-running would be faster,
+and a replay's closing line compares it with re-running.
+
+Re-running is the record's time less flor's own work in it (checkpoints,
+fingerprints, bookkeeping).  A replay worker runs the script's start (the
+record's time to the main loop's first iteration), gets to its segment and
+replays it (segments.Costs); the last one also runs what comes after the
+main loop; segments go to the workers in order as they free up.
+"""
+from __future__ import annotations
+
+__all__ = ["rerun_seconds", "replay_seconds", "planning_notes", "closing_line"]
+
+
+def rerun_seconds(rec) -> float | None:
+    """A plain run of the recorded script, in seconds (None: the record did
+    not finish)."""
+    if not rec["finished"] or not rec["started"]:
+        return None
+    return max(0.0, rec["finished"] - rec["started"] - (rec["info"].flor_seconds or 0.0))
+
+
+def replay_seconds(rec, main_s, segments, costs, workers) -> float | None:
+    """The expected wall time of replaying `segments` (costs: segments.Costs)
+    on `workers` processes; `main_s`: the record's main-loop seconds."""
+    rerun = rerun_seconds(rec)
+    if rerun is None:
+        return None
+    startup = rec["info"].startup_s or 0.0
+    after = max(0.0, rerun - startup - main_s)
+    free = [0.0] * max(1, workers)
+    for i, (s, e) in enumerate(segments):
+        w = free.index(min(free))
+        free[w] += startup + costs.segment(s, e) + (after if i == len(segments) - 1 else 0.0)
+    return max(free)
+
+
+def planning_notes(rec, main_s, segments, alone, costs, workers) -> list[str]:
+    """Notes before a local replay starts: `segments` on `workers`, against
+    `alone` (the segments of one worker) and against re-running."""
+    rerun = rerun_seconds(rec)
+    mine = replay_seconds(rec, main_s, segments, costs, workers)
+    if rerun is None or mine is None:
+        return []
+    notes = []
+    if workers > 1 and len(segments) > 1:
+        one = replay_seconds(rec, main_s, alone, costs, 1)
+        if one is not None and one <= mine * 1.05:
+            notes.append(f"{workers} workers are not expected to finish sooner than one "
+                         f"(about {mine:.1f} s against {one:.1f} s): each runs the script's "
+                         f"start ({rec['info'].startup_s or 0.0:.1f} s in the record) and gets "
+                         "to its segment")
+    if mine >= rerun:
+        notes.append(f"this replay is expected to take about {mine:.1f} s, and re-running the "
+                     f"script about {rerun:.1f} s: it restores too little to be faster (the "
+                     "probed blocks run, and the script's start and what no block holds run "
+                     "in every worker)")
+    return notes
+
+
+def closing_line(replay_id, seconds, rec) -> str | None:
+    """The replay's time against re-running the script's."""
+    rerun = rerun_seconds(rec)
+    if not rerun or seconds <= 0:
+        return None
+    flor_s = rec["info"].flor_seconds or 0.0
+    return (f"replay {replay_id} took {seconds:.1f} s; re-running the script would take about "
+            f"{rerun:.1f} s (the record's {rerun + flor_s:.1f} s less flor's own "
+            f"{flor_s:.1f} s): {rerun / seconds:.1f}x")
