@@ -1,0 +1,170 @@
+"""Is hindsight logging cheaper than re-training, on the shapes real training
+scripts have?  For each workload script, recorded hands-free:
+
+  record overhead  `python script.py` against `python -m flor record`
+  outer probe      a statement in the main loop (an epoch loop, or a step
+                   loop whose training step is inline), replayed with
+                   --jobs 1, against a plain run of the edited script
+  inner probe      a statement in the training step, replayed with --jobs 2
+                   (on a step loop with no nested loop every step runs
+                   again, and only the workers can make it faster)
+
+Each round runs every command once, in a shuffled order; the report gives
+medians, plain / replay (the speed-up), and whether every replay printed
+exactly what the plain run of its edited script printed (clock fields
+masked) with the deferred checks passing.
+
+    python benchmarks/real_scripts.py                 # 3 rounds
+    python benchmarks/real_scripts.py --only lbfgs_sine.py --rounds 1
+Writes benchmarks/results/real-scripts.json and .md (see --out).
+"""
+import argparse
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, add_line, machine, machine_line, median, timed, write_report  # noqa: E402
+
+WORKLOADS = os.path.join(ROOT, "benchmarks", "workloads")
+WNORM = 'print(f"  wnorm {sum(p.norm() ** 2 for p in %s.parameters()).item() ** 0.5:.6f}")'
+GNORM = ('print(f"  gnorm {sum(p.grad.norm() ** 2 for p in %s.parameters() '
+         'if p.grad is not None).item() ** 0.5:.6f}")')
+
+# script: (arguments, (outer anchor, statement), (inner anchor, statement))
+CASES = {
+    "gpt_accum.py": (["--max-iters", "120", "--accum", "4", "--log-interval", "10"],
+                     ("optimizer.zero_grad(set_to_none=True)", WNORM % "model"),
+                     ("loss.backward()", GNORM % "model")),
+    "makemore_steps.py": (["--max-steps", "12000"],
+                          ("optimizer.step()", WNORM % "model"),
+                          ("loss.backward()", GNORM % "model")),
+    "mnist_helpers.py": (["--epochs", "14"],
+                         ("scheduler.step()", WNORM % "model"),
+                         ("loss.backward()", GNORM % "model")),
+    "gan_digits.py": (["--epochs", "40"],
+                      ('print(f"epoch {epoch} sample', WNORM % "netG"),
+                      ("errG.backward()", GNORM % "netG")),
+    "lbfgs_sine.py": (["--steps", "6"],
+                      ('print("test loss:"', WNORM % "seq"),
+                      ("loss.backward()", GNORM % "seq")),
+}
+CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s)")
+
+
+def _env(store):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FLOR_") and k not in ("PYTHONUNBUFFERED",
+                                                       "PYTHONDONTWRITEBYTECODE")}
+    env.update(FLOR_DIR=store, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def bench(name, rounds, work, rng):
+    args, outer, inner = CASES[name]
+    with open(os.path.join(WORKLOADS, name)) as f:
+        original = f.read()
+    d = os.path.join(work, name[:-3])
+    os.makedirs(d)
+    path = os.path.join(d, name)
+    env = _env(os.path.join(d, ".flor"))
+    edited = {"outer": add_line(original, *outer), "inner": add_line(original, *inner)}
+    for kind, text in edited.items():
+        assert text != original, f"{name}: no line holds the {kind} anchor"
+    # One record, then each round: plain and record of the original, plain
+    # and replay of each edit.  A later record is the one replayed: every
+    # replay in a round replays the round's own record.
+    commands = {
+        "plain": ([sys.executable, name, *args], original),
+        "record": ([sys.executable, "-m", "flor", "record", name, *args], original),
+        "outer_plain": ([sys.executable, name, *args], edited["outer"]),
+        "outer_replay": ([sys.executable, "-m", "flor", "replay", name, *args],
+                         edited["outer"]),
+        "inner_plain": ([sys.executable, name, *args], edited["inner"]),
+        "inner_replay": ([sys.executable, "-m", "flor", "replay", "--jobs", "2", name, *args],
+                         edited["inner"]),
+    }
+    raw = {k: [] for k in commands}
+    outs, stderr = {}, {}
+    with open(path, "w") as f:
+        f.write(original)
+    timed([sys.executable, name, *args], d, env)  # warm-up: page cache, bytecode
+    for _ in range(rounds):
+        order = ["record"] + rng.sample([k for k in commands if k != "record"],
+                                        len(commands) - 1)
+        for kind in order:
+            argv, text = commands[kind]
+            with open(path, "w") as f:
+                f.write(text)
+            dt, proc = timed(argv, d, env)
+            raw[kind].append(dt)
+            outs[kind] = CLOCK.sub("<clock>", proc.stdout)
+            stderr[kind] = proc.stderr
+    ckpts = re.search(r"(\d+) checkpoints \(([0-9.]+) MiB\) and (\d+) iteration checkpoints "
+                      r"\(([0-9.]+) MiB\)", stderr["record"])
+    med = {k: median(v) for k, v in raw.items()}
+    result = {"args": args, "median_s": med, "raw_s": raw,
+              "record_overhead": med["record"] / med["plain"] - 1,
+              "checkpoints": ckpts.groups() if ckpts else None}
+    for probe in ("outer", "inner"):
+        result[probe] = {
+            "speedup": med[f"{probe}_plain"] / med[f"{probe}_replay"],
+            "stdout_equal": outs[f"{probe}_plain"] == outs[f"{probe}_replay"],
+            "checks_passed": "deferred checks passed" in stderr[f"{probe}_replay"],
+            "segments": (re.findall(r"in segments (.*)", stderr[f"{probe}_replay"]) or [""])[0],
+            "notes": [l for l in stderr[f"{probe}_replay"].splitlines()
+                      if l.startswith("flor:") and ("faster" in l or "worker" in l)]}
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default=",".join(CASES))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "real-scripts"))
+    args = ap.parse_args()
+    rng = random.Random(0)
+    work = tempfile.mkdtemp(prefix="flor-real-")
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    report = {"command": ("python benchmarks/real_scripts.py " + " ".join(sys.argv[1:])).strip(),
+              "machine": machine(), "machine_line": machine_line(), "load_before": load,
+              "rounds": args.rounds, "scripts": {}}
+    try:
+        for name in args.only.split(","):
+            report["scripts"][name] = r = bench(name, args.rounds, work, rng)
+            print(f"{name}: record {r['record_overhead']:+.1%}, outer "
+                  f"{r['outer']['speedup']:.2f}x, inner --jobs 2 {r['inner']['speedup']:.2f}x",
+                  file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    with open("/proc/loadavg") as f:
+        report["load_after"] = f.read().split()[:3]
+    write_report(report, args.out, render)
+
+
+def render(report):
+    lines = [f"Machine: {report['machine_line']}; one torch thread per process; load average "
+             f"{' '.join(report['load_before'])} before, {' '.join(report['load_after'])} "
+             f"after.  Command: `{report['command']}`; {report['rounds']} interleaved "
+             "round(s), medians.  Speed-up: a plain run of the edited script / its replay.", "",
+             "| script | arguments | plain (s) | record | checkpoints (MiB), iteration (MiB) | "
+             "outer probe, 1 worker | inner probe, 2 workers | output = plain, checks |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in report["scripts"].items():
+        c = r["checkpoints"]
+        same = all(r[p]["stdout_equal"] and r[p]["checks_passed"] for p in ("outer", "inner"))
+        lines.append(
+            f"| {name} | `{' '.join(r['args'])}` | {r['median_s']['plain']:.1f} | "
+            f"{r['record_overhead']:+.1%} | "
+            f"{f'{c[0]} ({c[1]}), {c[2]} ({c[3]})' if c else '?'} | "
+            f"{r['outer']['speedup']:.2f}x | {r['inner']['speedup']:.2f}x | "
+            f"{'yes' if same else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

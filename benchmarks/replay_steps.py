@@ -1,0 +1,104 @@
+"""What a replay adds to each iteration of a step loop, beyond the probe's
+own work.
+
+The workload is benchmarks/workloads/makemore_steps.py (a `while True` step
+loop with the training step inline, as makemore trains), with a probe added
+in the step loop, so that a replay runs every step again.  For two loop
+lengths it records the script, then in each round runs the edited script
+plain and replayed (--jobs 1), in a shuffled order.  The difference of the
+two lengths' medians cancels what does not grow with the loop (process
+start, imports, planning, the checks):
+
+    per-iteration overhead = ((replay(L) - replay(S)) - (plain(L) - plain(S))) / (L - S)
+
+    python benchmarks/replay_steps.py                  # 3 rounds, 1000 and 6000 steps
+Writes benchmarks/results/replay-steps.json and .md (see --out).
+"""
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, add_line, machine, machine_line, median, timed, write_report  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "workloads", "makemore_steps.py")
+PROBE = ("optimizer.step()", 'print(f"  loss {loss.item():.6f}")')
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", default="1000,6000", help="the two loop lengths, S,L")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "replay-steps"))
+    args = ap.parse_args()
+    short, long_ = (int(x) for x in args.steps.split(","))
+    rng = random.Random(0)
+    work = tempfile.mkdtemp(prefix="flor-steps-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOR_")}
+    env.update(FLOR_DIR=os.path.join(work, ".flor"), OMP_NUM_THREADS="1")
+    with open(SCRIPT) as f:
+        original = f.read()
+    edited = add_line(original, *PROBE)
+    def name(n):  # a script per length: replay takes the latest record of the script
+        return f"train_{n}.py"
+
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    raw = {(kind, n): [] for kind in ("plain", "replay") for n in (short, long_)}
+    same = True
+    try:
+        for n in (short, long_):
+            with open(os.path.join(work, name(n)), "w") as f:
+                f.write(original)
+            timed([sys.executable, "-m", "flor", "record", name(n), "--max-steps", str(n)],
+                  work, env)
+            with open(os.path.join(work, name(n)), "w") as f:
+                f.write(edited)
+        for _ in range(args.rounds):
+            order = list(raw)
+            rng.shuffle(order)
+            outs = {}
+            for kind, n in order:
+                argv = ([sys.executable, name(n)] if kind == "plain" else
+                        [sys.executable, "-m", "flor", "replay", name(n)])
+                dt, proc = timed(argv + ["--max-steps", str(n)], work, env)
+                raw[(kind, n)].append(dt)
+                outs[(kind, n)] = proc.stdout
+            same = same and all(outs[("plain", n)] == outs[("replay", n)]
+                                for n in (short, long_))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: median(v) for k, v in raw.items()}
+    grow = {kind: med[(kind, long_)] - med[(kind, short)] for kind in ("plain", "replay")}
+    with open("/proc/loadavg") as f:
+        load_after = f.read().split()[:3]
+    report = {"command": ("python benchmarks/replay_steps.py " + " ".join(sys.argv[1:])).strip(),
+              "machine": machine(), "machine_line": machine_line(), "rounds": args.rounds,
+              "load_before": load, "load_after": load_after, "steps": [short, long_],
+              "median_s": {f"{k}_{n}": v for (k, n), v in med.items()},
+              "raw_s": {f"{k}_{n}": v for (k, n), v in raw.items()},
+              "plain_per_step_us": grow["plain"] / (long_ - short) * 1e6,
+              "overhead_per_step_us": (grow["replay"] - grow["plain"]) / (long_ - short) * 1e6,
+              "stdout_equal": same}
+    write_report(report, args.out, render)
+
+
+def render(r):
+    s, l = r["steps"]
+    m = r["median_s"]
+    return (f"Machine: {r['machine_line']}; one torch thread; load average "
+            f"{' '.join(r['load_before'])} before, {' '.join(r['load_after'])} after.  "
+            f"Command: `{r['command']}`; {r['rounds']} interleaved rounds, medians.\n\n"
+            f"| steps | plain (s) | replay, --jobs 1 (s) |\n|---|---|---|\n"
+            f"| {s} | {m[f'plain_{s}']:.2f} | {m[f'replay_{s}']:.2f} |\n"
+            f"| {l} | {m[f'plain_{l}']:.2f} | {m[f'replay_{l}']:.2f} |\n\n"
+            f"A step costs {r['plain_per_step_us']:.0f} µs in a plain run; replay adds "
+            f"**{r['overhead_per_step_us']:.0f} µs per step** beyond it (goal: 50).  Replay "
+            f"printed what the plain run printed: {'yes' if r['stdout_equal'] else 'NO'}.\n")
+
+
+if __name__ == "__main__":
+    main()
