@@ -2,8 +2,9 @@
 adaptive rule's decisions and (replay) how each block ran.
 
 Rows wait in memory and are written to the store, in one commit, at the
-end of a main-loop iteration (every one in a record; a replay worker's at
-most once a second, replaying.py) and when the run finishes.  Output is journaled in C
+end of a top-level iteration (in a record, one that took an iteration
+checkpoint, else at most once a second; in a replay worker at most once a
+second: the policies' flush_due) and when the run finishes.  Output is journaled in C
 (csrc/capture.c) in segments, consecutive writes of one statement in one
 context; at a flush each segment becomes one row of the output table, with
 the statement's location.  The store reads the printed lines of a

@@ -10,9 +10,13 @@ default says so by raising.
 """
 from __future__ import annotations
 
+import time
+
 from ..context import location
 
-__all__ = ["Policy"]
+__all__ = ["Policy", "FLUSH_S"]
+
+FLUSH_S = 1.0  # rows wait in memory at most this long between flushes (and the end's)
 
 
 class Policy:
@@ -66,6 +70,18 @@ class Policy:
         """Whether what the ended top-level iteration stored is flushed to
         the store now (then `iteration_committed`), or waits for a later
         iteration's flush or the end's."""
+        return True
+
+    _flushed = 0.0  # time.monotonic() of the last flush
+
+    def flushed_a_while_ago(self) -> bool:
+        """Whether FLUSH_S passed since the last flush (and if so, one
+        starts now): a commit per iteration of a step loop costs about what
+        a small training step does."""
+        now = time.monotonic()
+        if now - self._flushed < FLUSH_S:
+            return False
+        self._flushed = now
         return True
 
     def iteration_committed(self, session, frame):

@@ -76,6 +76,10 @@ class Recording(Policy):
         self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
             if source is not None and hands_free is None else set()
         self.last_bytes: dict[str, int] = {}  # block -> bytes of its last checkpoint
+        # (or, before its first, of its state when first measured)
+        self.unheld: dict[str, list] = {}  # block -> what no checkpoint of it holds, as
+        # last read
+        self.checkpointed = False  # whether the last top-level iteration was checkpointed
         self.on_device: dict[str, float] = {}  # block -> share of its bytes in CUDA tensors
         self.charges = Charges()
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
@@ -139,23 +143,38 @@ class Recording(Policy):
         loop carries out of this iteration if the adaptive rule says so."""
         if frame.handle is None:
             state()
+            self.checkpointed = False
             return
         handle, frame.handle = frame.handle, None
         _, seconds = self.machine.leave(handle)
         fp = state()
-        objs, sig, _ = frame.carrier.capture(frame.scope)
         loop, run, i = frame[1:4]
+        read = []  # what the loop carries, read from its scope when first needed
+
+        def carried():
+            if not read:
+                read.append(frame.carrier.capture(frame.scope))
+            return read[0]
 
         def make():  # only for a checkpoint: its restore is verified by these
+            objs, sig, _ = carried()
             got = fp if fp is not None else carry.fingerprint(frame.scope,
                                                               self.fingerprint_version)
             return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord,
                                  carry.digests(objs, frame.scope))
 
         # The checkpoint is charged its fingerprint, wherever it was taken.
-        self._checkpoint(session, iteration_key(loop), handle, session.where.ctx, 0, seconds,
-                         objs, make, session.logbook.fingerprint_s if fp is not None else 0.0,
-                         unheld=blockstate.unheld(sig))
+        self.checkpointed = self._checkpoint(
+            session, iteration_key(loop), handle, session.where.ctx, 0, seconds,
+            lambda: carried()[0], make, session.logbook.fingerprint_s if fp is not None else 0.0,
+            unheld=lambda: blockstate.unheld(carried()[1])) is not None
+
+    def flush_due(self, session) -> bool:
+        """At an iteration checkpoint (`record --resume` starts after the last
+        one the store holds), else at most once every FLUSH_S: a killed
+        record keeps what it committed, and resumes from its last iteration
+        checkpoint anyway."""
+        return self.flushed_a_while_ago() or self.checkpointed
 
     def iteration_committed(self, session, frame):
         """What the run stored so far is committed: the run row says how far
@@ -181,20 +200,23 @@ class Recording(Policy):
         else:
             grads = None
         if self._checkpoint(session, b.key, b.handle, b.ctx, b.occurrence, seconds,
-                            [list(objs), grads], lambda: blockstate.payload(
+                            lambda: [list(objs), grads], lambda: blockstate.payload(
                                 b.key, b.ctx, b.occurrence, sig, objs, grads),
-                            unheld=blockstate.unheld(sig)):
+                            unheld=lambda: blockstate.unheld(sig)):
             t0 = time.perf_counter()
             session.logbook.state(b, sig, objs)
             self.charges.paid(b.key, time.perf_counter() - t0)
 
     def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make,
-                    made_s=0.0, unheld=()):
+                    made_s=0.0, unheld=list):
         """The adaptive rule for this execution of `key` (of `seconds`,
-        changing `objs`); if it says yes, submit the checkpoint `make()`
+        changing `objs()`); if it says yes, submit the checkpoint `make()`
         (`made_s`: what training already paid towards it).  Stores the
         decision; returns the checkpoint's name or None.  An execution that
-        changes what no checkpoint holds (`unheld`) is never checkpointed."""
+        changes what no checkpoint holds (`unheld()`) is never checkpointed.
+        The state is read (`objs()`, `unheld()`) only to measure its size the
+        first time and where the rule says yes: a step loop's iterations that
+        are not checkpointed do not pay for reading what the loop carries."""
         self.charges.ended(key, seconds, self.writes.writing())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
@@ -204,16 +226,20 @@ class Recording(Policy):
         stand_in = self.group is not None and not self.group.owner
         nbytes = None if stand_in else self.last_bytes.get(key)
         if nbytes is None:
-            nbytes, on_device = _core.measure(objs, True)
+            nbytes, on_device = _core.measure(objs(), True)
             self.on_device[key] = on_device / nbytes if nbytes else 0.0
+            if not stand_in:
+                self.last_bytes[key] = nbytes
         bw, copy_bw = self.writes.bandwidth()
         write_s = nbytes / bw
         M = self.charges.cost(key, nbytes, copy_bw, write_s, self.on_device.get(key, 0.0))
         decided = self.machine.decide(handle, nbytes, M, write_s)
         ok, ratio, limit, M, _ = decided
         reason = charge.reason(self.machine, nbytes, write_s, decided)
-        if unheld:  # replay runs it again (a worker: the iterations before its segment)
-            ok, reason = False, f"no checkpoint: none holds {'; '.join(unheld)}"
+        if ok or key not in self.unheld:  # (else as it was the last time it was read)
+            self.unheld[key] = unheld()
+        if self.unheld[key]:  # replay runs it again (a worker: the iterations before its segment)
+            ok, reason = False, f"no checkpoint: none holds {'; '.join(self.unheld[key])}"
         if self.group is not None:  # every rank follows the first to get here
             ok, reason = self.group.follow(self.machine, handle, key, ctx, occurrence,
                                            (ok, reason), write_s, nbytes)

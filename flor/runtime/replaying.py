@@ -37,9 +37,6 @@ STATE_NAMES = {_core.EXECUTE: "execute", _core.SKIP: "skip", _core.STEP_INTO: "s
                _core.PSEUDORESUME: "pseudoresume"}
 
 
-FLUSH_S = 1.0  # a worker stores its rows at most this often (and at the end)
-
-
 class Replaying(Policy):
     mode = "replay"
     first_phase = PRE
@@ -64,7 +61,6 @@ class Replaying(Policy):
         self.fingerprints = RecordedFingerprints.of(self.recorded, plan)
         self.fingerprint_version = self.fingerprints.version
         self._output_at, self._output = None, []  # the record's output of one iteration
-        self._flushed = time.monotonic()  # the last flush of the rows stored so far
         store.clear_part(self.run_id, part)
         store.set_part(self.run_id, part, "running")
 
@@ -112,13 +108,8 @@ class Replaying(Policy):
     def flush_due(self, session) -> bool:
         """At most once every FLUSH_S: nothing reads a worker's rows before
         it finishes (a killed worker's segment runs again into a new
-        database), and a commit per iteration of a step loop costs more
-        than the step."""
-        now = time.monotonic()
-        if now - self._flushed < FLUSH_S:
-            return False
-        self._flushed = now
-        return True
+        database)."""
+        return self.flushed_a_while_ago()
 
     def iteration_done(self, session, progress, frame, state):
         state()
