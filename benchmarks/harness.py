@@ -61,6 +61,17 @@ def timed(argv, cwd=None, env=None, check=True):
     return dt, proc
 
 
+def script_env(store):
+    """The environment a workload script runs in: flor's variables of this
+    shell left out, the store at `store`, one torch thread, Python's own
+    defaults for buffering and bytecode."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FLOR_") and k not in ("PYTHONUNBUFFERED",
+                                                       "PYTHONDONTWRITEBYTECODE")}
+    env.update(FLOR_DIR=store, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
 def add_line(source, anchor, line):
     """`source` with `line` added after each line containing `anchor`, at
     that line's indentation (a hindsight statement)."""

@@ -28,7 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import cpu_name, write_report  # noqa: E402  (benchmarks/harness.py)
+from harness import cpu_name, script_env, write_report  # noqa: E402  (benchmarks/harness.py)
 
 WORKLOADS = os.path.join(ROOT, "benchmarks", "workloads")
 
@@ -51,14 +51,6 @@ CASES = {
                        ("lr *= 0.9", 'print(f"  w {w:.6f} b {b:.6f}")')),
 }
 CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s)")
-
-
-def _env(store):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FLOR_") and k not in ("PYTHONUNBUFFERED",
-                                                       "PYTHONDONTWRITEBYTECODE")}
-    env.update(FLOR_DIR=store, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return env
 
 
 def _run(argv, cwd, env):
@@ -86,7 +78,7 @@ def bench(name, rounds, work, rng):
     os.makedirs(d)
     path = os.path.join(d, name)
     shutil.copy(os.path.join(WORKLOADS, name), path)
-    env = _env(os.path.join(d, ".flor"))
+    env = script_env(os.path.join(d, ".flor"))
     _run([sys.executable, name, *args], d, env)  # warm-up: page cache, bytecode
     record_s, rec = _run([sys.executable, "-m", "flor", "record", name, *args], d, env)
     ckpts = re.search(r"(\d+) checkpoints", rec.stderr)

@@ -27,7 +27,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import ROOT, add_line, machine, machine_line, median, timed, write_report  # noqa: E402
+from harness import (ROOT, add_line, machine, machine_line, median, script_env,  # noqa: E402
+                     timed, write_report)
 
 WORKLOADS = os.path.join(ROOT, "benchmarks", "workloads")
 WNORM = 'print(f"  wnorm {sum(p.norm() ** 2 for p in %s.parameters()).item() ** 0.5:.6f}")'
@@ -55,14 +56,6 @@ CASES = {
 CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s)")
 
 
-def _env(store):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FLOR_") and k not in ("PYTHONUNBUFFERED",
-                                                       "PYTHONDONTWRITEBYTECODE")}
-    env.update(FLOR_DIR=store, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return env
-
-
 def bench(name, rounds, work, rng):
     args, outer, inner = CASES[name]
     with open(os.path.join(WORKLOADS, name)) as f:
@@ -70,7 +63,7 @@ def bench(name, rounds, work, rng):
     d = os.path.join(work, name[:-3])
     os.makedirs(d)
     path = os.path.join(d, name)
-    env = _env(os.path.join(d, ".flor"))
+    env = script_env(os.path.join(d, ".flor"))
     edited = {"outer": add_line(original, *outer), "inner": add_line(original, *inner)}
     for kind, text in edited.items():
         assert text != original, f"{name}: no line holds the {kind} anchor"
