@@ -341,3 +341,42 @@ def test_ray_missing_says_how_to_install_it(tmp_path, torch):
     proc = flor(d, "replay", "--backend", "ray", "train.py", "4", check=False,
                 env={"PYTHONPATH": str(blocker)})
     assert proc.returncode == 2 and "pip install 'flor-hindsight[ray]'" in proc.stderr
+
+
+STEPS_STOPPED = """\
+import os, signal
+
+def batches():
+    while True:
+        yield 1.0
+
+it = batches()
+w, step = 0.0, 0
+while True:
+    if step == 300:
+        os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(3):
+        w += 0.5 * next(it)
+    print("step", step, w)
+    step += 1
+"""
+
+
+def test_a_stopped_record_counts_every_iteration_it_stored(tmp_path):
+    """A step loop whose iterations take no checkpoint (a generator feeds
+    it) flushes its rows at most once a second; stopped, the record stores
+    what every iteration printed, and its run row counts every iteration
+    that ended (it counted those of the last flush): a replay of it
+    finds every line it stored, and its checks pass."""
+    d = str(tmp_path)
+    write_script(d, "steps.py", STEPS_STOPPED)
+    proc = flor(d, "record", "steps.py", check=False)
+    assert proc.returncode == 143, proc.stderr
+    st = store(d)
+    (run,) = st.runs()
+    assert st.status(run) == "interrupted"
+    printed = [r for r in st.logs(run["run_id"]) if r["name"].startswith("stdout@")]
+    assert run["iterations"] == 300 and len(printed) == 300
+    assert json.loads(printed[-1]["value"]).startswith("step 299 ")
+    rep = flor(d, "replay", "steps.py")
+    assert "deferred checks passed" in rep.stderr, rep.stderr

@@ -308,3 +308,30 @@ def test_the_skip_table_has_one_home(mode):
                 assert state != _core.PSEUDORESUME or phase == _core.PSEUDORESUME_PHASE
                 if not restores:
                     assert state == (_core.EXECUTE if mode == _core.RECORD else _core.STEP_INTO)
+
+
+def test_a_state_is_read_to_measure_it_at_most_once_per_interval():
+    """Between reads the rule uses the bytes it last knew (of the last
+    checkpoint, or as last measured); a state that shrank or grew is
+    measured again once the interval has passed."""
+    reads = []
+
+    def measure(objs):
+        reads.append(objs)
+        return len(objs), 0
+
+    seldom, often = charge.StateReads(every=3600), charge.StateReads(every=0)
+    for states in (seldom, often):
+        assert states.size("b", lambda: "x" * 100, measure) == (100, True)
+        assert states.size("b", lambda: "x" * 3, measure)[0] == (100 if states is seldom else 3)
+    assert len(reads) == 3
+    seldom.written("b", 7)  # a checkpoint says what it wrote
+    assert seldom.size("b", lambda: "x" * 3, measure) == (7, False)
+    # a rank that stands in for another measures every time, and keeps nothing
+    assert seldom.size("c", lambda: "yy", measure, keep=False) == (2, True)
+    assert seldom.size("c", lambda: "y", measure, keep=False) == (1, True)
+    asked = []
+    assert seldom.unheld_of("b", lambda: asked.append(1) or ["lock"], read=False) == ["lock"]
+    assert seldom.unheld_of("b", lambda: asked.append(1) or [], read=False) == ["lock"]
+    assert seldom.unheld_of("b", lambda: asked.append(1) or [], read=True) == []
+    assert len(asked) == 2

@@ -32,10 +32,12 @@ it cost stays in `spent`.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
+import time
 
-__all__ = ["Charges", "reason"]
+__all__ = ["Charges", "StateReads", "reason"]
 
 SPARE_CORE_SHARE = 0.25  # of the write time, charged before any measure
 # What training pays per byte of a CUDA tensor before a checkpoint is
@@ -173,3 +175,45 @@ def reason(machine, nbytes: int, write_s: float, decided) -> str:
     return f"{'checkpoint' if worth else 'no checkpoint'}: {measured} < n/(k+1) * eps; " \
            f"(M + c*W)/C = {rratio:.4g} (c = {machine.c:.4g}, W = {write_s:.4g} s) " \
            f"{'<' if worth else '>='} n/(k+1) = {n}/{k + 1} = {rlimit:.4g}"
+
+
+class StateReads:
+    """What the rule knows of each block's state between reads of it: its
+    bytes (of its last checkpoint, or as last measured) and share on the
+    GPU, and what no checkpoint of it holds.  Reading a state (capturing
+    it, walking it) costs a step loop about what a step does, so it is read
+    to measure it at most once every `every` seconds, and where the rule
+    checkpoints it."""
+
+    def __init__(self, every: float):
+        self.every = every
+        self.nbytes: dict[str, int] = {}
+        self.on_device: dict[str, float] = {}
+        self.unheld: dict[str, list] = {}
+        self._at: dict[str, float] = {}  # when last measured (time.monotonic())
+
+    def size(self, key, objs, measure, keep=True) -> tuple[int, bool]:
+        """(bytes of `key`'s state, whether measured now by `measure(objs())`,
+        which returns (bytes, bytes on the GPU)); `keep`: remember it."""
+        nbytes = self.nbytes.get(key) if keep else None
+        now = time.monotonic()
+        if nbytes is not None and now - self._at.get(key, -math.inf) < self.every:
+            return nbytes, False
+        nbytes, on_device = measure(objs())
+        self.on_device[key] = on_device / nbytes if nbytes else 0.0
+        self._at[key] = now
+        if keep:
+            self.nbytes[key] = nbytes
+        return nbytes, True
+
+    def written(self, key, nbytes):
+        """A checkpoint of `key`'s state wrote `nbytes`."""
+        self.nbytes[key], self._at[key] = nbytes, time.monotonic()
+
+    def unheld_of(self, key, unheld, read: bool) -> list:
+        """What no checkpoint of `key`'s state holds: `unheld()` where `read`
+        (or never asked before), else as last read."""
+        if read or key not in self.unheld:
+            self.unheld[key] = unheld()
+        return self.unheld[key]
+

@@ -178,10 +178,10 @@ class Loops:
 
             s.policy.iteration_done(s, progress, frame, state)
             s.context.forget_finished()
+            s.policy.iteration_stored(s, frame)
             if s.policy.flush_due(s):
                 with s.store.transaction():  # one commit per flush
                     s.flush()
-                    s.policy.iteration_committed(s, frame)
 
     def main_so_far(self, frame):
         """Top-level iteration `frame` is done: (loop, run, iterations done)

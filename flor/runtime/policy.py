@@ -39,8 +39,9 @@ class Policy:
     def saw_file(self, path, rel):
         """The program called flor or printed from a file for the first time."""
 
-    def keep_sources(self, session):
-        """Store what the program's files are (at each flush)."""
+    def flushing(self, session):
+        """What the policy stores with each flush (record: the program's
+        files, and how far the run got)."""
 
     # -- loops (loops.py) ---------------------------------------------------
 
@@ -68,8 +69,7 @@ class Policy:
 
     def flush_due(self, session) -> bool:
         """Whether what the ended top-level iteration stored is flushed to
-        the store now (then `iteration_committed`), or waits for a later
-        iteration's flush or the end's."""
+        the store now, or waits for a later iteration's flush or the end's."""
         return True
 
     _flushed = 0.0  # time.monotonic() of the last flush
@@ -84,8 +84,9 @@ class Policy:
         self._flushed = now
         return True
 
-    def iteration_committed(self, session, frame):
-        """What the iteration stored is flushed to the store."""
+    def iteration_stored(self, session, frame):
+        """A top-level iteration ended; what it stored goes to the store
+        with the next flush."""
 
     # -- blocks (session.py: step_into and end) ------------------------------
 

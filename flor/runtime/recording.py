@@ -21,10 +21,10 @@ from ..errors import CheckpointWriteError, FlorError, Interrupted, note
 from ..program.gradients import manual_gradients
 from ..schema import DECISIONS
 from . import blockstate, carry, charge, ranks
-from .charge import Charges
+from .charge import Charges, StateReads
 from .logbook import FingerprintBudget
 from .loops import Span
-from .policy import Policy
+from .policy import FLUSH_S, Policy
 from .recordrow import RecordRow
 from .writes import Writes
 
@@ -75,12 +75,9 @@ class Recording(Policy):
         # Manual API: blocks whose gradients are read after their end().
         self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
             if source is not None and hands_free is None else set()
-        self.last_bytes: dict[str, int] = {}  # block -> bytes of its last checkpoint
-        # (or, before its first, of its state when first measured)
-        self.unheld: dict[str, list] = {}  # block -> what no checkpoint of it holds, as
-        # last read
+        self.states = StateReads(FLUSH_S)
         self.checkpointed = False  # whether the last top-level iteration was checkpointed
-        self.on_device: dict[str, float] = {}  # block -> share of its bytes in CUDA tensors
+        self.progress = None  # (main loop, run, iterations) for the run row's next flush
         self.charges = Charges()
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         self.writes = Writes(store, self.run_id, adaptive)
@@ -93,11 +90,18 @@ class Recording(Policy):
         if path != self.script and not rel.startswith("..") and os.path.isfile(path):
             self._sources.append((path, rel))
 
-    def keep_sources(self, session):
+    def flushing(self, session):
+        """The sources of the program's files seen since the last flush, and
+        the run row's progress as of the last iteration that ended (so that
+        it counts what the flush stores)."""
         pending, self._sources = self._sources, []
         for path, rel in pending:
             with open(path) as f:
                 self.store.layout.save_module_source(self.run_id, rel, f.read())
+        if self.progress is not None:
+            main, self.progress = self.progress, None
+            self.store.update_run(self.run_id, main_loop=main[0], main_run=main[1],
+                                  iterations=main[2])
 
     # -- the main loop ------------------------------------------------------
 
@@ -176,16 +180,15 @@ class Recording(Policy):
         checkpoint anyway."""
         return self.flushed_a_while_ago() or self.checkpointed
 
-    def iteration_committed(self, session, frame):
-        """What the run stored so far is committed: the run row says how far
-        it got (the main loop so far: the top-level loop running longest)."""
+    def iteration_stored(self, session, frame):
+        """How far the run got (the main loop so far: the top-level loop
+        running longest), for the run row at the next flush."""
         if self.point is not None and self.point.start and \
                 tuple(frame[1:3]) != (self.point.loop, self.point.loop_run):
             return  # a record resumed from a checkpoint knows its main loop
         main = session.loops.main_so_far(frame)
         if main is not None:
-            self.store.update_run(self.run_id, main_loop=main[0], main_run=main[1],
-                                  iterations=main[2])
+            self.progress = main
 
     # -- blocks -------------------------------------------------------------
 
@@ -214,9 +217,10 @@ class Recording(Policy):
         (`made_s`: what training already paid towards it).  Stores the
         decision; returns the checkpoint's name or None.  An execution that
         changes what no checkpoint holds (`unheld()`) is never checkpointed.
-        The state is read (`objs()`, `unheld()`) only to measure its size the
-        first time and where the rule says yes: a step loop's iterations that
-        are not checkpointed do not pay for reading what the loop carries."""
+        The state is read (`objs()`, `unheld()`) only to measure its size (at
+        most once every FLUSH_S) and where the rule says yes: a step loop's
+        iterations that are not checkpointed do not pay for reading what the
+        loop carries."""
         self.charges.ended(key, seconds, self.writes.writing())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
@@ -224,22 +228,17 @@ class Recording(Policy):
         # pays (all the bytes, a copy of them), never its own small writes:
         # whichever rank decides, the rule holds for the rank that writes.
         stand_in = self.group is not None and not self.group.owner
-        nbytes = None if stand_in else self.last_bytes.get(key)
-        if nbytes is None:
-            nbytes, on_device = _core.measure(objs(), True)
-            self.on_device[key] = on_device / nbytes if nbytes else 0.0
-            if not stand_in:
-                self.last_bytes[key] = nbytes
+        nbytes, fresh = self.states.size(key, objs, lambda o: _core.measure(o, True),
+                                         keep=not stand_in)
         bw, copy_bw = self.writes.bandwidth()
         write_s = nbytes / bw
-        M = self.charges.cost(key, nbytes, copy_bw, write_s, self.on_device.get(key, 0.0))
+        M = self.charges.cost(key, nbytes, copy_bw, write_s, self.states.on_device.get(key, 0.0))
         decided = self.machine.decide(handle, nbytes, M, write_s)
         ok, ratio, limit, M, _ = decided
         reason = charge.reason(self.machine, nbytes, write_s, decided)
-        if ok or key not in self.unheld:  # (else as it was the last time it was read)
-            self.unheld[key] = unheld()
-        if self.unheld[key]:  # replay runs it again (a worker: the iterations before its segment)
-            ok, reason = False, f"no checkpoint: none holds {'; '.join(self.unheld[key])}"
+        held_by_none = self.states.unheld_of(key, unheld, ok or fresh)
+        if held_by_none:  # replay runs it again (a worker: the iterations before its segment)
+            ok, reason = False, f"no checkpoint: none holds {'; '.join(held_by_none)}"
         if self.group is not None:  # every rank follows the first to get here
             ok, reason = self.group.follow(self.machine, handle, key, ctx, occurrence,
                                            (ok, reason), write_s, nbytes)
@@ -255,8 +254,8 @@ class Recording(Policy):
             t1 = time.perf_counter()
             made_s += t1 - t0  # an iteration checkpoint's fingerprint, when taken here
             try:
-                self.last_bytes[key] = mat.submit(fname, payload,
-                                                  blockstate.payload_tag(payload))
+                self.states.written(key, mat.submit(fname, payload,
+                                                    blockstate.payload_tag(payload)))
                 self.charges.charged(key, made_s + (nbytes / copy_bw if stand_in and "replicated"
                                                     in payload else time.perf_counter() - t1))
                 self.writes.submitted.append(key)

@@ -339,7 +339,7 @@ class Session:
     def flush(self):
         """Store what the run logged and printed so far (at the end of each
         top-level iteration, and at the end)."""
-        self.policy.keep_sources(self)
+        self.policy.flushing(self)
         self.logbook.flush(self.store)
 
     # -- the end ------------------------------------------------------------
