@@ -430,3 +430,26 @@ def test_replay_workers_run_with_the_record_s_thread_count(tmp_path):
     parts = st.parts(runs(st, "replay")[-1]["run_id"])
     assert {p["info"].threads for p in parts} == {1}
     assert len(parts) == min(2, cores) and "asks for" not in told.stderr
+
+
+def test_a_worker_that_dies_without_finishing_is_reported_with_its_last_stderr(tmp_path):
+    """A replay worker that leaves without flor's end (os._exit, a fatal
+    signal) still shows the last lines its script wrote to stderr."""
+    d = str(tmp_path)
+    write_script(d, "train.py", (
+        "import os, sys\n"
+        "w = 0.0\n"
+        "for epoch in range(8):\n"
+        "    for step in range(5):\n"
+        "        w += 0.1\n"
+        "    print('warn at', epoch, file=sys.stderr)\n"
+        "    if os.environ.get('FLOR_REPLAY_WORKER') is not None and epoch == 4:\n"
+        "        os._exit(3)\n"
+        "    print(epoch, round(w, 3))\n"))
+    flor(d, "record", "train.py")
+    edit(os.path.join(d, "train.py"), "w += 0.1", "print('w', round(w, 3))")
+    rep = flor(d, "replay", "train.py", check=False)
+    assert rep.returncode == 3, rep.stderr
+    tail = rep.stderr.split("--- the script's stderr", 1)[1]
+    # (what iteration 4 wrote before the exit is not stored: it never ended)
+    assert all(f"warn at {e}" in tail for e in range(4)), rep.stderr

@@ -45,6 +45,15 @@ class Output(io.TextIOBase):
         self._teer = _core.Tee(journal, real, STREAMS.index(stream), tee)
         # An instance attribute: print() finds the C write first.
         self.write = self._teer.write
+        self.written = False  # stderr: written to since `Capture.stderr_written` asked
+        if stream == "stderr":  # (seldom written: a Python call in front is cheap)
+            c_write = self._teer.write
+
+            def write(text):
+                self.written = True
+                return c_write(text)
+
+            self.write = write
 
     def show(self, on: bool):
         """Pass writes on to the real stream now (when this stream tees)."""
@@ -114,6 +123,16 @@ class Capture:
         if out._teer.tee:
             real.write(text)
         self.journal.add(STREAMS.index(stream), text, False)
+
+    def stderr_written(self) -> bool:
+        """Whether the script wrote to the captured stderr since the last
+        time this was asked."""
+        installed = self._installed.get("stderr")
+        if installed is None:
+            return False
+        out = installed[0]
+        written, out.written = out.written, False
+        return written
 
     def show(self, on: bool):
         """Show (when teeing) or hide what the script writes from now on."""

@@ -106,10 +106,12 @@ class Replaying(Policy):
         self.resumed_from = [self.segment[0] - 1, seconds]
 
     def flush_due(self, session) -> bool:
-        """At most once every FLUSH_S: nothing reads a worker's rows before
-        it finishes (a killed worker's segment runs again into a new
-        database)."""
-        return self.flushed_a_while_ago()
+        """At most once every FLUSH_S (nothing reads a worker's rows before
+        it finishes: a killed worker's segment runs again into a new
+        database), and where the script wrote to stderr: a worker that
+        dies without finishing is reported with the last lines it wrote."""
+        wrote = session.capture.stderr_written()
+        return self.flushed_a_while_ago() or wrote
 
     def iteration_done(self, session, progress, frame, state):
         state()
