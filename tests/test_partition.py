@@ -168,6 +168,10 @@ def test_re_running_costs_the_record_less_flor_s_own_work():
     rec = _record()
     assert rerun_seconds(rec) == 28.0
     assert rerun_seconds(_record(finished=None)) is None
+    assert rerun_seconds(_record(finished=101.0)) is None  # flor's own time is all of it
+    resumed = _record()
+    resumed["info"].resumed = [3]  # its time holds the pause before the resume
+    assert rerun_seconds(resumed) is None and closing_line("R", 7.0, resumed) is None
     line = closing_line("R", 7.0, rec)
     assert "re-running the script would take about 28.0 s" in line and line.endswith("4.0x")
 

@@ -16,10 +16,12 @@ __all__ = ["rerun_seconds", "replay_seconds", "planning_notes", "closing_line"]
 
 def rerun_seconds(rec) -> float | None:
     """A plain run of the recorded script, in seconds (None: the record did
-    not finish)."""
-    if not rec["finished"] or not rec["started"]:
+    not finish, or was resumed: its time holds the pause, and what it
+    measured, the last process's alone)."""
+    if not rec["finished"] or not rec["started"] or rec["info"].resumed:
         return None
-    return max(0.0, rec["finished"] - rec["started"] - (rec["info"].flor_seconds or 0.0))
+    seconds = rec["finished"] - rec["started"] - (rec["info"].flor_seconds or 0.0)
+    return seconds if seconds > 0 else None
 
 
 def replay_seconds(rec, main_s, segments, costs, workers) -> float | None:
