@@ -216,4 +216,3 @@ class StateReads:
         if read or key not in self.unheld:
             self.unheld[key] = unheld()
         return self.unheld[key]
-

@@ -11,6 +11,7 @@ the store is recordrow.py's.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -153,12 +154,8 @@ class Recording(Policy):
         _, seconds = self.machine.leave(handle)
         fp = state()
         loop, run, i = frame[1:4]
-        read = []  # what the loop carries, read from its scope when first needed
-
-        def carried():
-            if not read:
-                read.append(frame.carrier.capture(frame.scope))
-            return read[0]
+        # What the loop carries, read from its scope when first needed.
+        carried = functools.cache(lambda: frame.carrier.capture(frame.scope))
 
         def make():  # only for a checkpoint: its restore is verified by these
             objs, sig, _ = carried()
