@@ -40,7 +40,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 enum { MODE_INLINE = 0, MODE_THREAD = 1, MODE_FORK = 2 };
@@ -86,6 +88,7 @@ typedef struct {
     pthread_cond_t cv;
     pthread_t thread;
     int thread_started, stopping, busy;
+    int thread_exited; /* the writer thread left its loop (its CPU is in writer_cpu) */
     flor_job *queue_head, *queue_tail;
     flor_job *done; /* finished, awaiting the GIL to be released */
     uint64_t held_bytes, peak_held_bytes;
@@ -104,6 +107,7 @@ typedef struct {
     uint64_t bytes_referenced;
     uint64_t submitted, written, failed, bytes_written, forks, fork_fallbacks;
     double block_seconds, max_block_seconds, write_seconds;
+    double writer_cpu; /* CPU seconds of writers that finished: threads, reaped children */
 } FlorMaterializer;
 
 static flor_state *
@@ -253,6 +257,31 @@ push_done_locked(FlorMaterializer *m, flor_job *j)
 /* ------------------------------------------------------------------ */
 /* Thread mode.                                                         */
 
+/* Seconds on `clock` (a CPU-time clock), 0 where it cannot be read. */
+static double
+clock_seconds(clockid_t clock)
+{
+    struct timespec ts;
+    if (clock_gettime(clock, &ts) != 0) {
+        return 0.0;
+    }
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CPU seconds the writers have used so far: those that finished, and the
+ * writer thread's own clock while it runs.  `mu` held: the thread cannot
+ * leave its loop (and be joined) meanwhile. */
+static double
+writer_cpu_locked(FlorMaterializer *m)
+{
+    clockid_t clock;
+    double s = m->writer_cpu;
+    if (m->thread_started && !m->thread_exited && pthread_getcpuclockid(m->thread, &clock) == 0) {
+        s += clock_seconds(clock);
+    }
+    return s;
+}
+
 static void *
 writer_main(void *arg)
 {
@@ -304,6 +333,8 @@ writer_main(void *arg)
         m->busy = 0;
         pthread_cond_broadcast(&m->cv);
     }
+    m->writer_cpu += clock_seconds(CLOCK_THREAD_CPUTIME_ID);
+    m->thread_exited = 1;
     pthread_mutex_unlock(&m->mu);
     {
         /* Drop the reference ensure_thread() took for this thread.  close()
@@ -326,6 +357,7 @@ ensure_thread(FlorMaterializer *m)
      * by a collection triggered from code the writer runs) while it works. */
     Py_INCREF(m);
     m->stopping = 0;
+    m->thread_exited = 0;
     e = pthread_create(&m->thread, NULL, writer_main, m);
     if (e != 0) {
         Py_DECREF(m);
@@ -481,16 +513,22 @@ child_finish(FlorMaterializer *m, int ci)
     flor_child *c = &m->children[ci];
     flor_job *j, *next;
     int status = 0, reaped;
+    struct rusage ru;
     pid_t r;
 
     close(c->fd);
+    memset(&ru, 0, sizeof(ru));
     Py_BEGIN_ALLOW_THREADS
     do {
-        r = waitpid(c->pid, &status, 0);
+        r = wait4(c->pid, &status, 0, &ru);
     } while (r < 0 && errno == EINTR);
     Py_END_ALLOW_THREADS
     reaped = r == c->pid;
     pthread_mutex_lock(&m->mu);
+    if (reaped) {
+        m->writer_cpu += (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+                         (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+    }
     for (j = c->jobs; j != NULL; j = next) {
         next = j->next;
         if (!j->done) {
@@ -998,15 +1036,17 @@ PyDoc_STRVAR(mat_stats_doc,
              "Counters: submitted, written, failed, bytes_written, bytes_referenced\n"
              "(left in earlier files), write_seconds,\n"
              "block_seconds, max_block_seconds, forks, fork_fallbacks, held_bytes,\n"
-             "peak_held_bytes, pending, writing. write_seconds is time spent pickling and\n"
-             "writing; pending counts the checkpoints not yet durable, writing those of\n"
-             "them being written now (pending less a fork batch not yet started).");
+             "peak_held_bytes, pending, writing, writer_cpu_seconds. write_seconds is time\n"
+             "spent pickling and writing; pending counts the checkpoints not yet durable,\n"
+             "writing those of them being written now (pending less a fork batch not yet\n"
+             "started); writer_cpu_seconds is the CPU time the writers used (thread mode: the\n"
+             "writer thread's, as it runs; fork mode: children's, once reaped).");
 
 static PyObject *
 mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
 {
     uint64_t held, peak, pending, writing;
-    double ws;
+    double ws, cpu;
     flor_job *j;
     int i;
     /* fork mode: take the results the children have sent, without waiting */
@@ -1017,6 +1057,7 @@ mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
     held = m->held_bytes;
     peak = m->peak_held_bytes;
     ws = m->write_seconds;
+    cpu = writer_cpu_locked(m);
     pending = (uint64_t)m->busy;
     for (j = m->queue_head; j != NULL; j = j->next) {
         pending++;
@@ -1029,15 +1070,17 @@ mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
     }
     writing = pending;
     pending += (uint64_t)m->batch_n;
-    return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K,s:K}", "bytes_referenced",
-        (unsigned long long)m->bytes_referenced, "submitted", (unsigned long long)m->submitted,
-        "written", (unsigned long long)m->written, "failed", (unsigned long long)m->failed,
-        "bytes_written", (unsigned long long)m->bytes_written, "write_seconds", ws, "block_seconds",
-        m->block_seconds, "max_block_seconds", m->max_block_seconds, "forks",
-        (unsigned long long)m->forks, "fork_fallbacks", (unsigned long long)m->fork_fallbacks,
-        "held_bytes", (unsigned long long)held, "peak_held_bytes", (unsigned long long)peak,
-        "pending", (unsigned long long)pending, "writing", (unsigned long long)writing);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K,s:K,s:d}",
+                         "bytes_referenced", (unsigned long long)m->bytes_referenced, "submitted",
+                         (unsigned long long)m->submitted, "written",
+                         (unsigned long long)m->written, "failed", (unsigned long long)m->failed,
+                         "bytes_written", (unsigned long long)m->bytes_written, "write_seconds", ws,
+                         "block_seconds", m->block_seconds, "max_block_seconds",
+                         m->max_block_seconds, "forks", (unsigned long long)m->forks,
+                         "fork_fallbacks", (unsigned long long)m->fork_fallbacks, "held_bytes",
+                         (unsigned long long)held, "peak_held_bytes", (unsigned long long)peak,
+                         "pending", (unsigned long long)pending, "writing",
+                         (unsigned long long)writing, "writer_cpu_seconds", cpu);
 }
 
 static PyObject *

@@ -205,7 +205,9 @@ class Materializer:
     def stats(self) -> dict:
         """Counters: submitted, written, failed, bytes_written, write_seconds,
         block_seconds, max_block_seconds, forks, held_bytes, pending (not yet
-        durable), writing (being written now)."""
+        durable), writing (being written now), writer_cpu_seconds (the CPU
+        time the writers used: the writer thread's as it runs, a fork
+        child's once it is reaped)."""
         return self._engine.stats()
 
     def __enter__(self):

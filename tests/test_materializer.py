@@ -318,6 +318,26 @@ def test_a_finished_write_is_no_longer_counted_as_writing(tmp_path, mode):
             assert b.stats()["pending"] == 1 and b.stats()["writing"] == 0
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.unit
+def test_the_writers_cpu_time_is_counted(tmp_path, mode):
+    """stats()['writer_cpu_seconds']: the CPU time the background writers
+    used (the adaptive rule bounds a checkpoint's slowdown by it): the
+    writer thread's as it runs and after it stops, a fork child's once it
+    is reaped; inline mode has no writer (training writes in submit)."""
+    m = flor.Materializer(str(tmp_path), mode=mode, batch_count=1)
+    assert m.stats()["writer_cpu_seconds"] == 0.0
+    for i in range(3):
+        m.submit(f"c{i}", {"w": torch.randn(1 << 21)})  # 8 MiB each
+    m.flush()
+    flushed = m.stats()["writer_cpu_seconds"]
+    m.close()
+    closed = m.stats()["writer_cpu_seconds"]
+    if mode == "inline":
+        assert flushed == closed == 0.0
+    else:
+        assert 0.0 < flushed <= closed, (flushed, closed)
+
 @pytest.mark.unit
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_a_signer_that_holds_its_materializer_is_collected(mode):
