@@ -3,6 +3,7 @@ import pytest
 
 from flor import _core
 from flor.runtime import charge
+from flor.runtime.writes import Writing
 
 pytestmark = pytest.mark.unit  # in-process: `make check` runs these
 
@@ -197,13 +198,13 @@ def test_the_charge_is_what_training_pays_per_checkpoint():
     c._share = 0.25
     assert c.cost("train", 1000, copy_bw=1000.0, write_s=2.0) == pytest.approx(1.0 + 0.5)
     for _ in range(2):  # two executions with no write going on: 1 s each
-        c.started("train", None)
-        c.ended("train", 1.0, None)
+        c.started("train", Writing(None, None))
+        c.ended("train", 1.0, Writing(None, None))
     c.charged("train", 1.9)  # the first copy faults its staging buffer in
-    c.started("eval", "train")
-    c.ended("eval", 0.5, "train")  # no clean measure of eval yet: no slowdown known
-    c.started("train", "train")
-    c.ended("train", 1.3, None)  # overlapped: 0.3 s slower than clean
+    c.started("eval", Writing("train", None))
+    c.ended("eval", 0.5, Writing("train", None))  # no clean measure of eval yet: no slowdown known
+    c.started("train", Writing("train", None))
+    c.ended("train", 1.3, Writing(None, None))  # overlapped: 0.3 s slower than clean
     # Spent: 1.9 + 0.3; the next one: the warm model (1.5, below the cold
     # 1.9) and the slowdown seen so far.
     assert c.cost("train", 1000, 1000.0, 2.0) == pytest.approx((1.9 + 0.3 + 1.5 + 0.3) / 2)
@@ -243,26 +244,66 @@ def test_a_block_is_charged_for_its_own_time_and_its_own_writes():
 
     c = charge.Charges()
     c._share = 0.25
-    c.started("outer", None)  # a clean outer execution of 1 s of its own
-    c.ended("outer", 1.0, None)
-    c.started("outer", None)
-    c.started("inner", None)
-    c.ended("inner", 0.2, None)
+    c.started("outer", Writing(None, None))  # a clean outer execution of 1 s of its own
+    c.ended("outer", 1.0, Writing(None, None))
+    c.started("outer", Writing(None, None))
+    c.started("inner", Writing(None, None))
+    c.ended("inner", 0.2, Writing(None, None))
     c.charged("inner", 0.05)  # the inner checkpoint is being written...
-    c.ended("outer", 1.25, "inner")  # ...while outer ends: 1.25 - 0.25 = 1.0 of its own
+    c.ended("outer", 1.25, Writing("inner", None))  # ...while outer ends: 1.25 - 0.25 = 1.0 of its own
     assert c._blocks["inner"].slowdown == 0.0  # the outer block was not slowed
-    c.started("outer", "big")  # a big block's write goes on; a small one is submitted
+    c.started("outer", Writing("big", None))  # a big block's write goes on; a small one is submitted
     c.charged("small", 0.01)
-    c.ended("outer", 1.51, "big")  # 0.5 s slower than clean
+    c.ended("outer", 1.51, Writing("big", None))  # 0.5 s slower than clean
     assert c._blocks["big"].slowdown == pytest.approx(0.5)
     assert c._blocks.get("small").slowdown == 0.0
     # The same block nested in itself keeps each execution's own flag.
-    c.started("rec", "big")
-    c.started("rec", None)
-    c.ended("rec", 0.1, None)
+    c.started("rec", Writing("big", None))
+    c.started("rec", Writing(None, None))
+    c.ended("rec", 0.1, Writing(None, None))
     assert c._open[-1].writer == "big"
-    c.ended("rec", 0.3, None)
+    c.ended("rec", 0.3, Writing(None, None))
     assert not c._open
+
+
+def test_a_slowdown_is_at_most_the_cpu_the_writer_used_meanwhile():
+    """An overlapped execution slower than the clean ones is charged no more
+    than the writer's CPU time during it: a script whose steps drift slower,
+    or a neighbour's load, is not the checkpoint's cost.  Nested executions
+    share one writer's CPU: what the inner one was charged, the outer one
+    is not charged again.  Where the writer's CPU is not known in time (fork
+    mode), the whole slowdown is charged, as before."""
+    c = charge.Charges()
+    c._share = 0.25
+    c.started("epoch", Writing(None, 0.0))  # a clean epoch of 1 s
+    c.ended("epoch", 1.0, Writing(None, 0.0))
+    c.charged("epoch", 0.05)
+    # The next epoch drifts to 2.5 s while the writer used 0.08 s of CPU.
+    c.started("epoch", Writing("epoch", 1.00))
+    c.ended("epoch", 2.5, Writing(None, 1.08))
+    assert c._blocks["epoch"].slowdown == pytest.approx(0.08)
+    # A slowdown below the writer's CPU is charged as measured.
+    c.started("epoch", Writing("epoch", 2.0))
+    c.ended("epoch", 1.02, Writing(None, 2.5))
+    assert c._blocks["epoch"].slowdown == pytest.approx(0.08 + 0.02)
+    # Nested: inner is charged 0.1 of the writer's 0.15; outer gets the rest.
+    d = charge.Charges()
+    for key, s in (("outer", 1.0), ("inner", 0.5)):
+        d.started(key, Writing(None, 0.0))
+        d.ended(key, s, Writing(None, 0.0))
+    d.started("outer", Writing("w", 5.0))
+    d.started("inner", Writing("w", 5.0))
+    d.ended("inner", 0.6, Writing("w", 5.1))
+    d.ended("outer", 2.6, Writing("w", 5.15))  # 2.0 of its own: 1.0 slower
+    assert d._blocks["w"].slowdown == pytest.approx(0.1 + 0.05)
+    # Fork mode: the CPU is not known while the execution runs.
+    e = charge.Charges()
+    e.started("epoch", Writing(None, None))
+    e.ended("epoch", 1.0, Writing(None, None))
+    e.started("epoch", Writing("epoch", None))
+    e.ended("epoch", 2.5, Writing(None, None))
+    assert e._blocks["epoch"].slowdown == pytest.approx(1.5)
+
 
 def test_overruled_moves_the_accounting_to_the_group_decision():
     m = _core.SkipMachine(_core.RECORD, EPS, C, False)  # decide() says yes

@@ -10,8 +10,15 @@ Both parts are measured.  The blocking is the time `submit` takes.  An
 execution of a block that started or ended with a write in progress is
 *overlapped*; its slowdown is its own compute time (less the blocks nested
 in it) beyond the block's mean over executions that were not, and it is
-charged to the block whose checkpoint was being written.  The rule then asks whether the training
-overhead after one more checkpoint stays within the bound:
+charged to the block whose checkpoint was being written.  A writer cannot
+take from training more core time than it runs, so an execution's slowdown
+is at most the CPU time the writer used while it ran (less what nested
+executions were charged of it): the slower steps of a script whose steps
+drift, or of a machine that a neighbour loads, are not the checkpoint's
+cost.  (A fork-mode writer's CPU time is known once its child is reaped,
+too late to bound the executions it overlapped: there no bound applies.)
+The rule then asks whether the training overhead after one more checkpoint
+stays within the bound:
 
     spent + marginal < n * epsilon * C      i.e.   M = (spent + marginal) / (k + 1)
 
@@ -62,11 +69,13 @@ class _Block:
 
 class _Frame:
     """An open block execution."""
-    __slots__ = ("key", "writer", "inner")
+    __slots__ = ("key", "writer", "inner", "cpu", "granted")
 
-    def __init__(self, key, writer):
-        self.key, self.writer = key, writer  # the block being written when it started
+    def __init__(self, key, writing):
+        self.key, self.writer = key, writing.block  # the block being written when it started
+        self.cpu = writing.cpu  # the writers' CPU seconds then (None: not known in time)
         self.inner = 0.0  # seconds of nested executions and their checkpoints' blocking
+        self.granted = 0.0  # of the writers' CPU while it ran, charged to nested executions
 
 
 def _share() -> float:
@@ -85,18 +94,19 @@ class Charges:
 
     A block's own time excludes the blocks nested in it and their
     checkpoints' blocking; slowdown goes to the block whose checkpoint was
-    being written (`writer`: its key, or None when no write is going on)."""
+    being written (`writing`: runtime/writes.py's Writing, taken as the
+    execution starts and ends)."""
 
     def __init__(self):
         self._blocks: dict[str, _Block] = {}
         self._open: list[_Frame] = []
         self._share = None
 
-    def started(self, key, writer):
+    def started(self, key, writing):
         """A block execution starts."""
-        self._open.append(_Frame(key, writer))
+        self._open.append(_Frame(key, writing))
 
-    def ended(self, key, seconds: float, writer):
+    def ended(self, key, seconds: float, writing):
         """A block execution ended after `seconds` (nested blocks included)."""
         b = self._blocks.setdefault(key, _Block())
         frame = None
@@ -105,19 +115,25 @@ class Charges:
             if f.key == key:
                 frame = f
                 break
-        if self._open:
-            self._open[-1].inner += seconds
+        parent = self._open[-1] if self._open else None
+        if parent is not None:
+            parent.inner += seconds
         if frame is None:
             return
         own = seconds - frame.inner
-        overlapped = writer or frame.writer
+        overlapped = writing.block or frame.writer
+        extra = 0.0
         if overlapped is None:
             b.clean_s += own
             b.clean_n += 1
         elif b.clean_n:
             extra = own - b.clean_s / b.clean_n
+            if frame.cpu is not None and writing.cpu is not None:
+                extra = min(extra, writing.cpu - frame.cpu - frame.granted)
             if extra > 0:
                 self._blocks.setdefault(overlapped, _Block()).slowdown += extra
+        if parent is not None:
+            parent.granted += frame.granted + max(extra, 0.0)
 
     def cost(self, key, nbytes: int, copy_bw: float, write_s: float,
              on_device: float = 0.0) -> float:

@@ -8,18 +8,28 @@ from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 from .. import _core, trust
 from ..errors import CheckpointWriteError, FlorError, note
 from ..materializer import Materializer, mode_from_env
 
-__all__ = ["Writes", "calibration"]
+__all__ = ["Writes", "Writing", "calibration"]
 
 CALIBRATION_BYTES = 32 << 20
 # What the rule assumes where the store's calibration could not be measured:
 # a slow disk (so few checkpoints) and an ordinary memory copy.
 FALLBACK_WRITE_BPS = 20 << 20
 FALLBACK_COPY_BPS = 1 << 30
+
+
+class Writing(NamedTuple):
+    """What the background writes are doing now: the block whose checkpoint
+    is being written (None: nothing is), and the CPU seconds the writers
+    have used so far (None where they are counted late: a fork-mode child's
+    once it is reaped)."""
+    block: str | None
+    cpu: float | None
 
 
 class Writes:
@@ -46,16 +56,17 @@ class Writes:
                                      batch_count=1, incremental=True, signed=signed)
         return self._mat
 
-    def writing(self):
-        """The block whose checkpoint is being written now, or None: the
-        oldest submitted that has not finished (writes finish in order)."""
+    def writing(self) -> Writing:
+        """What is being written now: the oldest checkpoint submitted that
+        has not finished (writes finish in order), and the writers' CPU."""
         if self._mat is None:
-            return None
+            return Writing(None, 0.0)
         st = self._mat.stats()
-        if not st["writing"]:
-            return None
+        cpu = st["writer_cpu_seconds"] if self._mat.mode == "thread" else None
+        if not st["writing"] or not self.submitted:
+            return Writing(None, cpu)
         done = st["written"] + st["failed"]
-        return self.submitted[min(done, len(self.submitted) - 1)] if self.submitted else None
+        return Writing(self.submitted[min(done, len(self.submitted) - 1)], cpu)
 
     def bandwidth(self) -> tuple[float, float]:
         """(write, copy) bytes per second: the write bandwidth measured by the
