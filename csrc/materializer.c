@@ -270,13 +270,15 @@ clock_seconds(clockid_t clock)
 
 /* CPU seconds the writers have used so far: those that finished, and the
  * writer thread's own clock while it runs.  `mu` held: the thread cannot
- * leave its loop (and be joined) meanwhile. */
+ * leave its loop (and be joined) meanwhile.  A forked copy of the engine
+ * has no writer thread of its own: it reports the writers that finished. */
 static double
 writer_cpu_locked(FlorMaterializer *m)
 {
     clockid_t clock;
     double s = m->writer_cpu;
-    if (m->thread_started && !m->thread_exited && pthread_getcpuclockid(m->thread, &clock) == 0) {
+    if (m->owner == getpid() && m->thread_started && !m->thread_exited &&
+        pthread_getcpuclockid(m->thread, &clock) == 0) {
         s += clock_seconds(clock);
     }
     return s;

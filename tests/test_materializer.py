@@ -331,12 +331,19 @@ def test_the_writers_cpu_time_is_counted(tmp_path, mode):
         m.submit(f"c{i}", {"w": torch.randn(1 << 21)})  # 8 MiB each
     m.flush()
     flushed = m.stats()["writer_cpu_seconds"]
+    # The caller's own CPU is not the writers': spin while they are idle.
+    spin = time.thread_time() + 0.3
+    while time.thread_time() < spin:
+        pass
+    idle = m.stats()["writer_cpu_seconds"]
     m.close()
     closed = m.stats()["writer_cpu_seconds"]
     if mode == "inline":
-        assert flushed == closed == 0.0
+        assert flushed == idle == closed == 0.0
     else:
-        assert 0.0 < flushed <= closed, (flushed, closed)
+        assert 0.0 < flushed <= idle <= closed, (flushed, idle, closed)
+        assert idle - flushed < 0.05, (flushed, idle)
+
 
 @pytest.mark.unit
 @pytest.mark.parametrize("mode", [0, 1, 2])

@@ -305,6 +305,74 @@ def test_a_slowdown_is_at_most_the_cpu_the_writer_used_meanwhile():
     assert e._blocks["epoch"].slowdown == pytest.approx(1.5)
 
 
+def test_writer_cpu_granted_to_nested_executions_is_not_granted_again():
+    """Three levels, and a middle execution that an exception left open:
+    the writer's CPU during the outermost execution is charged once in all."""
+    c = charge.Charges()
+    for key in ("outer", "middle", "inner"):
+        c.started(key, Writing(None, 0.0))
+        c.ended(key, 1.0, Writing(None, 0.0))
+    for abandon in (False, True):
+        before = sum(b.slowdown for b in c._blocks.values())
+        c.started("outer", Writing("w", 10.0))
+        c.started("middle", Writing("w", 10.0))
+        c.started("inner", Writing("w", 10.0))
+        c.ended("inner", 2.0, Writing("w", 10.1))  # 1 s slower; the writer used 0.1 s
+        if not abandon:
+            c.ended("middle", 4.0, Writing("w", 10.12))  # 1 s slower of its own: 0.02 left
+        c.ended("outer", 6.0 if not abandon else 4.0, Writing("w", 10.15))  # 0.03 left
+        assert sum(b.slowdown for b in c._blocks.values()) - before == pytest.approx(0.15)
+
+
+def test_writing_gives_the_writers_cpu_only_where_it_is_counted_in_time(tmp_path):
+    """Writes.writing(): the block being written and the writers' CPU, which
+    a fork child reports only once reaped (too late to bound the executions
+    it overlapped): None there, so that no bound applies."""
+    import torch
+
+    import flor
+    from flor.runtime.writes import Writes
+
+    for mode in ("thread", "fork"):
+        w = Writes(store=None, run_id=None, adaptive=False)
+        assert w.writing() == Writing(None, 0.0)  # no checkpoint yet: no writer
+        w._mat = flor.Materializer(str(tmp_path / mode), mode=mode, batch_count=1)
+        w._mat.submit("a", {"w": torch.zeros(1000)})
+        w.submitted.append("block")
+        got = w.writing()
+        assert got.block in ("block", None)
+        assert (got.cpu is None) == (mode == "fork"), (mode, got)
+        w._mat.close()
+        assert w.writing().block is None
+
+def test_an_outer_block_is_charged_the_checkpoints_nested_in_it():
+    """The overhead bound holds for a block as a whole: its mean compute
+    time holds its nested blocks', so what their checkpoints blocked is
+    part of its overhead too (a main loop's iteration and its training
+    block that checkpoint the same state do not each spend epsilon of the
+    training block's time)."""
+    c = charge.Charges()
+    c._share = 0.25
+    idle = Writing(None, 0.0)
+    for _ in range(2):
+        c.started("iteration", idle)
+        c.started("train", idle)
+        c.ended("train", 1.0, idle)
+        c.charged("train", 0.13)  # the training block's checkpoint
+        c.paid("train", 0.01)  # and its fingerprint
+        c.ended("iteration", 2.5, idle)
+    c.charged("iteration", 0.13)
+    # Spent: its own 0.13 and the nested 2 x 0.14; the next: 0.13 again.
+    assert c.cost("iteration", 1000, 1000.0, 2.0) == pytest.approx((0.13 + 0.28 + 0.13) / 2)
+    # The inner block's charge is its own, as before.
+    assert c.cost("train", 1000, 1000.0, 2.0) == pytest.approx((0.14 + 0.14 + 0.14) / 3)
+    # A block nested in itself counts a nested checkpoint once.
+    d = charge.Charges()
+    d.started("rec", idle)
+    d.started("rec", idle)
+    d.charged("leaf", 0.5)
+    assert d._blocks["rec"].nested == pytest.approx(0.5)
+
 def test_overruled_moves_the_accounting_to_the_group_decision():
     m = _core.SkipMachine(_core.RECORD, EPS, C, False)  # decide() says yes
     h = m.block("train")

@@ -3,7 +3,7 @@
 A checkpoint costs the training thread what it blocks in ``submit`` (the
 snapshot copy, and waiting when the staging buffer is full), plus the
 slowdown of the block executions that run while the background write is in
-progress (the writer competes for cores, memory bandwidth and the disk).
+progress (the writer competes for cores and memory bandwidth).
 The background write itself is not charged: training does not wait for it.
 
 Both parts are measured.  The blocking is the time `submit` takes.  An
@@ -15,15 +15,21 @@ take from training more core time than it runs, so an execution's slowdown
 is at most the CPU time the writer used while it ran (less what nested
 executions were charged of it): the slower steps of a script whose steps
 drift, or of a machine that a neighbour loads, are not the checkpoint's
-cost.  (A fork-mode writer's CPU time is known once its child is reaped,
-too late to bound the executions it overlapped: there no bound applies.)
+cost.  What the writer costs training without using a core is not
+charged: a training step that does its own disk I/O while the writer
+waits for the disk (each file is synced) is slowed beyond that bound.  (A
+fork-mode writer's CPU time is known once its child is reaped, too late to
+bound the executions it overlapped: there no bound applies.)
 The rule then asks whether the training overhead after one more checkpoint
 stays within the bound:
 
     spent + marginal < n * epsilon * C      i.e.   M = (spent + marginal) / (k + 1)
 
-where `spent` is what the block's k checkpoints have cost so far and
-`marginal` what the next one is expected to cost: the smallest blocking
+where `spent` is what the block's k checkpoints have cost so far, with
+what the checkpoints of blocks nested in its executions blocked (C, its
+mean compute time, holds theirs: an outer block and an inner one that
+checkpoint the same state would otherwise each spend epsilon of the inner
+block's time), and `marginal` what the next one is expected to cost: the smallest blocking
 measured (the staging buffer is warm after the first) plus the mean
 slowdown per checkpoint.  Before a warm checkpoint of a block is measured,
 the blocking is predicted by a model: a warm copy of its bytes (the
@@ -55,12 +61,13 @@ DEVICE_COPY_BPS = 1e11
 
 
 class _Block:
-    __slots__ = ("blocking", "slowdown", "clean_s", "clean_n")
+    __slots__ = ("blocking", "slowdown", "clean_s", "clean_n", "nested")
 
     def __init__(self):
         self.blocking: list[float] = []  # per checkpoint
         self.slowdown = 0.0  # total, over overlapped executions
         self.clean_s, self.clean_n = 0.0, 0  # own compute of executions with no write going on
+        self.nested = 0.0  # what checkpoints of blocks nested in its executions blocked
 
     @property
     def spent(self) -> float:
@@ -109,12 +116,14 @@ class Charges:
     def ended(self, key, seconds: float, writing):
         """A block execution ended after `seconds` (nested blocks included)."""
         b = self._blocks.setdefault(key, _Block())
-        frame = None
+        frame, lost = None, 0.0
         while self._open:  # executions left open by an exception end with this one
             f = self._open.pop()
             if f.key == key:
                 frame = f
+                frame.granted += lost  # what was charged within them stays charged
                 break
+            lost += f.granted
         parent = self._open[-1] if self._open else None
         if parent is not None:
             parent.inner += seconds
@@ -156,7 +165,7 @@ class Charges:
             marginal = min(prior, b.blocking[0]) + b.slowdown
         else:
             marginal = min(b.blocking) + b.slowdown / k
-        return (b.spent + marginal) / (k + 1)
+        return (b.spent + b.nested + marginal) / (k + 1)
 
     def paid(self, key, seconds: float):
         """Training paid `seconds` more for the checkpoint of the block just
@@ -164,14 +173,20 @@ class Charges:
         b = self._blocks.setdefault(key, _Block())
         if b.blocking:
             b.blocking[-1] += seconds
-        if self._open:
-            self._open[-1].inner += seconds
+        self._nested(seconds)
 
     def charged(self, key, blocking: float):
         """A checkpoint of the block was submitted; it blocked `blocking` s."""
         self._blocks.setdefault(key, _Block()).blocking.append(blocking)
+        self._nested(blocking)
+
+    def _nested(self, seconds):
+        """A nested checkpoint blocked `seconds`: not the enclosing execution's
+        own time, and part of the overhead of every enclosing block."""
         if self._open:
-            self._open[-1].inner += blocking
+            self._open[-1].inner += seconds
+        for key in {f.key for f in self._open}:  # a block open twice counts it once
+            self._blocks.setdefault(key, _Block()).nested += seconds
 
 
 def reason(machine, nbytes: int, write_s: float, decided) -> str:
