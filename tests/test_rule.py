@@ -372,6 +372,23 @@ def test_an_outer_block_is_charged_the_checkpoints_nested_in_it():
     d.started("rec", idle)
     d.charged("leaf", 0.5)
     assert d._blocks["rec"].nested == pytest.approx(0.5)
+    # Its own checkpoint, with an execution of it still open around it, is
+    # its own blocking, not nested in itself.
+    d.charged("rec", 0.2)
+    assert d._blocks["rec"].nested == pytest.approx(0.5)
+    # An iteration that a break left is no longer open: later checkpoints
+    # are not nested in it, and the frames above it close with it.
+    e = charge.Charges()
+    e.started("iteration", idle)
+    e.started("train", idle)
+    e.ended("train", 1.0, idle)
+    e.charged("train", 0.1)
+    e.started("eval", idle)  # an exception leaves eval open too
+    e.abandoned("iteration")
+    assert not e._open
+    e.charged("other", 0.5)
+    assert e._blocks["iteration"].nested == pytest.approx(0.1)
+    e.abandoned("never-open")  # nothing to close
 
 def test_overruled_moves_the_accounting_to_the_group_decision():
     m = _core.SkipMachine(_core.RECORD, EPS, C, False)  # decide() says yes

@@ -173,20 +173,34 @@ class Charges:
         b = self._blocks.setdefault(key, _Block())
         if b.blocking:
             b.blocking[-1] += seconds
-        self._nested(seconds)
+        self._nested(key, seconds)
 
     def charged(self, key, blocking: float):
         """A checkpoint of the block was submitted; it blocked `blocking` s."""
         self._blocks.setdefault(key, _Block()).blocking.append(blocking)
-        self._nested(blocking)
+        self._nested(key, blocking)
 
-    def _nested(self, seconds):
-        """A nested checkpoint blocked `seconds`: not the enclosing execution's
-        own time, and part of the overhead of every enclosing block."""
+    def abandoned(self, key):
+        """An execution of `key` ended with no end() (an exception or a
+        break left it): it is no longer open; the writer's CPU charged
+        within it stays charged."""
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i].key == key:
+                lost = sum(f.granted for f in self._open[i:])
+                del self._open[i:]
+                if self._open:
+                    self._open[-1].granted += lost
+                return
+
+    def _nested(self, key, seconds):
+        """A checkpoint of `key` nested in the open executions blocked
+        `seconds`: not the innermost one's own time, and part of the
+        overhead of every enclosing block (once each; not of `key` itself
+        when it is open around its own execution: its own blocking holds it)."""
         if self._open:
             self._open[-1].inner += seconds
-        for key in {f.key for f in self._open}:  # a block open twice counts it once
-            self._blocks.setdefault(key, _Block()).nested += seconds
+        for outer in {f.key for f in self._open} - {key}:
+            self._blocks.setdefault(outer, _Block()).nested += seconds
 
 
 def reason(machine, nbytes: int, write_s: float, decided) -> str:

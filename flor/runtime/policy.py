@@ -61,6 +61,9 @@ class Policy:
     def iteration_abandoned(self, session, frame):
         """A break or an exception left a top-level iteration."""
 
+    def block_abandoned(self, session, key):
+        """The body of block `key` raised: it closes without an end()."""
+
     def iteration_done(self, session, progress, frame, state):
         """A top-level iteration ended; `state()` fingerprints the training
         state (once: call it, whatever else the policy does), `progress`:

@@ -142,6 +142,10 @@ class Recording(Policy):
         except RuntimeError:
             pass  # an exception left a block open inside the iteration
         frame.handle = None
+        self.charges.abandoned(iteration_key(frame[1]))
+
+    def block_abandoned(self, session, key):
+        self.charges.abandoned(key)
 
     def iteration_done(self, session, progress, frame, state):
         """Fingerprint the state (`state()`), and checkpoint what the main

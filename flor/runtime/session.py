@@ -304,6 +304,7 @@ class Session:
         b = self.context.pop_block()
         if b is not None and b is not PLAIN:
             self.machine.leave(b.handle)
+            self.policy.block_abandoned(self, b.key)
 
     @_accounted
     def end(self, objs, frame, sig=None, rebind=None, as_list=False,
