@@ -1,17 +1,31 @@
 /* dedup.c: the blobs a materializer has made durable, by content, so that a
- * later checkpoint of the same run can refer to them instead of writing them.
+ * later checkpoint of the same run can refer to them instead of writing them,
+ * and which files refer to which, so that a file may be removed once none
+ * does.
  *
  *     class Dedup:                              # one per Materializer
  *         table: {(hash, nbytes, dtype): (file, offset, crc, generation)}
- *         def find(hash, nbytes, dtype):        # a hit refreshes its generation
+ *         names: [file: (refs, sources, retired)]
+ *         def find(hash, nbytes, dtype):        # a hit refreshes its generation;
+ *                                               # for the writer, counts a ref
  *         def add(hash, nbytes, dtype, file, offset, crc):   # after rename+fsync
  *         def next_generation():                # once per file written
+ *         def wrote(file, sources, ok):         # its writer is done with it
+ *         def retire(file):                     # if no file refers to it:
+ *             drop its entries and release its sources; return whether one does
  *
  * Entries always name the file that holds the bytes, never a file that only
- * refers to them, so references are one level deep.  Entries not used in the
- * last KEEP_GENERATIONS files are dropped when the table grows.  A mutex
- * guards everything: the writer thread and submit() (for its estimate of the
- * bytes a checkpoint will write) both use it.  Touches no Python object.
+ * refers to them, so references are one level deep.  A file's refs count the
+ * blobs that files written, or being written, take from it: a find that
+ * hands it to the writer counts one at once, under the lock, so a file that
+ * retire() finds unreferred is one no file refers to, and once its entries
+ * are dropped none will.  wrote() records a written file's sources (their
+ * refs stay counted until it is retired) or, for a failed write, gives their
+ * refs back.  Names are freed only with the table: the writer holds them as
+ * sources.  Entries not used in the last KEEP_GENERATIONS files are dropped
+ * when the table grows.  A mutex guards everything: the writer thread,
+ * submit() (for its estimate of the bytes a checkpoint will write) and
+ * retire() all use it.  Touches no Python object.
  */
 #include "flor.h"
 
@@ -28,11 +42,20 @@ typedef struct {
     char dtype[FLOR_NAME_MAX];
 } slot;
 
+typedef struct {
+    char *name;
+    uint32_t refs;    /* blobs that files written or being written take from it */
+    uint32_t n_srcs;  /* the files it refers to, once written: */
+    uint32_t *srcs;   /* their indices in names */
+    uint32_t *counts; /* and how many of its blobs each holds */
+    int retired;
+} name_t;
+
 struct flor_dedup {
     pthread_mutex_t mu;
     slot *slots;
     size_t cap, used; /* cap: a power of two */
-    char **names;
+    name_t *names;
     uint32_t n_names, names_cap;
     uint64_t gen;
 };
@@ -62,7 +85,9 @@ flor_dedup_free(flor_dedup *d)
         return;
     }
     for (i = 0; i < d->n_names; i++) {
-        free(d->names[i]);
+        free(d->names[i].name);
+        free(d->names[i].srcs);
+        free(d->names[i].counts);
     }
     free(d->names);
     free(d->slots);
@@ -100,10 +125,11 @@ flor_dedup_find(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype
     s = lookup(d->slots, d->cap, hash, nbytes, dtype);
     if (s->file != 0) {
         if (file != NULL) {
-            *file = d->names[s->file - 1];
+            *file = d->names[s->file - 1].name;
             *offset = s->offset;
             *crc = s->crc;
             s->gen = d->gen;
+            d->names[s->file - 1].refs++;
         }
         found = 1;
     }
@@ -144,32 +170,63 @@ rehash_locked(flor_dedup *d)
     return 0;
 }
 
+/* The index in names + 1 of `file` (the last name: a file's blobs are added
+ * together, then its sources), appended if it is not there; 0 when out of
+ * memory. */
+static uint32_t
+name_locked(flor_dedup *d, const char *file)
+{
+    name_t *n;
+    if (d->n_names > 0 && !d->names[d->n_names - 1].retired &&
+        strcmp(d->names[d->n_names - 1].name, file) == 0) {
+        return d->n_names;
+    }
+    if (d->n_names == d->names_cap) {
+        uint32_t ncap = d->names_cap ? 2 * d->names_cap : 16;
+        name_t *names = realloc(d->names, ncap * sizeof(name_t));
+        if (names == NULL) {
+            return 0;
+        }
+        d->names = names;
+        d->names_cap = ncap;
+    }
+    n = &d->names[d->n_names];
+    memset(n, 0, sizeof(*n));
+    n->name = strdup(file);
+    if (n->name == NULL) {
+        return 0;
+    }
+    return ++d->n_names;
+}
+
+/* The index in names of the name the writer holds as `ptr` (from find). */
+static uint32_t
+index_of_locked(const flor_dedup *d, const char *ptr)
+{
+    uint32_t i;
+    for (i = d->n_names; i-- > 0;) {
+        if (d->names[i].name == ptr) {
+            return i;
+        }
+    }
+    return UINT32_MAX;
+}
+
 int
 flor_dedup_add(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype, const char *file,
                uint64_t offset, uint32_t crc)
 {
     slot *s;
     int rc = -1;
+    uint32_t at;
     size_t dl = strlen(dtype);
     pthread_mutex_lock(&d->mu);
     if (dl >= FLOR_NAME_MAX) {
         goto done;
     }
-    if (d->n_names == 0 || strcmp(d->names[d->n_names - 1], file) != 0) {
-        if (d->n_names == d->names_cap) {
-            uint32_t ncap = d->names_cap ? 2 * d->names_cap : 16;
-            char **names = realloc(d->names, ncap * sizeof(char *));
-            if (names == NULL) {
-                goto done;
-            }
-            d->names = names;
-            d->names_cap = ncap;
-        }
-        d->names[d->n_names] = strdup(file);
-        if (d->names[d->n_names] == NULL) {
-            goto done;
-        }
-        d->n_names++;
+    at = name_locked(d, file);
+    if (at == 0) {
+        goto done;
     }
     if (2 * (d->used + 1) > d->cap && rehash_locked(d) < 0) {
         goto done;
@@ -182,7 +239,7 @@ flor_dedup_add(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype,
     s->nbytes = nbytes;
     s->offset = offset;
     s->crc = crc;
-    s->file = d->n_names;
+    s->file = at;
     s->gen = d->gen;
     memcpy(s->dtype, dtype, dl + 1);
     rc = 0;
@@ -197,4 +254,104 @@ flor_dedup_next_generation(flor_dedup *d)
     pthread_mutex_lock(&d->mu);
     d->gen++;
     pthread_mutex_unlock(&d->mu);
+}
+
+void
+flor_dedup_unrefer(flor_dedup *d, const char *source)
+{
+    uint32_t i;
+    pthread_mutex_lock(&d->mu);
+    i = index_of_locked(d, source);
+    if (i != UINT32_MAX && d->names[i].refs > 0) {
+        d->names[i].refs--;
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
+int
+flor_dedup_wrote(flor_dedup *d, const char *file, const char *const *sources,
+                 const uint32_t *src_of, uint32_t n_blobs, uint32_t n_sources, int ok)
+{
+    uint32_t i, k, at = 0, *srcs = NULL, *counts = NULL;
+    int rc = -1;
+    if (n_sources == 0) {
+        return 0;
+    }
+    srcs = calloc(n_sources, sizeof(uint32_t));
+    counts = calloc(n_sources, sizeof(uint32_t));
+    pthread_mutex_lock(&d->mu);
+    if (srcs == NULL || counts == NULL || (ok && (at = name_locked(d, file)) == 0)) {
+        ok = 0; /* the refs stay counted: its sources are kept for good */
+        goto done;
+    }
+    for (i = 0; i < n_blobs; i++) {
+        if (src_of[i] > 0 && src_of[i] <= n_sources) {
+            counts[src_of[i] - 1]++;
+        }
+    }
+    for (k = 0; k < n_sources; k++) {
+        srcs[k] = index_of_locked(d, sources[k]);
+        if (!ok && srcs[k] != UINT32_MAX) {
+            name_t *n = &d->names[srcs[k]];
+            n->refs = n->refs > counts[k] ? n->refs - counts[k] : 0;
+        }
+    }
+    if (ok) {
+        name_t *n = &d->names[at - 1];
+        free(n->srcs);
+        free(n->counts);
+        n->srcs = srcs;
+        n->counts = counts;
+        n->n_srcs = n_sources;
+        srcs = counts = NULL;
+    }
+    rc = 0;
+done:
+    pthread_mutex_unlock(&d->mu);
+    free(srcs);
+    free(counts);
+    return rc;
+}
+
+int
+flor_dedup_retire(flor_dedup *d, const char *file)
+{
+    uint32_t i, k, at = UINT32_MAX;
+    size_t j;
+    int referred = 0;
+    pthread_mutex_lock(&d->mu);
+    for (i = d->n_names; i-- > 0;) {
+        if (!d->names[i].retired && strcmp(d->names[i].name, file) == 0) {
+            at = i;
+            break;
+        }
+    }
+    if (at == UINT32_MAX) { /* none of its blobs is in the table */
+        goto done;
+    }
+    if (d->names[at].refs > 0) {
+        referred = 1;
+        goto done;
+    }
+    for (j = 0; j < d->cap; j++) {
+        if (d->slots[j].file == at + 1) {
+            d->slots[j].file = 0;
+            d->used--;
+        }
+    }
+    /* Linear probing: entries past a hole may be out of reach; rebuild.  If
+     * that fails they are only missed (their bytes get written again). */
+    (void)rehash_locked(d);
+    for (k = 0; k < d->names[at].n_srcs; k++) {
+        uint32_t s = d->names[at].srcs[k];
+        if (s != UINT32_MAX) {
+            name_t *n = &d->names[s];
+            n->refs = n->refs > d->names[at].counts[k] ? n->refs - d->names[at].counts[k] : 0;
+        }
+    }
+    d->names[at].retired = 1;
+    d->names[at].n_srcs = 0;
+done:
+    pthread_mutex_unlock(&d->mu);
+    return referred;
 }

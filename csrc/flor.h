@@ -192,6 +192,10 @@ int flor_dedup_find(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *d
 int flor_dedup_add(flor_dedup *d, uint64_t hash, uint64_t nbytes, const char *dtype,
                    const char *file, uint64_t offset, uint32_t crc);
 void flor_dedup_next_generation(flor_dedup *d);
+void flor_dedup_unrefer(flor_dedup *d, const char *source); /* a find's ref, not used */
+int flor_dedup_wrote(flor_dedup *d, const char *file, const char *const *sources,
+                     const uint32_t *src_of, uint32_t n_blobs, uint32_t n_sources, int ok);
+int flor_dedup_retire(flor_dedup *d, const char *file); /* 1: a file refers to it (kept) */
 
 /* crc32c.c */
 uint32_t flor_crc32c(uint32_t crc, const void *buf, size_t len);

@@ -203,7 +203,11 @@ plan_file(plan_t *pl, const char *path, size_t meta_len, const FlorSnapshot *s, 
         if (dedup != NULL && b->nbytes > 0 &&
             flor_dedup_find(dedup, pl->hashes[i], b->nbytes, pl->dtypes[i], &ref, &pl->offs[i],
                             &pl->crcs[i]) &&
-            strcmp(ref, base_name(path)) != 0) { /* never the file being replaced */
+            strcmp(ref, base_name(path)) == 0) { /* never the file being replaced */
+            flor_dedup_unrefer(dedup, ref);
+            ref = NULL;
+        }
+        if (ref != NULL) {
             for (k = 0; k < pl->n_sources && strcmp(pl->sources[k], ref) != 0; k++) {
             }
             if (k == pl->n_sources) {
@@ -435,6 +439,11 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
     }
     rc = 0;
 cleanup:
+    /* The files it refers to: kept while it is, or given back if it failed. */
+    if (dedup != NULL && pl.n_sources > 0) {
+        (void)flor_dedup_wrote(dedup, base_name(path), pl.sources, pl.src_of, s->n_blobs,
+                               pl.n_sources, rc == 0);
+    }
     if (fd >= 0) {
         close(fd);
     }

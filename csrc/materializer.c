@@ -1104,6 +1104,37 @@ mat_children(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
     return l;
 }
 
+PyDoc_STRVAR(mat_retire_doc,
+             "retire($self, name, /)\n--\n\n"
+             "Unless a checkpoint of this materializer (written, or being written) refers to\n"
+             "the bytes of the written file `name` (a plain file name in its directory), let\n"
+             "no later one refer to them, and release the files it refers to. Returns True\n"
+             "when none refers to them (the file may be deleted), False when one does (it\n"
+             "must stay until those are retired). Without incremental writing, always True.");
+
+static PyObject *
+mat_retire(FlorMaterializer *m, PyObject *name)
+{
+    const char *file;
+    if (m->owner != getpid()) { /* closed is fine: the index outlives the writer */
+        (void)check_usable(m); /* sets the error */
+        return NULL;
+    }
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_TypeError, "retire: name must be a str, not %.100s",
+                     Py_TYPE(name)->tp_name);
+        return NULL;
+    }
+    file = PyUnicode_AsUTF8(name);
+    if (file == NULL) {
+        return NULL;
+    }
+    if (m->dedup == NULL) {
+        Py_RETURN_TRUE;
+    }
+    return PyBool_FromLong(!flor_dedup_retire(m->dedup, file));
+}
+
 PyDoc_STRVAR(mat_children_doc,
              "children($self, /)\n--\n\n"
              "Pids of live writer children.");
@@ -1257,6 +1288,7 @@ static PyMethodDef mat_methods[] = {
     {"close", FLOR_CFUNC(mat_close), METH_NOARGS, mat_close_doc},
     {"stats", FLOR_CFUNC(mat_stats), METH_NOARGS, mat_stats_doc},
     {"children", FLOR_CFUNC(mat_children), METH_NOARGS, mat_children_doc},
+    {"retire", FLOR_CFUNC(mat_retire), METH_O, mat_retire_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -202,6 +202,24 @@ class Materializer:
         if failures:
             raise CheckpointWriteError(failures)
 
+    def remove(self, name: str) -> bool:
+        """Delete the durable checkpoint ``directory/name.flor`` unless a
+        checkpoint of this materializer refers to its bytes (incremental);
+        either way, later checkpoints refer to them only if one already did.
+        Returns whether the file was deleted.  Call it only for a checkpoint
+        written already (after its submit's write finished, or ``flush``):
+        the file of one still being written is not the materializer's to
+        delete."""
+        path = self.path_for(name)
+        with self._lock:
+            if not self._engine.retire(os.path.basename(path)):
+                return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # its write failed
+        return True
+
     def stats(self) -> dict:
         """Counters: submitted, written, failed, bytes_written, write_seconds,
         block_seconds, max_block_seconds, forks, held_bytes, pending (not yet

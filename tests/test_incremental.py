@@ -99,6 +99,52 @@ def test_a_missing_earlier_file_is_named(tmp_path):
         flor.load(tmp_path / "ck2.flor")
 
 
+@pytest.mark.parametrize("mode", ["thread", "inline", "fork"])
+@pytest.mark.unit
+def test_remove_deletes_only_files_no_checkpoint_refers_to(tmp_path, mode):
+    """A file that a later checkpoint refers to stays; one that none does
+    goes, and no later checkpoint refers to its bytes: they are written
+    again, and every file left loads."""
+    frozen, w0, w1 = torch.randn(4096), torch.zeros(4096), torch.ones(4096)
+    referred = mode != "fork"  # fork mode writes every blob: no file refers to another
+    with flor.Materializer(tmp_path, mode=mode, incremental=True) as mat:
+        mat.submit("a", {"frozen": frozen, "w": w0})
+        mat.flush()
+        mat.submit("b", {"frozen": frozen, "w": w1})  # refers to a for frozen
+        mat.flush()
+        assert mat.remove("a") is not referred
+        assert mat.remove("b") is True  # nothing refers to its w
+        assert os.path.exists(tmp_path / "a.flor") is referred
+        assert not os.path.exists(tmp_path / "b.flor")
+        mat.submit("c", {"frozen": frozen, "w": w1})  # w1: b is gone, so c holds it
+        mat.submit("d", {"w": w0})
+    for name, want in [("c", w1), ("d", w0)]:
+        got = flor.load(tmp_path / f"{name}.flor")
+        assert torch.equal(got["w"], want)
+    assert torch.equal(flor.load(tmp_path / "c.flor")["frozen"], frozen)
+    if referred:
+        assert torch.equal(flor.load(tmp_path / "a.flor")["w"], w0)
+
+
+@pytest.mark.parametrize("mode", ["thread", "inline"])
+@pytest.mark.unit
+def test_a_file_is_released_when_the_files_referring_to_it_are_removed(tmp_path, mode):
+    x, y = torch.randn(4096), torch.randn(4096)
+    with flor.Materializer(tmp_path, mode=mode, incremental=True) as mat:
+        mat.submit("a", {"x": x})
+        mat.flush()
+        mat.submit("b", {"x": x, "y": y})  # refers to a for x
+        mat.submit("c", {"y": y})  # refers to b for y
+        mat.flush()
+        assert mat.remove("a") is False and mat.remove("b") is False
+        assert mat.remove("c") is True  # nothing refers to c
+        assert mat.remove("b") is True and mat.remove("a") is True  # released in turn
+        assert not os.listdir(tmp_path)
+        mat.submit("d", {"x": x, "y": y})  # both written again
+    got = flor.load(tmp_path / "d.flor")
+    assert torch.equal(got["x"], x) and torch.equal(got["y"], y)
+
+
 @pytest.mark.unit
 def test_equal_tensors_stay_apart_after_loading(tmp_path):
     """Two tensors with equal bytes may refer to one region of an earlier
