@@ -34,17 +34,19 @@
 #include <string.h>
 
 #define KEEP_GENERATIONS 8
+#define TOMBSTONE UINT32_MAX /* a retired entry: lookups probe past it */
 
 typedef struct {
     uint64_t hash, nbytes, offset;
     uint32_t crc, file; /* file: index into names + 1; 0 marks an empty slot */
+                        /* (TOMBSTONE a retired entry's, until the next rebuild) */
     uint64_t gen;
     char dtype[FLOR_NAME_MAX];
 } slot;
 
 typedef struct {
     char *name;
-    uint32_t refs;    /* blobs that files written or being written take from it */
+    uint64_t refs;    /* blobs that files written or being written take from it */
     uint32_t n_srcs;  /* the files it refers to, once written: */
     uint32_t *srcs;   /* their indices in names */
     uint32_t *counts; /* and how many of its blobs each holds */
@@ -107,8 +109,8 @@ lookup(slot *slots, size_t cap, uint64_t hash, uint64_t nbytes, const char *dtyp
     size_t i = home(hash, nbytes, cap);
     for (;;) {
         slot *s = &slots[i];
-        if (s->file == 0 ||
-            (s->hash == hash && s->nbytes == nbytes && strcmp(s->dtype, dtype) == 0)) {
+        if (s->file == 0 || (s->file != TOMBSTONE && s->hash == hash && s->nbytes == nbytes &&
+                             strcmp(s->dtype, dtype) == 0)) {
             return s;
         }
         i = (i + 1) & (cap - 1);
@@ -146,7 +148,8 @@ rehash_locked(flor_dedup *d)
     size_t i, keep = 0, cap = 256;
     slot *slots;
     for (i = 0; i < d->cap; i++) {
-        if (d->slots[i].file != 0 && d->slots[i].gen + KEEP_GENERATIONS >= d->gen) {
+        if (d->slots[i].file != 0 && d->slots[i].file != TOMBSTONE &&
+            d->slots[i].gen + KEEP_GENERATIONS >= d->gen) {
             keep++;
         }
     }
@@ -159,7 +162,7 @@ rehash_locked(flor_dedup *d)
     }
     for (i = 0; i < d->cap; i++) {
         const slot *s = &d->slots[i];
-        if (s->file != 0 && s->gen + KEEP_GENERATIONS >= d->gen) {
+        if (s->file != 0 && s->file != TOMBSTONE && s->gen + KEEP_GENERATIONS >= d->gen) {
             *lookup(slots, cap, s->hash, s->nbytes, s->dtype) = *s;
         }
     }
@@ -335,13 +338,9 @@ flor_dedup_retire(flor_dedup *d, const char *file)
     }
     for (j = 0; j < d->cap; j++) {
         if (d->slots[j].file == at + 1) {
-            d->slots[j].file = 0;
-            d->used--;
+            d->slots[j].file = TOMBSTONE; /* still counted in used: a rebuild clears it */
         }
     }
-    /* Linear probing: entries past a hole may be out of reach; rebuild.  If
-     * that fails they are only missed (their bytes get written again). */
-    (void)rehash_locked(d);
     for (k = 0; k < d->names[at].n_srcs; k++) {
         uint32_t s = d->names[at].srcs[k];
         if (s != UINT32_MAX) {

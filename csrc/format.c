@@ -365,7 +365,7 @@ int
 flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
                 flor_wopts *opts, flor_ioerr *err)
 {
-    int rc = -1, fd = -1, created = 0;
+    int rc = -1, fd = -1, created = 0, renamed = 0;
     char *tmp = NULL;
     unsigned char *table = NULL, header[HEADER_SIZE];
     flor_dedup *dedup = opts != NULL ? opts->dedup : NULL;
@@ -428,6 +428,7 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         goto cleanup;
     }
     created = 0;
+    renamed = 1;
     if (fsync_parent(path) < 0) {
         err->err = errno;
         err->step = "fsync directory";
@@ -439,10 +440,11 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
     }
     rc = 0;
 cleanup:
-    /* The files it refers to: kept while it is, or given back if it failed. */
+    /* The files it refers to: kept while it is (once under its name, even
+     * if a later step failed), or given back. */
     if (dedup != NULL && pl.n_sources > 0) {
         (void)flor_dedup_wrote(dedup, base_name(path), pl.sources, pl.src_of, s->n_blobs,
-                               pl.n_sources, rc == 0);
+                               pl.n_sources, renamed);
     }
     if (fd >= 0) {
         close(fd);

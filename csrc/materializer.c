@@ -1116,6 +1116,7 @@ static PyObject *
 mat_retire(FlorMaterializer *m, PyObject *name)
 {
     const char *file;
+    Py_ssize_t len;
     if (m->owner != getpid()) { /* closed is fine: the index outlives the writer */
         (void)check_usable(m); /* sets the error */
         return NULL;
@@ -1125,8 +1126,12 @@ mat_retire(FlorMaterializer *m, PyObject *name)
                      Py_TYPE(name)->tp_name);
         return NULL;
     }
-    file = PyUnicode_AsUTF8(name);
+    file = PyUnicode_AsUTF8AndSize(name, &len);
     if (file == NULL) {
+        return NULL;
+    }
+    if ((size_t)len != strlen(file)) {
+        PyErr_SetString(PyExc_ValueError, "retire: name holds a NUL character");
         return NULL;
     }
     if (m->dedup == NULL) {

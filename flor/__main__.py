@@ -40,7 +40,7 @@ def cmd_record(o) -> int:
         raise FlorError(str(e)) from None
     code = record_script(o.script, o.args if o.explicit_args or not o.resume else None,
                          epsilon=o.epsilon, adaptive=False if o.no_adaptive else None,
-                         resume=o.resume, force=o.force)
+                         resume=o.resume, force=o.force, keep=o.iteration_checkpoints)
     hint = _hint_options(o) if code else None
     if hint:
         note(hint)

@@ -31,6 +31,8 @@ ENV_STORE = "  FLOR_DIR             the run store (default: ./.flor)\n"
 ENV_RECORD = ENV_STORE + (
     "  FLOR_EPSILON         as --epsilon\n"
     "  FLOR_ADAPTIVE=0      as --no-adaptive\n"
+    "  FLOR_ITERATION_CHECKPOINTS\n"
+    "                       as --iteration-checkpoints\n"
     "  FLOR_MATERIALIZER    how checkpoints are written: thread (default), fork or inline\n"
     "  FLOR_CUDA_COPY       how a checkpoint's GPU tensors are copied: auto (default),\n"
     "                       staged or ordered\n"
@@ -107,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record overhead bound of the adaptive rule (default 1/15)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="checkpoint every block execution (no calibration, no rule)")
+    p.add_argument("--iteration-checkpoints", type=_number(int, 1), metavar="N",
+                   help="iteration checkpoints kept of each loop, spread over it "
+                   "(default 64)")
     p.add_argument("--resume", action="store_true",
                    help="continue the latest interrupted record of SCRIPT")
     p.add_argument("--force", action="store_true",

@@ -33,8 +33,7 @@ def ddl() -> list[str]:
         if t.key:
             columns.append(f"PRIMARY KEY ({', '.join(t.key)})")
         out.append(f"CREATE TABLE IF NOT EXISTS {t.name} ({', '.join(columns)})")
-        if t.index:
-            name, on = t.index
+        for name, on in t.indexes:
             out.append(f"CREATE INDEX IF NOT EXISTS {name} ON {t.name} ({', '.join(on)})")
     out.append("CREATE TABLE IF NOT EXISTS flor_schema (version INTEGER NOT NULL)")
     return out
@@ -207,6 +206,10 @@ def _check_schema(conn, db_file, create=True, migrate=True):
                 conn.execute(statement)
         if version != SCHEMA_VERSION:
             conn.execute("UPDATE flor_schema SET version = ?", (SCHEMA_VERSION,))
+        # Indexes added since a store was made: no schema change for a reader.
+        for statement in ddl():
+            if statement.startswith("CREATE INDEX"):
+                conn.execute(statement)
 
 
 def _scratch(conn):

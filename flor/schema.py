@@ -16,11 +16,11 @@ __all__ = ["Table", "TABLES", "RUNS", "PARTS", "LOGS", "OUTPUT", "DECISIONS", "B
 
 class Table:
     """A table: its name, its (column, type) pairs in order, the key over
-    several columns, and an index."""
+    several columns, and its indexes, each (name, columns)."""
 
     def __init__(self, name: str, columns: list[tuple[str, str]], key: tuple = (),
-                 index: tuple[str, tuple] | None = None):
-        self.name, self.columns, self.key, self.index = name, columns, key, index
+                 indexes: tuple[tuple[str, tuple], ...] = ()):
+        self.name, self.columns, self.key, self.indexes = name, columns, key, indexes
         self.names = tuple(c for c, _ in columns)
         self.Row = namedtuple(name.title().replace("_", "") + "Row", self.names)
 
@@ -42,13 +42,13 @@ PARTS = Table("parts", [
 LOGS = Table("logs", [
     ("run_id", "TEXT"), ("part", "INTEGER"), ("ord", "INTEGER"), ("phase", "TEXT"),
     ("top", "TEXT"), ("ctx", "TEXT"), ("name", "TEXT"), ("iter", "TEXT"), ("seq", "INTEGER"),
-    ("value", "TEXT"), ("loc", "TEXT")], index=("logs_by_run", ("run_id", "name")))
+    ("value", "TEXT"), ("loc", "TEXT")], indexes=(("logs_by_run", ("run_id", "name")),))
 
 # What the program printed, write by write; `iter` is the main loop's index.
 OUTPUT = Table("output", [
     ("run_id", "TEXT"), ("part", "INTEGER"), ("ord", "INTEGER"), ("stream", "TEXT"),
     ("phase", "TEXT"), ("top", "TEXT"), ("iter", "INTEGER"), ("text", "TEXT"),
-    ("ctx", "TEXT"), ("loc", "TEXT")], index=("output_by_run", ("run_id",)))
+    ("ctx", "TEXT"), ("loc", "TEXT")], indexes=(("output_by_run", ("run_id",)),))
 
 # The adaptive rule's decision for each block execution of a record.
 DECISIONS = Table("decisions", [
@@ -57,7 +57,8 @@ DECISIONS = Table("decisions", [
     ("k", "INTEGER"), ("compute_s", "REAL"), ("mean_compute_s", "REAL"), ("nbytes", "INTEGER"),
     ("bandwidth", "REAL"), ("materialize_s", "REAL"), ("ratio", "REAL"),
     ("limit_value", "REAL"), ("checkpoint", "INTEGER"), ("reason", "TEXT"), ("file", "TEXT")],
-    index=("decisions_by_run", ("run_id",)))
+    # by file: a record marks the rows of the iteration checkpoints it removes
+    indexes=(("decisions_by_run", ("run_id",)), ("decisions_by_file", ("run_id", "file"))))
 
 # The state machine's state for each block execution of a replay.
 BLOCKRUNS = Table("blockruns", [

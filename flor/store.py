@@ -122,6 +122,14 @@ class Store(Database):
             "SELECT rowid AS rowid_, * FROM decisions WHERE run_id = ? AND checkpoint = 1 "
             "AND block LIKE '% (iteration)' ORDER BY rowid", (run_id,))]
 
+    def checkpoints_removed(self, run_id, files, why):
+        """The checkpoint `files` of a record were removed (thinned): their
+        decisions hold no checkpoint now, and their reason ends with `why`."""
+        with self.transaction():
+            self.db.executemany(
+                "UPDATE decisions SET checkpoint = 0, file = NULL, reason = reason || ? "
+                "WHERE run_id = ? AND file = ?", [(why, run_id, f) for f in sorted(files)])
+
     def truncate_record(self, run_id, ord_, decisions):
         """Delete what a record stored after a resume point: logs and output
         after order `ord_`, decisions after rowid `decisions`."""

@@ -29,12 +29,14 @@ def _evicted(signum, frame):
     raise Interrupted()
 
 
-def record_script(script, args, epsilon=None, adaptive=None, resume=False, force=False) -> int:
+def record_script(script, args, epsilon=None, adaptive=None, resume=False, force=False,
+                  keep=None) -> int:
     """``python -m flor record``: run `script` with `args` as ``__main__``,
     recording it (hands-free if it does not import flor); print the summary.
     `resume`: continue the latest interrupted record of `script` instead
     (with its arguments when `args` is None)
-    (`force`: even if the script or its arguments changed).  While the
+    (`force`: even if the script or its arguments changed).  `keep`: the
+    iteration checkpoints kept of each loop (runtime/thinning.py).  While the
     script runs, SIGTERM (when the script's process has no handler of its
     own) ends it as Interrupted.  Returns the script's exit status."""
     with open(script) as f:
@@ -54,7 +56,7 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
         if args is None:  # no ARGS: the interrupted record's
             args = store.run(point.run_id)["argv"][1:]
     session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive,
-                             hands_free=inst, resume=point)
+                             hands_free=inst, resume=point, keep=keep)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -27,6 +27,7 @@ from .logbook import FingerprintBudget
 from .loops import Span
 from .policy import FLUSH_S, Policy
 from .recordrow import RecordRow
+from .thinning import Thinning, limit_from_env
 from .writes import Writes
 
 __all__ = ["Recording", "DEFAULT_EPSILON", "DEFAULT_C"]
@@ -50,12 +51,16 @@ class Recording(Policy):
     fingerprint_version = blockstate.FINGERPRINT
 
     def __init__(self, store, script, argv, epsilon=None, adaptive=None, hands_free=None,
-                 resume=None):
+                 resume=None, keep=None):
         self.store = store
         eps = epsilon if epsilon is not None else float(
             os.environ.get("FLOR_EPSILON", DEFAULT_EPSILON))
         if adaptive is None:
             adaptive = os.environ.get("FLOR_ADAPTIVE", "1") not in ("0", "false", "off")
+        if keep is None:  # a resumed record keeps what its first part kept
+            keep = (store.run(resume.run_id)["info"].iteration_checkpoints
+                    if resume is not None else None) or limit_from_env()
+        self.thinning = Thinning(keep)
         self.script = os.path.abspath(script) if script else None
         # The ranks of a torchrun launch record one run (flor/runtime/ranks.py).
         self.group = ranks.Group.join(resuming=resume is not None)
@@ -71,7 +76,7 @@ class Recording(Policy):
         self.point = resume  # a flor.runtime.resume.ResumePoint
         self.restored = resume is None or resume.start == 0
         self.row = RecordRow(store, self.script, argv, eps, c, adaptive, hands_free, resume,
-                             self.group, self.fingerprint_version)
+                             self.group, self.fingerprint_version, keep)
         self.run_id, source = self.row.run_id, self.row.source
         # Manual API: blocks whose gradients are read after their end().
         self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
@@ -99,6 +104,14 @@ class Recording(Policy):
         for path, rel in pending:
             with open(path) as f:
                 self.store.layout.save_module_source(self.run_id, rel, f.read())
+        removed = {name + ".flor" for name in self.thinning.take_removed()}
+        if removed:  # rows of this flush among them too
+            why = (f"; removed later: a record keeps {self.thinning.limit} iteration "
+                   "checkpoints of a loop (--iteration-checkpoints)")
+            self.store.checkpoints_removed(self.run_id, removed, why)
+            session.logbook.decisions = [
+                d._replace(checkpoint=0, file=None, reason=d.reason + why)
+                if d.file in removed else d for d in session.logbook.decisions]
         if self.progress is not None:
             main, self.progress = self.progress, None
             self.store.update_run(self.run_id, main_loop=main[0], main_run=main[1],
@@ -125,6 +138,7 @@ class Recording(Policy):
         r = self.point
         session.logbook.journal.ord = r.ord
         self.restored = True
+        self.thinning.resumed_at(frame[1], frame[2], r.start - 1)
         note(f"resuming run {r.run_id} at iteration {r.start} of its main loop")
 
     def iteration_started(self, session, frame):
@@ -169,10 +183,17 @@ class Recording(Policy):
                                  carry.digests(objs, frame.scope))
 
         # The checkpoint is charged its fingerprint, wherever it was taken.
-        self.checkpointed = self._checkpoint(
+        name = self._checkpoint(
             session, iteration_key(loop), handle, session.where.ctx, 0, seconds,
             lambda: carried()[0], make, session.logbook.fingerprint_s if fp is not None else 0.0,
-            unheld=lambda: blockstate.unheld(carried()[1])) is not None
+            unheld=lambda: blockstate.unheld(carried()[1]))
+        self.checkpointed = name is not None
+        if name is not None:
+            self.thinning.written(loop, run, i, name, len(self.writes.submitted) - 1)
+        if self.thinning.pending():  # removing files is part of what the checkpoints cost
+            t0 = time.perf_counter()
+            self.writes.thin(self.thinning)
+            self.charges.paid(iteration_key(loop), time.perf_counter() - t0)
 
     def flush_due(self, session) -> bool:
         """At an iteration checkpoint (`record --resume` starts after the last
@@ -276,8 +297,11 @@ class Recording(Policy):
     # -- the end ------------------------------------------------------------
 
     def close(self) -> list:
-        """Make every checkpoint durable; returns the failed writes."""
-        return self.writes.close()
+        """Make every checkpoint durable, remove the iteration checkpoints
+        not kept; returns the failed writes."""
+        failures = self.writes.close()
+        self.writes.thin(self.thinning, final=True)
+        return failures
 
     def finish(self, session, error, failures):
         if isinstance(error, Interrupted) or not self.restored:

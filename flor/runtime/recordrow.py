@@ -33,7 +33,7 @@ class RecordRow:
     `source` as the run stored it."""
 
     def __init__(self, store, script, argv, epsilon, c, adaptive, hands_free, resume, group,
-                 fingerprint):
+                 fingerprint, keep):
         self.store = store
         self.source = None
         if script is not None:
@@ -41,7 +41,8 @@ class RecordRow:
                 self.source = f.read()
         info = RecordInfo(adaptive=adaptive, hands_free=hands_free is not None,
                           pid=os.getpid(), pid_start=process_start(os.getpid()),
-                          host=socket.gethostname(), fingerprint=fingerprint)
+                          host=socket.gethostname(), fingerprint=fingerprint,
+                          iteration_checkpoints=keep)
         if resume is None:
             run_id = group.new_run_id(store, new_run_id, info) if group else None
             self.run_id = store.new_run("record", script, argv, self.source, epsilon=epsilon,

@@ -145,13 +145,13 @@ class Session:
 
     @classmethod
     def record(cls, script, argv, epsilon=None, adaptive=None, store=None,
-               watch_exceptions=False, hands_free=None, resume=None) -> "Session":
+               watch_exceptions=False, hands_free=None, resume=None, keep=None) -> "Session":
         """Start recording `script` (its instrumented code `hands_free`);
         `resume`: continue an interrupted record (flor/runtime/resume.py)."""
         from .recording import Recording
 
         policy = Recording(store or Store(), script, argv, epsilon, adaptive, hands_free,
-                           resume)
+                           resume, keep)
         cls._current = cls(policy, script, tee=True, stderr=False,
                            watch_exceptions=watch_exceptions)
         if not policy.restored:

@@ -82,6 +82,13 @@ class Writes:
                 write_bw = st["bytes_written"] / st["write_seconds"]
         return write_bw, copy_bw
 
+    def thin(self, thinning, final=False):
+        """Remove the files of the iteration checkpoints that `thinning`
+        no longer keeps, once written (runtime/thinning.py)."""
+        if self._mat is not None:
+            st = self._mat.stats()
+            thinning.collect(self._mat, st["written"] + st["failed"], final)
+
     def close(self) -> list:
         """Make every checkpoint durable; returns the failed writes."""
         if self._mat is None:
