@@ -206,10 +206,12 @@ class Materializer:
         """Delete the durable checkpoint ``directory/name.flor`` unless a
         checkpoint of this materializer refers to its bytes (incremental);
         either way, later checkpoints refer to them only if one already did.
-        Returns whether the file was deleted.  Call it only for a checkpoint
-        written already (after its submit's write finished, or ``flush``):
-        the file of one still being written is not the materializer's to
-        delete."""
+        Returns whether the file was deleted (True too for a file that is
+        not there).  If deleting it fails (OSError), it is out of the index
+        anyway and no longer keeps the files it refers to: treat it as gone.
+        Call it only for a checkpoint written already (after its submit's
+        write finished, or ``flush``): the file of one still being written
+        is not the materializer's to delete."""
         path = self.path_for(name)
         with self._lock:
             if not self._engine.retire(os.path.basename(path)):

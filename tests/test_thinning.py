@@ -88,6 +88,21 @@ def test_a_file_goes_once_it_and_a_newer_one_are_written(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_file_whose_newer_checkpoint_failed_to_write_stays(tmp_path):
+    t = Thinning(2)
+    mat = _Mat(str(tmp_path))
+    for n in range(6):
+        if n < 3:  # the later writes fail (a full disk): their files never appear
+            open(mat.path_for(f"ck{n}"), "w").close()
+        t.written("loop", 0, n, f"ck{n}", n)
+    t.collect(mat, done=6)
+    t.collect(mat, done=6, final=True)
+    # ck0 went once ck2 was written; ck2, displaced by ck3 (failed), stays.
+    assert sorted(os.listdir(tmp_path)) == ["ck1.flor", "ck2.flor"]
+    assert t.take_removed() == ["ck0"]
+
+
+@pytest.mark.unit
 def test_a_resumed_record_spreads_its_own_from_where_it_resumed():
     t = Thinning(3)
     t.resumed_at("loop", 0, 44)

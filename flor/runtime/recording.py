@@ -27,7 +27,7 @@ from .logbook import FingerprintBudget
 from .loops import Span
 from .policy import FLUSH_S, Policy
 from .recordrow import RecordRow
-from .thinning import Thinning, limit_from_env
+from .thinning import DEFAULT_LIMIT, Thinning, limit_from_env
 from .writes import Writes
 
 __all__ = ["Recording", "DEFAULT_EPSILON", "DEFAULT_C"]
@@ -57,9 +57,9 @@ class Recording(Policy):
             os.environ.get("FLOR_EPSILON", DEFAULT_EPSILON))
         if adaptive is None:
             adaptive = os.environ.get("FLOR_ADAPTIVE", "1") not in ("0", "false", "off")
-        if keep is None:  # a resumed record keeps what its first part kept
-            keep = (store.run(resume.run_id)["info"].iteration_checkpoints
-                    if resume is not None else None) or limit_from_env()
+        if keep is None:  # a resumed record keeps what its previous part kept
+            keep = limit_from_env((store.run(resume.run_id)["info"].iteration_checkpoints
+                                   if resume is not None else None) or DEFAULT_LIMIT)
         self.thinning = Thinning(keep)
         self.script = os.path.abspath(script) if script else None
         # The ranks of a torchrun launch record one run (flor/runtime/ranks.py).

@@ -13,11 +13,12 @@ removal leaves the smallest gap between its neighbours (the loop's start
 counts as a point before iteration 0; on ties, the oldest; never the
 newest).  Written at every iteration, the kept ones thin from the start
 of the loop onward to every second, every fourth... iteration: at any
-moment no gap is more than about 1.5 times an even spread's, unless the
-adaptive rule left a larger one.
+moment the largest gap is about 1.4 times an even spread's (twice at
+most), unless the adaptive rule left a larger one.
 
-A file goes once its write has finished, and only if no checkpoint of the
-run refers to its bytes (incremental checkpoints, ``Materializer.remove``);
+A file goes once its write, and that of the newer checkpoint that took
+its place, have finished (one whose newer checkpoint failed to write
+stays), and only if no checkpoint of the run refers to its bytes (incremental checkpoints, ``Materializer.remove``);
 one that is referred to stays (a start point still) until the files that
 refer to it have gone.  Removing files is charged to the loop's
 checkpoints, as training pays for it.  The decisions row
@@ -39,10 +40,10 @@ DEFAULT_LIMIT = 64
 ENV = "FLOR_ITERATION_CHECKPOINTS"
 
 
-def limit_from_env() -> int:
+def limit_from_env(default: int = DEFAULT_LIMIT) -> int:
     text = os.environ.get(ENV, "").strip()
     if not text:
-        return DEFAULT_LIMIT
+        return default
     try:
         limit = int(text)
     except ValueError:
@@ -103,16 +104,20 @@ class Thinning:
         (one writer finishes them in order) and, with several writers (fork
         mode), files in place; `final`: every write has finished.  A file
         that another refers to stays until that one has gone too."""
-        if not self._going:
+        if not self._going and not (final and self._referred):
             return
 
         def ready(name, n):
-            return n < done and os.path.exists(mat.path_for(name))
+            return (final or n < done) and os.path.exists(mat.path_for(name))
 
-        waiting, freed = [], False
+        # At the end, files whose references a failed write gave back are tried again.
+        waiting, freed = [], final
         for going in self._going:
             name, n, newer, n_newer = going
-            if not final and not (ready(name, n) and ready(newer, n_newer)):
+            if not ready(newer, n_newer):  # not written yet, or its write failed: it stays
+                if not final:
+                    waiting.append(going)
+            elif not final and not ready(name, n):
                 waiting.append(going)
             elif self._remove(mat, name):
                 freed = True
@@ -130,13 +135,15 @@ class Thinning:
 
     def _remove(self, mat, name) -> bool:
         """Whether the file went (or was never there).  One that cannot be
-        deleted (a read-only directory) stays, and is said; training goes on."""
+        deleted (a read-only directory) no longer keeps the files it refers
+        to: it is left on disk, said, and its row says it is removed, so
+        that nothing restores it; training goes on."""
         try:
             if not mat.remove(name):
                 return False
         except OSError as e:
-            note(f"could not remove iteration checkpoint {mat.path_for(name)} ({e}); it stays")
-            return True  # out of the index: nothing will refer to it, so it is not retried
+            note(f"could not delete iteration checkpoint {mat.path_for(name)} ({e}); it is "
+                 "no longer used")
         self.removed.append(name)
         return True
 
