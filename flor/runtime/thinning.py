@@ -18,15 +18,15 @@ most), unless the adaptive rule left a larger one.
 
 A file goes once its write, and that of the newer checkpoint that took
 its place, have finished (one whose newer checkpoint failed to write
-stays), and only if no checkpoint of the run refers to its bytes (incremental checkpoints, ``Materializer.remove``);
-one that is referred to stays (a start point still) until the files that
-refer to it have gone.  Removing files is charged to the loop's
-checkpoints, as training pays for it.  The decisions row
-of a removed file says so (no checkpoint, no file: replay and resume never
-look for it); the store is told at the record's next flush, so a record
-killed in between leaves a row whose file is missing, which replay and
-resume skip.  Block checkpoints are never removed: they are what lets a
-replay skip a block.
+stays), and only if no checkpoint of the run refers to its bytes
+(incremental checkpoints, ``Materializer.remove``); one that is referred
+to stays (a start point still) until the files that refer to it have
+gone.  Removing files is charged to the loop's checkpoints, as training
+pays for it.  The decisions row of a removed file says so (no checkpoint,
+no file: replay and resume never look for it); the store is told at the
+record's next flush, so a record killed in between leaves a row whose file
+is missing, which replay skips and resume skips with a note.  Block
+checkpoints are never removed: they are what lets a replay skip a block.
 """
 from __future__ import annotations
 
