@@ -379,6 +379,52 @@ def test_files_the_set_up_writes_are_as_a_plain_run_leaves_them(tmp_path, how):
         assert sorted(f.read().splitlines()) == [f"epoch {i}" for i in range(4)]
 
 
+# What the script sees of the functions replay guards (open, os.replace...):
+# a script that reads their names or docstrings prints the same under flor.
+INTROSPECTS = """
+import inspect
+import io
+import os
+import pickle
+import torch
+
+torch.set_num_threads(1)
+
+
+def show(f):
+    print(f.__name__, f.__qualname__, f.__module__, f.__doc__.splitlines()[0])
+
+
+show(open)
+show(io.open)
+show(os.replace)
+show(os.rename)
+show(os.remove)
+show(os.unlink)
+print(inspect.signature(open), pickle.loads(pickle.dumps(os.replace)) is os.replace)
+w = torch.zeros(3)
+for epoch in range(4):
+    for _ in range(3):
+        w += 1
+    print("epoch", epoch, w.sum().item())
+"""
+
+
+def test_a_replay_shows_the_script_open_and_os_as_they_are(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "introspects.py", INTROSPECTS)
+    expected = plain(d, "introspects.py").stdout
+    assert "open open io Open file and return a stream." in expected
+    assert "replace replace posix Rename" in expected
+    assert flor(d, "record", "--no-adaptive", "introspects.py").stdout == expected
+    edit(os.path.join(d, "introspects.py"), "w += 1", 'print("probe", w.sum().item())')
+    expected = plain(d, "introspects.py").stdout
+    two = {"FLOR_SEGMENTS": "2"}  # the second worker suppresses its set-up: os is patched
+    proc = flor(d, "replay", "--jobs", "2", "introspects.py", env=two)
+    assert "segments [0, 2), [2, 4)" in proc.stderr
+    assert proc.stdout == expected
+
+
 # Two workers of a replay write and read files side by side, in the order
 # load can give (FIFOs opened by the replay only force it): the second part's
 # set-up reads back its config while the first part is half-way through

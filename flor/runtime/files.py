@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import builtins
 import fcntl
+import functools
 import hashlib
 import io
 import os
@@ -206,9 +207,12 @@ class Files:
                 return original(file, mode, *args, **kwargs)
             return guard.open(file, mode, args, kwargs)
 
+        # What the script sees of open() is the builtin's: its name, module
+        # (pickled by reference) and docstring.
+        functools.update_wrapper(open, original)
         self.replacement = open
         builtins.open = io.open = open
-        self._moves = {}  # os function -> (it, flor's)
+        self._moves = {}  # name -> (os's function, flor's, the modules holding it)
         s = effects.s
         if s.replaying and len(s.policy.plan.segments) > 1 and (s.part > 0 or effects.copy):
             self._patch_os()  # (this process's set-up is suppressed)
@@ -231,11 +235,13 @@ class Files:
                     if not args and not kwargs and self.removed(path, sys._getframe(1)):
                         return None
                     return _original(path, *args, **kwargs)
-            patched.__name__ = patched.__qualname__ = name
-            patched.__module__ = "os"  # (pickled by reference, as os's own)
-            patched.__doc__ = original.__doc__
-            self._moves[name] = (original, patched)
-            setattr(os, name, patched)
+            # The script sees os's function (its name, module, docstring), and
+            # pickles it by reference: its module (posix) holds flor's too.
+            functools.update_wrapper(patched, original)
+            homes = (os, sys.modules.get(original.__module__, os))
+            self._moves[name] = (original, patched, homes)
+            for home in homes:
+                setattr(home, name, patched)
 
     def by_user(self, frame) -> bool:
         """Whether open() was called by the user's program (maybe through
@@ -384,9 +390,10 @@ class Files:
             builtins.open = self.original
         if io.open is self.replacement:
             io.open = self._io_open
-        for name, (original, move) in self._moves.items():
-            if getattr(os, name) is move:
-                setattr(os, name, original)
+        for name, (original, move, homes) in self._moves.items():
+            for home in homes:
+                if getattr(home, name) is move:
+                    setattr(home, name, original)
         self._private = {}
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
