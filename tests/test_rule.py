@@ -345,6 +345,42 @@ def test_writing_gives_the_writers_cpu_only_where_it_is_counted_in_time(tmp_path
         w._mat.close()
         assert w.writing().block is None
 
+def test_a_write_costs_a_fixed_time_per_file_plus_its_bytes():
+    from flor.runtime.writes import Speeds
+
+    cal = Speeds(latency_s=0.001, write_bps=100e6, copy_bps=1e9)  # files of 100 kB break even
+    assert cal.write_seconds(0) == 0.001
+    assert cal.write_seconds(200_000) == pytest.approx(0.003)
+    assert cal.measured(1, 5.0, 100) == cal  # one write measures nothing yet
+    # 4000 files of 300 B in 6 s (a data-preparation loop's checkpoints):
+    # about 1.5 ms per file (less their bytes' 3 us), nothing said of the bandwidth.
+    small = cal.measured(4000, 6.0, 4000 * 300)
+    assert small.write_bps == 100e6 and small.latency_s == pytest.approx(0.001497)
+    assert small.write_seconds(200_000) == pytest.approx(0.003497)
+    # 10 files of 10 MB in 2.01 s: the bytes took 2 s (50 MB/s), the files 10 ms.
+    large = cal.measured(10, 2.01, 10 * 10_000_000)
+    assert large.latency_s == 0.001 and large.write_bps == pytest.approx(50e6)
+    # Faster files than calibrated: no more than half the time is theirs.
+    assert cal.measured(10, 0.01, 10 * 10_000_000).write_bps == pytest.approx(2e10)
+
+
+def test_a_run_of_small_checkpoints_does_not_make_the_disk_look_slow(tmp_path):
+    """Writes.speeds(): a run's own writes of checkpoints with no bytes
+    measure the time per file; the bandwidth stays the calibrated one."""
+    import flor
+    from flor.runtime.writes import FALLBACK_WRITE_BPS, Writes
+
+    w = Writes(store=None, run_id=None, adaptive=False)  # not calibrated: the fallback
+    assert w.speeds().write_bps == FALLBACK_WRITE_BPS
+    w._mat = flor.Materializer(str(tmp_path), mode="thread", batch_count=1)
+    for i in range(10):
+        w._mat.submit(f"step{i}", {"step": i})
+    w._mat.close()
+    assert w._mat.stats()["written"] == 10
+    got = w.speeds()
+    assert got.write_bps == FALLBACK_WRITE_BPS and got.latency_s > 0
+
+
 def test_an_outer_block_is_charged_the_checkpoints_nested_in_it():
     """The overhead bound holds for a block as a whole: its mean compute
     time holds its nested blocks', so what their checkpoints blocked is

@@ -3,8 +3,9 @@
 Every block body runs.  At a block's end() the adaptive rule (the C state
 machine, csrc/skipblock.c) weighs M, the seconds a checkpoint of the
 block's side effects costs training (measured by runtime/charge.py), and
-the time to write and restore it (bytes measured by the snapshot walk over
-this machine's write bandwidth), against C, the block's mean compute time;
+the time to write and restore it (a file's fixed time, plus its bytes,
+measured by the snapshot walk, over this machine's write bandwidth:
+runtime/writes.py's Speeds), against C, the block's mean compute time;
 a checkpoint that passes is handed, with the random state, to a background
 Materializer.  Each decision and its reason is stored.  The run's row in
 the store is recordrow.py's.
@@ -252,8 +253,8 @@ class Recording(Policy):
         stand_in = self.group is not None and not self.group.owner
         nbytes, fresh = self.states.size(key, objs, lambda o: _core.measure(o, True),
                                          keep=not stand_in)
-        bw, copy_bw = self.writes.bandwidth()
-        write_s = nbytes / bw
+        speeds = self.writes.speeds()
+        bw, copy_bw, write_s = speeds.write_bps, speeds.copy_bps, speeds.write_seconds(nbytes)
         M = self.charges.cost(key, nbytes, copy_bw, write_s, self.states.on_device.get(key, 0.0))
         decided = self.machine.decide(handle, nbytes, M, write_s)
         ok, ratio, limit, M, _ = decided

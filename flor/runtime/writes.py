@@ -14,13 +14,41 @@ from .. import _core, trust
 from ..errors import CheckpointWriteError, FlorError, note
 from ..materializer import Materializer, mode_from_env
 
-__all__ = ["Writes", "Writing", "calibration"]
+__all__ = ["Speeds", "Writes", "Writing", "calibration"]
 
 CALIBRATION_BYTES = 32 << 20
+LATENCY_SAMPLES = 5  # checkpoints of no bytes written to calibrate a file's fixed cost
 # What the rule assumes where the store's calibration could not be measured:
 # a slow disk (so few checkpoints) and an ordinary memory copy.
 FALLBACK_WRITE_BPS = 20 << 20
+FALLBACK_LATENCY_S = 0.01
 FALLBACK_COPY_BPS = 1 << 30
+
+
+class Speeds(NamedTuple):
+    """How fast this machine writes and copies checkpoints.  Writing one
+    takes a fixed time per file (creating, syncing and renaming it) plus
+    its bytes over the write bandwidth: a run of small checkpoints spends
+    its write time on files, not bytes, and says nothing of the bandwidth."""
+    latency_s: float  # per file written
+    write_bps: float
+    copy_bps: float
+
+    def write_seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.write_bps
+
+    def measured(self, written: int, seconds: float, nbytes: int) -> Speeds:
+        """These speeds corrected by a run's own writes (`written` files in
+        `seconds`, `nbytes` of data): its files' mean size says which of the
+        two its time measures.  Files smaller than what the disk writes in
+        one file's fixed time measure that time; larger ones, the bandwidth."""
+        if written < 2 or seconds <= 0:
+            return self
+        if nbytes / written >= self.latency_s * self.write_bps:
+            data_s = max(seconds - written * self.latency_s, seconds / 2)
+            return self._replace(write_bps=nbytes / data_s)
+        latency = (seconds - nbytes / self.write_bps) / written
+        return self._replace(latency_s=latency) if latency > 0 else self
 
 
 class Writing(NamedTuple):
@@ -39,7 +67,7 @@ class Writes:
         self.store, self.run_id, self.adaptive = store, run_id, adaptive
         self.submitted: list[str] = []  # the block of each checkpoint submitted, in order
         self._mat = None
-        self._bw = None
+        self._speeds = None
 
     def materializer(self) -> Materializer:
         if self._mat is None:
@@ -68,19 +96,15 @@ class Writes:
         done = st["written"] + st["failed"]
         return Writing(self.submitted[min(done, len(self.submitted) - 1)], cpu)
 
-    def bandwidth(self) -> tuple[float, float]:
-        """(write, copy) bytes per second: the write bandwidth measured by the
-        run's own writes once there are some, else both by a one-time
-        calibration of this machine."""
-        if self._bw is None:
-            self._bw = calibration(self.store, self.adaptive)
-        write_bw, copy_bw = self._bw
-        if self._mat is not None:
-            st = self._mat.stats()
-            # Checkpoints of numbers alone carry no data bytes: no measure.
-            if st["written"] >= 2 and st["write_seconds"] > 0 and st["bytes_written"] > 0:
-                write_bw = st["bytes_written"] / st["write_seconds"]
-        return write_bw, copy_bw
+    def speeds(self) -> Speeds:
+        """How fast checkpoints are written and copied: calibrated once per
+        store and host, the writes corrected by the run's own."""
+        if self._speeds is None:
+            self._speeds = calibration(self.store, self.adaptive)
+        if self._mat is None:
+            return self._speeds
+        st = self._mat.stats()
+        return self._speeds.measured(st["written"], st["write_seconds"], st["bytes_written"])
 
     def thin(self, thinning, final=False):
         """Remove the files of the iteration checkpoints that `thinning`
@@ -101,23 +125,26 @@ class Writes:
         return []
 
 
-def calibration(store, adaptive) -> tuple[float, float]:
-    """(write, copy) bytes per second of this machine, measured once per
-    store.  Without adaptivity nothing is measured: the rule decides
-    nothing, and the run's own writes measure it soon enough.  A calibration
-    that cannot write (a full disk, a read-only store) never stops the
-    training: the rule then assumes a slow disk, and says so."""
+def calibration(store, adaptive) -> Speeds:
+    """This machine's Speeds, measured once per store.  Without adaptivity
+    nothing is measured: the rule decides nothing, and the run's own writes
+    measure it soon enough.  A calibration that cannot write (a full disk,
+    a read-only store) never stops the training: the rule then assumes a
+    slow disk, and says so."""
+    fallback = Speeds(FALLBACK_LATENCY_S, FALLBACK_WRITE_BPS, FALLBACK_COPY_BPS)
     if not adaptive:
-        return FALLBACK_WRITE_BPS, FALLBACK_COPY_BPS
+        return fallback
     try:
         cal = store.layout.calibration(write_bytes_per_s=lambda: _calibrate_write(store.root),
-                                copy_bytes_per_s=_calibrate_copy)
+                                       write_latency_s=lambda: _calibrate_latency(store.root),
+                                       copy_bytes_per_s=_calibrate_copy)
     except OSError as e:
         note(f"could not measure how fast this machine writes checkpoints ({e}); the "
-             f"adaptive rule assumes {FALLBACK_WRITE_BPS / 2**20:.0f} MiB/s until this "
-             "run's own checkpoints measure it")
-        return FALLBACK_WRITE_BPS, FALLBACK_COPY_BPS
-    return cal["write_bytes_per_s"], cal["copy_bytes_per_s"]
+             f"adaptive rule assumes {FALLBACK_WRITE_BPS / 2**20:.0f} MiB/s and "
+             f"{FALLBACK_LATENCY_S * 1e3:.0f} ms per file until this run's own checkpoints "
+             "measure it")
+        return fallback
+    return Speeds(cal["write_latency_s"], cal["write_bytes_per_s"], cal["copy_bytes_per_s"])
 
 
 def _calibrate_write(root) -> float:
@@ -129,6 +156,20 @@ def _calibrate_write(root) -> float:
     dt = time.perf_counter() - t0
     os.unlink(path)
     return CALIBRATION_BYTES / dt
+
+
+def _calibrate_latency(root) -> float:
+    """A file's fixed cost: the median time to write a checkpoint of no bytes."""
+    from ..checkpoint import save
+
+    path = os.path.join(root, f"calibrate.{os.getpid()}.flor")
+    times = []
+    for _ in range(LATENCY_SAMPLES):
+        t0 = time.perf_counter()
+        save({}, path)
+        times.append(time.perf_counter() - t0)
+        os.unlink(path)
+    return max(sorted(times)[len(times) // 2], 1e-6)
 
 
 def _calibrate_copy() -> float:
