@@ -12,7 +12,6 @@ the store is recordrow.py's.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
@@ -174,7 +173,12 @@ class Recording(Policy):
         fp = state()
         loop, run, i = frame[1:4]
         # What the loop carries, read from its scope when first needed.
-        carried = functools.cache(lambda: frame.carrier.capture(frame.scope))
+        captured = []
+
+        def carried():
+            if not captured:
+                captured.append(frame.carrier.capture(frame.scope))
+            return captured[0]
 
         def make():  # only for a checkpoint: its restore is verified by these
             objs, sig, _ = carried()
@@ -269,7 +273,7 @@ class Recording(Policy):
         _, _, top, top_iter, indices = session.where
         if ok:
             fname = checkpoint_name(key, ctx, occurrence, indices)
-            mat = self.writes.materializer()  # made before the clock starts: once per run
+            self.writes.materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
             payload = make()
             if self.group is not None:  # replicated state: written by rank 0 alone
@@ -277,11 +281,10 @@ class Recording(Policy):
             t1 = time.perf_counter()
             made_s += t1 - t0  # an iteration checkpoint's fingerprint, when taken here
             try:
-                self.states.written(key, mat.submit(fname, payload,
-                                                    blockstate.payload_tag(payload)))
+                self.states.written(key, self.writes.submit(key, fname, payload,
+                                                            blockstate.payload_tag(payload)))
                 self.charges.charged(key, made_s + (nbytes / copy_bw if stand_in and "replicated"
                                                     in payload else time.perf_counter() - t1))
-                self.writes.submitted.append(key)
             except CheckpointWriteError as e:
                 note(f"checkpoint of block {key!r} failed: {e}")
                 fname = None

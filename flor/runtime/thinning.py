@@ -78,6 +78,7 @@ class Thinning:
         self._going: list[tuple[str, int, str, int]] = []
         self._referred: list[str] = []  # going, but a file refers to them: tried again
         self.removed: list[str] = []  # names removed, not yet told to the store
+        self._tried = None  # the writes done at the last collect, until another goes
 
     def resumed_at(self, loop, run, i):
         """``record --resume`` restored iteration i of (loop, run): the files
@@ -93,6 +94,7 @@ class Thinning:
         if len(kept) > self.limit:
             _, gone, n = kept.pop(victim([p[0] for p in kept], self._origin.get((loop, run), -1)))
             self._going.append((gone, n, name, number))
+            self._tried = None
 
     def pending(self) -> bool:
         return bool(self._going)
@@ -106,6 +108,9 @@ class Thinning:
         that another refers to stays until that one has gone too."""
         if not self._going and not (final and self._referred):
             return
+        if not final and done == self._tried:  # as then: nothing more can be removed
+            return
+        self._tried = done
 
         def ready(name, n):
             return (final or n < done) and os.path.exists(mat.path_for(name))

@@ -67,7 +67,9 @@ class Writes:
         self.store, self.run_id, self.adaptive = store, run_id, adaptive
         self.submitted: list[str] = []  # the block of each checkpoint submitted, in order
         self._mat = None
-        self._speeds = None
+        self._speeds = None  # calibrated
+        self._idle = None  # the materializer's counters, while it has nothing to write
+        self._measured = (None, None)  # (counters, the speeds they gave)
 
     def materializer(self) -> Materializer:
         if self._mat is None:
@@ -84,12 +86,32 @@ class Writes:
                                      batch_count=1, incremental=True, signed=signed)
         return self._mat
 
+    def submit(self, key, name, payload, tag) -> int:
+        """Hand checkpoint `name` of block `key` to the materializer (made
+        first); returns its bytes.  Raises CheckpointWriteError."""
+        nbytes = self.materializer().submit(name, payload, tag)
+        self.submitted.append(key)
+        self._idle = None
+        return nbytes
+
+    def _stats(self) -> dict:
+        """The materializer's counters.  Once nothing is pending they
+        cannot change until the next submit or the close (which count the
+        finished writes): a step loop's iterations, most of them
+        checkpointing nothing, do not ask again."""
+        if self._idle is not None:
+            return self._idle
+        st = self._mat.stats()
+        if not st["pending"]:
+            self._idle = st
+        return st
+
     def writing(self) -> Writing:
         """What is being written now: the oldest checkpoint submitted that
         has not finished (writes finish in order), and the writers' CPU."""
         if self._mat is None:
             return Writing(None, 0.0)
-        st = self._mat.stats()
+        st = self._stats()
         cpu = st["writer_cpu_seconds"] if self._mat.mode == "thread" else None
         if not st["writing"] or not self.submitted:
             return Writing(None, cpu)
@@ -103,20 +125,24 @@ class Writes:
             self._speeds = calibration(self.store, self.adaptive)
         if self._mat is None:
             return self._speeds
-        st = self._mat.stats()
-        return self._speeds.measured(st["written"], st["write_seconds"], st["bytes_written"])
+        st = self._stats()
+        if self._measured[0] is not st:
+            self._measured = st, self._speeds.measured(st["written"], st["write_seconds"],
+                                                       st["bytes_written"])
+        return self._measured[1]
 
     def thin(self, thinning, final=False):
         """Remove the files of the iteration checkpoints that `thinning`
         no longer keeps, once written (runtime/thinning.py)."""
         if self._mat is not None:
-            st = self._mat.stats()
+            st = self._stats()
             thinning.collect(self._mat, st["written"] + st["failed"], final)
 
     def close(self) -> list:
         """Make every checkpoint durable; returns the failed writes."""
         if self._mat is None:
             return []
+        self._idle = None
         try:
             self._mat.close()
         except CheckpointWriteError as e:
