@@ -1,15 +1,16 @@
-"""What a replay adds to each iteration of a step loop, beyond the probe's
-own work.
+"""What a record and a replay add to each iteration of a step loop, beyond
+the step's own work (and the probe's).
 
 The workload is benchmarks/workloads/makemore_steps.py (a `while True` step
-loop with the training step inline, as makemore trains), with a probe added
-in the step loop, so that a replay runs every step again.  For two loop
-lengths it records the script, then in each round runs the edited script
-plain and replayed (--jobs 1), in a shuffled order.  The difference of the
-two lengths' medians cancels what does not grow with the loop (process
-start, imports, planning, the checks):
+loop with the training step inline, as makemore trains).  For two loop
+lengths it records the script, adds a probe in the step loop (so that a
+replay runs every step again), then in each round runs, in a shuffled
+order: the script plain and recorded (into a store of its own), and the
+edited script plain and replayed (--jobs 1).  The difference of the two
+lengths' medians cancels what does not grow with the loop (process start,
+imports, planning, the checks):
 
-    per-iteration overhead = ((replay(L) - replay(S)) - (plain(L) - plain(S))) / (L - S)
+    per-iteration overhead = ((flor(L) - flor(S)) - (plain(L) - plain(S))) / (L - S)
 
     python benchmarks/replay_steps.py                  # 3 rounds, 1000 and 6000 steps
 Writes benchmarks/results/replay-steps.json and .md (see --out).
@@ -45,9 +46,15 @@ def main():
     def name(n):  # a script per length: replay takes the latest record of the script
         return f"train_{n}.py"
 
+    def recorded(n):  # the script the rounds record, with a store of its own
+        return f"record_{n}.py"
+
+    rec_env = dict(env, FLOR_DIR=os.path.join(work, ".flor-rounds"))
+
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    raw = {(kind, n): [] for kind in ("plain", "replay") for n in (short, long_)}
+    kinds = ("plain", "record", "plain_edited", "replay")
+    raw = {(kind, n): [] for kind in kinds for n in (short, long_)}
     same = True
     try:
         for n in (short, long_):
@@ -57,22 +64,28 @@ def main():
                   work, env)
             with open(os.path.join(work, name(n)), "w") as f:
                 f.write(edited)
+            with open(os.path.join(work, recorded(n)), "w") as f:
+                f.write(original)
         for _ in range(args.rounds):
             order = list(raw)
             rng.shuffle(order)
             outs = {}
             for kind, n in order:
-                argv = ([sys.executable, name(n)] if kind == "plain" else
-                        [sys.executable, "-m", "flor", "replay", name(n)])
-                dt, proc = timed(argv + ["--max-steps", str(n)], work, env)
+                argv = {"plain": [sys.executable, recorded(n)],
+                        "record": [sys.executable, "-m", "flor", "record", recorded(n)],
+                        "plain_edited": [sys.executable, name(n)],
+                        "replay": [sys.executable, "-m", "flor", "replay", name(n)]}[kind]
+                dt, proc = timed(argv + ["--max-steps", str(n)], work,
+                                 rec_env if kind == "record" else env)
                 raw[(kind, n)].append(dt)
                 outs[(kind, n)] = proc.stdout
-            same = same and all(outs[("plain", n)] == outs[("replay", n)]
+            same = same and all(outs[("plain", n)] == outs[("record", n)] and
+                                outs[("plain_edited", n)] == outs[("replay", n)]
                                 for n in (short, long_))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: median(v) for k, v in raw.items()}
-    grow = {kind: med[(kind, long_)] - med[(kind, short)] for kind in ("plain", "replay")}
+    grow = {kind: med[(kind, long_)] - med[(kind, short)] for kind in kinds}
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
     report = {"command": ("python benchmarks/replay_steps.py " + " ".join(sys.argv[1:])).strip(),
@@ -81,7 +94,10 @@ def main():
               "median_s": {f"{k}_{n}": v for (k, n), v in med.items()},
               "raw_s": {f"{k}_{n}": v for (k, n), v in raw.items()},
               "plain_per_step_us": grow["plain"] / (long_ - short) * 1e6,
-              "overhead_per_step_us": (grow["replay"] - grow["plain"]) / (long_ - short) * 1e6,
+              "record_overhead_per_step_us": (grow["record"] - grow["plain"]) /
+              (long_ - short) * 1e6,
+              "overhead_per_step_us": (grow["replay"] - grow["plain_edited"]) /
+              (long_ - short) * 1e6,
               "stdout_equal": same}
     write_report(report, args.out, render)
 
@@ -89,15 +105,19 @@ def main():
 def render(r):
     s, l = r["steps"]
     m = r["median_s"]
+    rows = "".join(f"| {n} | {m[f'plain_{n}']:.2f} | {m[f'record_{n}']:.2f} | "
+                   f"{m[f'plain_edited_{n}']:.2f} | {m[f'replay_{n}']:.2f} |\n" for n in (s, l))
+    bound = r["plain_per_step_us"] / 15
     return (f"Machine: {r['machine_line']}; one torch thread; load average "
             f"{' '.join(r['load_before'])} before, {' '.join(r['load_after'])} after.  "
             f"Command: `{r['command']}`; {r['rounds']} interleaved rounds, medians.\n\n"
-            f"| steps | plain (s) | replay, --jobs 1 (s) |\n|---|---|---|\n"
-            f"| {s} | {m[f'plain_{s}']:.2f} | {m[f'replay_{s}']:.2f} |\n"
-            f"| {l} | {m[f'plain_{l}']:.2f} | {m[f'replay_{l}']:.2f} |\n\n"
-            f"A step costs {r['plain_per_step_us']:.0f} µs in a plain run; replay adds "
-            f"**{r['overhead_per_step_us']:.0f} µs per step** beyond it (goal: 50).  Replay "
-            f"printed what the plain run printed: {'yes' if r['stdout_equal'] else 'NO'}.\n")
+            "| steps | plain (s) | record (s) | plain, edited (s) | replay, --jobs 1 (s) |\n"
+            f"|---|---|---|---|---|\n{rows}\n"
+            f"A step costs {r['plain_per_step_us']:.0f} µs in a plain run; record adds "
+            f"**{r['record_overhead_per_step_us']:.0f} µs per step** (1/15 of the step: "
+            f"{bound:.0f} µs), and replay **{r['overhead_per_step_us']:.0f} µs per step** "
+            f"beyond the probe (goal: 50).  Record and replay printed what the plain runs "
+            f"printed: {'yes' if r['stdout_equal'] else 'NO'}.\n")
 
 
 if __name__ == "__main__":
