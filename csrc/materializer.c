@@ -54,7 +54,8 @@ typedef struct flor_job {
     PyObject *snapshot; /* FlorSnapshot */
     PyObject *meta;     /* pickled skeleton, once made */
     char *path;
-    uint64_t bytes; /* staged bytes held (data_bytes) */
+    uint64_t bytes;  /* staged bytes held (data_bytes) */
+    uint64_t nbytes; /* the snapshot's bytes */
     int err;        /* errno; -1 for a Python error (message in msg) */
     const char *step;
     char *msg;
@@ -226,24 +227,18 @@ reap_done(FlorMaterializer *m)
             PyObject *f = Py_BuildValue("(yisN)", j->path, j->err, j->step ? j->step : "",
                                         PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg),
                                                              "replace"));
-            m->failed++;
             if (f == NULL || PyList_Append(m->failures, f) < 0) {
                 rc = -1;
             }
             Py_XDECREF(f);
-        }
-        else {
-            uint64_t n = ((FlorSnapshot *)j->snapshot)->nbytes;
-            m->written++;
-            /* A fork child's count stays in the child: it writes every blob. */
-            m->bytes_written += j->dedup != NULL ? j->written : n;
-            m->bytes_referenced += j->dedup != NULL ? n - j->written : 0;
         }
         job_free(j);
     }
     return rc;
 }
 
+/* A job finished: its counters change with its write's seconds, so that
+   stats() never shows the time of a write without its file and bytes. */
 static void
 push_done_locked(FlorMaterializer *m, flor_job *j)
 {
@@ -252,6 +247,15 @@ push_done_locked(FlorMaterializer *m, flor_job *j)
     m->done = j;
     m->held_bytes -= j->bytes;
     m->write_seconds += j->seconds;
+    if (j->err != 0) {
+        m->failed++;
+    }
+    else {
+        m->written++;
+        /* A fork child's count stays in the child: it writes every blob. */
+        m->bytes_written += j->dedup != NULL ? j->written : j->nbytes;
+        m->bytes_referenced += j->dedup != NULL ? j->nbytes - j->written : 0;
+    }
 }
 
 /* ------------------------------------------------------------------ */
@@ -873,6 +877,7 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
     }
     j->snapshot = Py_NewRef(snap);
     j->bytes = reserved;
+    j->nbytes = ((FlorSnapshot *)snap)->nbytes;
     j->has_tag = has_tag;
     if (has_tag) {
         memcpy(j->tag, tag, FLOR_TAG_LEN);
@@ -1039,7 +1044,8 @@ PyDoc_STRVAR(mat_stats_doc,
              "(left in earlier files), write_seconds,\n"
              "block_seconds, max_block_seconds, forks, fork_fallbacks, held_bytes,\n"
              "peak_held_bytes, pending, writing, writer_cpu_seconds. write_seconds is time\n"
-             "spent pickling and writing; pending counts the checkpoints not yet durable,\n"
+             "spent pickling and writing; written and failed count the checkpoints whose\n"
+             "writes finished, as write_seconds does; pending counts those not yet durable,\n"
              "writing those of them being written now (pending less a fork batch not yet\n"
              "started); writer_cpu_seconds is the CPU time the writers used (thread mode: the\n"
              "writer thread's, as it runs; fork mode: children's, once reaped).");

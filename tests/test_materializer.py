@@ -121,6 +121,26 @@ def test_memory_is_bounded_in_bytes(tmp_path, mode):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("mode", ["thread", "fork"])
+def test_a_finished_write_is_counted_with_its_seconds(tmp_path, mode):
+    """stats(): once a write has finished, its file and bytes are counted
+    with its seconds, before anything else is asked of the materializer
+    (the adaptive rule divides the one by the others)."""
+    m = flor.Materializer(tmp_path, mode=mode, batch_count=1)
+    try:
+        m.submit("small", {"step": 1})
+        m.submit("large", {"w": torch.zeros(1 << 20)})
+        deadline = time.monotonic() + 120
+        while m.stats()["pending"]:  # the writes finish; nothing reaps them
+            assert time.monotonic() < deadline, "the writes never finished"
+        st = m.stats()
+        assert (st["written"], st["failed"]) == (2, 0) and st["write_seconds"] > 0
+        assert st["bytes_written"] >= 4 << 20
+    finally:
+        m.close()
+
+
+@pytest.mark.unit
 def test_single_snapshot_larger_than_the_bound_is_written_alone(tmp_path):
     with flor.Materializer(tmp_path, max_buffer_bytes=1024) as m:
         m.submit("big", torch.zeros(10_000))

@@ -237,8 +237,14 @@ class Files:
                     return _original(path, *args, **kwargs)
             # The script sees os's function (its name, module, docstring), and
             # pickles it by reference: its module (posix) holds flor's too.
+            # One another module put in os's place is pickled as os's.
             functools.update_wrapper(patched, original)
-            homes = (os, sys.modules.get(original.__module__, os))
+            home = sys.modules.get(original.__module__)
+            homes = (os,)
+            if home is not None and home is not os and getattr(home, name, None) is original:
+                homes += (home,)
+            else:
+                patched.__module__, patched.__name__, patched.__qualname__ = "os", name, name
             self._moves[name] = (original, patched, homes)
             for home in homes:
                 setattr(home, name, patched)

@@ -89,9 +89,9 @@ class Writes:
     def submit(self, key, name, payload, tag) -> int:
         """Hand checkpoint `name` of block `key` to the materializer (made
         first); returns its bytes.  Raises CheckpointWriteError."""
+        self._idle = None  # (a submit that fails may still have counted finished writes)
         nbytes = self.materializer().submit(name, payload, tag)
         self.submitted.append(key)
-        self._idle = None
         return nbytes
 
     def _stats(self) -> dict:
