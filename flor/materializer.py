@@ -223,7 +223,8 @@ class Materializer:
         return True
 
     def stats(self) -> dict:
-        """Counters: submitted, written, failed, bytes_written, write_seconds,
+        """Counters: submitted, written, failed, bytes_written, write_seconds
+        (written, failed and their seconds counted as each write finishes),
         block_seconds, max_block_seconds, forks, held_bytes, pending (not yet
         durable), writing (being written now), writer_cpu_seconds (the CPU
         time the writers used: the writer thread's as it runs, a fork
