@@ -1053,7 +1053,7 @@ PyDoc_STRVAR(mat_stats_doc,
 static PyObject *
 mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t held, peak, pending, writing;
+    uint64_t held, peak, pending, writing, written, failed, bytes_written, bytes_referenced;
     double ws, cpu;
     flor_job *j;
     int i;
@@ -1065,27 +1065,33 @@ mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))
     held = m->held_bytes;
     peak = m->peak_held_bytes;
     ws = m->write_seconds;
+    written = m->written;
+    failed = m->failed;
+    bytes_written = m->bytes_written;
+    bytes_referenced = m->bytes_referenced;
     cpu = writer_cpu_locked(m);
     pending = (uint64_t)m->busy;
     for (j = m->queue_head; j != NULL; j = j->next) {
         pending++;
     }
     pthread_mutex_unlock(&m->mu);
+    /* A child's checkpoints stay pending until the child is done and they
+       are counted (its reports come before its exit). */
     for (i = 0; i < m->nchildren; i++) {
         for (j = m->children[i].jobs; j != NULL; j = j->next) {
-            pending += !j->done;
+            pending++;
         }
     }
     writing = pending;
     pending += (uint64_t)m->batch_n;
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:K,s:K,s:d}",
-                         "bytes_referenced", (unsigned long long)m->bytes_referenced, "submitted",
-                         (unsigned long long)m->submitted, "written",
-                         (unsigned long long)m->written, "failed", (unsigned long long)m->failed,
-                         "bytes_written", (unsigned long long)m->bytes_written, "write_seconds", ws,
-                         "block_seconds", m->block_seconds, "max_block_seconds",
-                         m->max_block_seconds, "forks", (unsigned long long)m->forks,
-                         "fork_fallbacks", (unsigned long long)m->fork_fallbacks, "held_bytes",
+                         "bytes_referenced", (unsigned long long)bytes_referenced, "submitted",
+                         (unsigned long long)m->submitted, "written", (unsigned long long)written,
+                         "failed", (unsigned long long)failed, "bytes_written",
+                         (unsigned long long)bytes_written, "write_seconds", ws, "block_seconds",
+                         m->block_seconds, "max_block_seconds", m->max_block_seconds, "forks",
+                         (unsigned long long)m->forks, "fork_fallbacks",
+                         (unsigned long long)m->fork_fallbacks, "held_bytes",
                          (unsigned long long)held, "peak_held_bytes", (unsigned long long)peak,
                          "pending", (unsigned long long)pending, "writing",
                          (unsigned long long)writing, "writer_cpu_seconds", cpu);

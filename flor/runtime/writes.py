@@ -95,10 +95,10 @@ class Writes:
         return nbytes
 
     def _stats(self) -> dict:
-        """The materializer's counters.  Once nothing is pending they
-        cannot change until the next submit or the close (which count the
-        finished writes): a step loop's iterations, most of them
-        checkpointing nothing, do not ask again."""
+        """The materializer's counters.  Once nothing is pending (every
+        write finished and counted) they cannot change until the next
+        submit: a step loop's iterations, most of them checkpointing
+        nothing, do not ask again."""
         if self._idle is not None:
             return self._idle
         st = self._mat.stats()
