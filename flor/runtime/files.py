@@ -237,7 +237,7 @@ class Files:
                     return _original(path, *args, **kwargs)
             # The script sees os's function (its name, module, docstring), and
             # pickles it by reference: its module (posix) holds flor's too.
-            # One another module put in os's place is pickled as os's.
+            # A function another module put in os's place is pickled as os's.
             functools.update_wrapper(patched, original)
             home = sys.modules.get(original.__module__)
             homes = (os,)
