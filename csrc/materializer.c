@@ -1045,9 +1045,10 @@ PyDoc_STRVAR(mat_stats_doc,
              "block_seconds, max_block_seconds, forks, fork_fallbacks, held_bytes,\n"
              "peak_held_bytes, pending, writing, writer_cpu_seconds. write_seconds is time\n"
              "spent pickling and writing; written and failed count the checkpoints whose\n"
-             "writes finished, as write_seconds does; pending counts those not yet durable,\n"
-             "writing those of them being written now (pending less a fork batch not yet\n"
-             "started); writer_cpu_seconds is the CPU time the writers used (thread mode: the\n"
+             "writes finished, as write_seconds does; pending counts those not yet durable\n"
+             "and counted (a fork child's until the child is done), writing those of them\n"
+             "being written now (pending less a fork batch not yet started);\n"
+             "writer_cpu_seconds is the CPU time the writers used (thread mode: the\n"
              "writer thread's, as it runs; fork mode: children's, once reaped).");
 
 static PyObject *
