@@ -1775,9 +1775,12 @@ cleanup:
 /* Version 2: the CRC-32C of the blobs' lengths and of the digest (crc32c.c)
  * of their bytes, each blob starting at a fresh 8-byte word; CUDA blobs are
  * digested on their device (flor._cuda.digest), with no host copy.  Bit 32
- * is set: a recorded value tells its version. */
+ * is set: a recorded value tells its version.  With `later` set, the value
+ * is not waited for: *later gets flor._cuda.later's object, given the CRC
+ * of the lengths and the host blobs' sum, which adds the device's sum once
+ * the device has it (fingerprint(obj, 2, True) below). */
 static int
-fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out)
+fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out, PyObject **later)
 {
     uint32_t crc = 0, i;
     uint64_t total = 0, index = 0;
@@ -1813,6 +1816,18 @@ fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out)
             free(tmp);
         }
         index += (b->nbytes + 7) / 8;
+    }
+    if (later != NULL) {
+        if (device == NULL && (device = PyList_New(0)) == NULL) {
+            goto cleanup;
+        }
+        helper = cuda_helper(st);
+        *later = helper == NULL
+                     ? NULL
+                     : PyObject_CallMethod(helper, "later", "OkK", device, (unsigned long)crc,
+                                           (unsigned long long)total);
+        rc = *later == NULL ? -1 : 0;
+        goto cleanup;
     }
     if (device != NULL) {
         helper = cuda_helper(st);
@@ -2038,12 +2053,15 @@ mod_measure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(fingerprint_doc,
-             "fingerprint(obj, version=2, /)\n--\n\n"
+             "fingerprint(obj, version=2, later=False, /)\n--\n\n"
              "A checksum of the bytes of every tensor and array a snapshot of obj would\n"
              "hold, read in place (found by the same walk, without copying). Version 2\n"
              "(bit 32 set) reads CUDA tensors on their device and equals the\n"
              "fingerprint of the same bytes on the host; version 1, of records made\n"
-             "before it, is the CRC-32C of the bytes.");
+             "before it, is the CRC-32C of the bytes. With later true (version 2\n"
+             "only), returns an object whose value() is the fingerprint: the call\n"
+             "queues the device's part and does not wait for the kernels queued\n"
+             "before it; value() waits for that part alone (flor._cuda.Later).");
 
 static PyObject *
 mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -2052,12 +2070,16 @@ mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     walker w;
     uint64_t fp = 0;
     long version = 2;
-    int rc;
+    int rc, later = 0;
     FlorSnapshot *s;
-    if (flor_check_nargs("fingerprint", nargs, 1, 2) < 0) {
+    PyObject *lazy = NULL;
+    if (flor_check_nargs("fingerprint", nargs, 1, 3) < 0) {
         return NULL;
     }
-    if (nargs == 2) {
+    if (nargs == 3 && (later = PyObject_IsTrue(args[2])) < 0) {
+        return NULL;
+    }
+    if (nargs >= 2) {
         version = PyLong_AsLong(args[1]);
         if (version == -1 && PyErr_Occurred()) {
             return NULL;
@@ -2067,14 +2089,21 @@ mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
+    if (later && version != 2) {
+        PyErr_SetString(PyExc_ValueError, "fingerprint: later is for version 2 only");
+        return NULL;
+    }
     s = walk_object(st, args[0], &w);
     if (s == NULL) {
         return NULL;
     }
-    rc = version == 1 ? fingerprint_v1(s, &fp) : fingerprint_v2(st, s, &fp);
+    rc = version == 1 ? fingerprint_v1(s, &fp) : fingerprint_v2(st, s, &fp, later ? &lazy : NULL);
     blobs_release(s->blobs, s->n_blobs);
     Py_DECREF(s);
-    return rc < 0 ? NULL : PyLong_FromUnsignedLongLong(fp);
+    if (rc < 0) {
+        return NULL;
+    }
+    return later ? lazy : PyLong_FromUnsignedLongLong(fp);
 }
 
 PyMethodDef flor_walk_functions[] = {

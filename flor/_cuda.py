@@ -27,6 +27,9 @@ digest(blobs) is the sum under a version 2 state fingerprint (csrc/crc32c.c,
 flor_digest64) of storages, computed where they live with int64 kernels:
 no host copy, one synchronisation for the 8-byte result.  On CPU storages it
 gives what the C code gives, which tests/test_fingerprint.py checks.
+later(blobs, crc, total) queues the same sum and its copy to the host, and
+returns a Later, whose value() is the fingerprint: a record's block-end
+fingerprints do not wait for the training kernels queued before them.
 
 torch is imported by the functions that use it: record checks FLOR_CUDA_COPY
 (mode()) before the script runs, and must not import torch before it does.
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["copy", "digest", "Pending", "MODES", "ENV"]
+__all__ = ["copy", "digest", "later", "Later", "Pending", "MODES", "ENV"]
 
 ENV = "FLOR_CUDA_COPY"
 MODES = ("auto", "staged", "ordered")
@@ -242,9 +245,79 @@ def _whole(u8, first) -> list:
 
 def digest(blobs) -> int:
     """The digest of storages [(storage, first word index)], each storage's
-    bytes starting at a fresh 8-byte word, modulo 2**64.  Storages under a
-    pass are copied together (consecutive words of one device, a pass at
-    most) and read in one pass; larger ones are read where they are."""
+    bytes starting at a fresh 8-byte word, modulo 2**64."""
+    total = 0
+    for s in _sums(blobs).values():
+        total += int(s)  # one synchronisation per device
+    return total & MASK
+
+
+class Later:
+    """A version 2 fingerprint whose device part is still being computed
+    (csrc/walk.c, fingerprint(obj, 2, True)): `crc` is the CRC-32C of the
+    blobs' lengths, `total` the host blobs' digest, `parts` each device's
+    sum as (device, pinned host tensor it is copied into, the event after
+    the copy)."""
+
+    __slots__ = ("crc", "total", "parts", "_value")
+
+    def __init__(self, crc, total):
+        self.crc, self.total, self.parts, self._value = crc, total, [], None
+
+    def value(self) -> int:
+        """The fingerprint, once every device part has landed (waiting for
+        those copies alone, not for what was queued after them)."""
+        if self._value is None:
+            from . import _core
+
+            total = self.total
+            for device, host, event in self.parts:
+                import torch
+
+                with torch.cuda.device(device):
+                    event.synchronize()
+                total += int(host)
+            self.parts = []
+            word = (total & MASK).to_bytes(8, "little")
+            self._value = 1 << 32 | _core.crc32c(word, self.crc)
+        return self._value
+
+
+def later(blobs, crc, total) -> Later:
+    """Queue the digest of storages [(storage, first word index)] on their
+    devices' current streams, after the work queued there so far (which a
+    later in-place update of the storages comes after), and return the
+    fingerprint that adds it to `total` (see Later)."""
+    out = Later(crc, total)
+    if not blobs:
+        return out
+    import torch
+
+    for storage, _ in blobs:
+        if storage.device.type == "cuda":
+            # Freed by the script meanwhile, its memory is not reused before
+            # the digest has read it.
+            _bytes(storage).record_stream(torch.cuda.current_stream(storage.device))
+    for device, s in _sums(blobs).items():
+        if device.type != "cuda":
+            out.total += int(s)
+            continue
+        host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        host.copy_(s, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, never spins
+        done.record(torch.cuda.current_stream(device))
+        out.parts.append((device, host, done))
+    return out
+
+
+def _sums(blobs) -> dict:
+    """Each device's sum of the digest terms of storages [(storage, first
+    word index)], as a 0-d int64 tensor there (wrapping modulo 2**64).
+    Storages under a pass are copied together (consecutive words of one
+    device, a pass at most) and read in one pass; larger ones are read
+    where they are."""
+    if not blobs:
+        return {}
     import torch
 
     parts: dict = {}  # device -> 0-d tensors
@@ -271,7 +344,4 @@ def digest(blobs) -> int:
             run.append(_pad(u8.device, 8 - n % 8))
         end = at + words
     close_run()
-    total = 0
-    for tensors in parts.values():
-        total += int(torch.stack(tensors).sum())  # one synchronisation per device
-    return total & MASK
+    return {device: torch.stack(tensors).sum() for device, tensors in parts.items()}

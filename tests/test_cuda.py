@@ -2,6 +2,7 @@
 
 These run only where CUDA is available and skip cleanly elsewhere."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,28 @@ def test_a_gpu_fingerprint_reads_the_state_on_the_device(monkeypatch):
     before = torch.cuda.memory_allocated()
     _core.fingerprint(big)
     assert torch.cuda.max_memory_allocated() - before <= 100 << 20
+
+
+@pytest.mark.unit
+def test_a_gpu_fingerprint_read_later_is_of_the_state_when_it_was_taken():
+    """fingerprint(objs, 2, True) queues the device's part behind the work
+    queued so far and returns without waiting for it; in-place updates
+    queued after it never reach it."""
+    g = torch.Generator().manual_seed(1)
+    host = [torch.randn(1 << 20, generator=g), torch.randn(5, generator=g), np.arange(9.0)]
+    gpu = [host[0].cuda(), host[1].cuda(), host[2]]
+    _core.fingerprint(gpu, 2, True).value()  # kernels loaded, pinned memory allocated
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # the stream is busy when the fingerprint is taken
+    gpu[1].fill_(3.0)  # queued before it: the fingerprint reads this
+    got = _core.fingerprint(gpu, 2, True)
+    assert got.parts and not got.parts[0][2].query()  # returned before its part was computed
+    gpu[0].mul_(2)  # queued after it: never read by it
+    gpu[1].zero_()
+    host[1].fill_(3.0)
+    expected = _core.fingerprint(host)
+    assert got.value() == expected
+    assert _core.fingerprint(gpu) != expected
 
 
 @pytest.mark.unit

@@ -97,6 +97,34 @@ def test_the_device_digest_equals_the_host_digest(monkeypatch):
     assert _cuda.digest(blobs) == expected
 
 
+@pytest.mark.unit
+def test_a_fingerprint_read_later_equals_the_one_read_now():
+    """fingerprint(objs, 2, True) hands the CRC of the lengths and the host
+    blobs' sum to flor._cuda.later, whose value() finishes the same
+    fingerprint; version 1 has no such form."""
+    mixed = [STATE, np.arange(11.0), {"n": 3, "t": torch.ones(2, 2)}]
+    for objs in (STATE, mixed, [], [1, "no tensors"]):
+        got = _core.fingerprint(objs, 2, True)
+        assert isinstance(got, _cuda.Later)
+        assert got.value() == got.value() == _core.fingerprint(objs, 2)
+    with pytest.raises(ValueError, match="version 2 only"):
+        _core.fingerprint(STATE, 1, True)
+
+
+@pytest.mark.unit
+def test_later_adds_each_device_sum_to_the_host_part():
+    """flor/_cuda.later on CPU storages: their sum is added at once, and the
+    fingerprint is the CRC given continued over the whole sum's 8 bytes."""
+    blobs, index = [], 5
+    for t in STATE[:3]:
+        blobs.append((t.untyped_storage(), index))
+        index += (len(blob_bytes(t)) + 7) // 8
+    total, crc = M - 12345, 0xDEADBEEF  # the sum wraps modulo 2**64
+    got = _cuda.later(blobs, crc, total)
+    whole = (total + _cuda.digest(blobs)) & M
+    assert got.value() == 1 << 32 | _core.crc32c(struct.pack("<Q", whole), crc)
+
+
 TRAIN = """
     import torch
     torch.manual_seed(0)
@@ -121,14 +149,46 @@ Recording.fingerprint_version = 1
 """
 
 
+def _started_with(tmp_path, code) -> dict:
+    """The environment of a process that runs `code` as it starts (a
+    sitecustomize module), before flor records in it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+
+# A device error met where a block-end fingerprint is read (at the flush).
+UNREADABLE = """
+import flor._cuda
+
+def value(self):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+flor._cuda.Later.value = value
+"""
+
+
+def test_a_fingerprint_that_cannot_be_read_loses_no_other_row(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "train.py", TRAIN)
+    rec = flor(d, "record", "--no-adaptive", "train.py", env=_started_with(tmp_path, UNREADABLE))
+    assert rec.stdout == plain(d, "train.py").stdout
+    assert "the state fingerprint at the end of block train.py:" in rec.stderr
+    assert "illegal memory access" in rec.stderr
+    st = store(d)
+    run = runs(st, "record")[0]
+    assert st.status(run) == "finished"
+    names = [r["name"] for r in st.logs(run["run_id"])]
+    assert names.count("state@iteration") == 4 and "state@block" not in names
+    assert len(st.rows("output", run["run_id"])) == 4
+    assert len(st.rows("decisions", run["run_id"])) > 0
+
+
 def test_a_record_with_version_1_fingerprints_replays_with_them(tmp_path):
     d = str(tmp_path)
     write_script(d, "train.py", TRAIN)
-    site = tmp_path / "older"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(OLDER_FLOR)
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    flor(d, "record", "--no-adaptive", "train.py", env={"PYTHONPATH": path})
+    flor(d, "record", "--no-adaptive", "train.py", env=_started_with(tmp_path, OLDER_FLOR))
     st = store(d)
     rec = runs(st, "record")[0]
     info = rec["info"].to_dict()  # as a record before version 2 stored it

@@ -51,9 +51,11 @@ def unheld(sig) -> list[str]:
 FINGERPRINT = 2
 
 
-def fingerprint(objs, version=FINGERPRINT) -> int:
-    """The state fingerprint of the tensors and arrays of `objs`."""
-    return _core.fingerprint(objs, version)
+def fingerprint(objs, version=FINGERPRINT, later=False):
+    """The state fingerprint of the tensors and arrays of `objs`: an int, or
+    with `later` (version 2 only) an object whose value() is the int, which
+    does not wait for the GPU kernels queued before it (flor._cuda.Later)."""
+    return _core.fingerprint(objs, version, later) if later else _core.fingerprint(objs, version)
 
 
 def fingerprint_version(value) -> int:

@@ -20,6 +20,7 @@ import time
 
 from .. import _core
 from ..context import STATE_BLOCK, STATE_ITERATION, STATE_RANDOM, block_context, iter_column
+from ..errors import note
 from ..schema import LOGS, OUTPUT
 from .blockstate import fingerprint, random_fingerprint, state_owners
 from .capture import STREAMS
@@ -65,6 +66,21 @@ def _line(code, offset) -> int:
         if start <= offset < end and line is not None:
             return line
     return code.co_firstlineno
+
+
+class _BlockState:
+    """A block-end state row's value, [CRC of the signature, fingerprint],
+    until its row is stored: on a GPU the fingerprint is read only then,
+    so that taking it does not wait for the kernels queued before it."""
+
+    __slots__ = ("crc", "fp")
+
+    def __init__(self, crc, fp):
+        self.crc, self.fp = crc, fp
+
+    def json(self) -> str:
+        fp = self.fp if type(self.fp) is int else self.fp.value()
+        return json.dumps([self.crc, fp])
 
 
 class FingerprintBudget:
@@ -130,6 +146,7 @@ class Logbook:
     def __init__(self, session):
         self.s = session
         self.logs, self.out, self.decisions, self.blockruns = [], [], [], []
+        self._unsettled = 0  # block-end state rows whose fingerprint is not read yet
         self.journal = _core.Journal(self._is_user_code)
         self._user_files: dict[str, bool] = {}
         # Code under which a library writes for a statement (a logging handler):
@@ -176,7 +193,7 @@ class Logbook:
         """Make every stored value durable; returns the failed writes."""
         if self._values is None:
             return []
-        from ..errors import CheckpointWriteError, note
+        from ..errors import CheckpointWriteError
 
         try:
             self._values.close()
@@ -218,12 +235,13 @@ class Logbook:
         s = self.s
         phase, _, top, _, indices = s.where
         ctx = block_context(b.ctx, b.key, b.occurrence)
-        value = [_core.crc32c(json.dumps(sig).encode()),
-                 fingerprint(list(objs), self.s.policy.fingerprint_version)]
+        version = self.s.policy.fingerprint_version
+        value = _BlockState(_core.crc32c(json.dumps(sig).encode()),
+                            fingerprint(list(objs), version, later=version == 2))
+        self._unsettled += 1
         self.logs.append(LOGS.Row(run_id=s.run_id, part=s.part, ord=self.next_ord(),
                                   phase=phase, top=top, ctx=ctx, name=STATE_BLOCK,
-                                  iter=iter_column(indices), seq=0, value=json.dumps(value),
-                                  loc=b.key))
+                                  iter=iter_column(indices), seq=0, value=value, loc=b.key))
 
     def _is_user_code(self, code) -> bool | None:
         """Whether a code object belongs to a file of the user's program;
@@ -263,7 +281,28 @@ class Logbook:
                                        stream=STREAMS[stream], phase=phase, top=top, iter=it,
                                        text=text, ctx=ctx, loc=loc))
 
+    def settle(self):
+        """Read the block-end fingerprints still being computed (on a GPU)
+        into their rows, before a flush opens its transaction.  One that
+        cannot be read (a CUDA error, which the script's next CUDA call
+        meets too) is left out, and said; the other rows stay.  An
+        interrupt while waiting leaves every row to the next flush."""
+        if not self._unsettled:
+            return
+        rows = []
+        for r in self.logs:
+            if type(r.value) is _BlockState:
+                try:
+                    r = r._replace(value=r.value.json())
+                except Exception as e:
+                    note(f"the state fingerprint at the end of block {r.loc} could not be read "
+                         f"({type(e).__name__}: {e}); it is not stored")
+                    continue
+            rows.append(r)
+        self.logs, self._unsettled = rows, 0
+
     def flush(self, store):
+        self.settle()
         self.digest()
         logs, out, dec, runs = self.logs, self.out, self.decisions, self.blockruns
         self.logs, self.out, self.decisions, self.blockruns = [], [], [], []

@@ -180,6 +180,7 @@ class Loops:
             s.context.forget_finished()
             s.policy.iteration_stored(s, frame)
             if s.policy.flush_due(s):
+                s.logbook.settle()  # any wait for the GPU before the store's lock is taken
                 with s.store.transaction():  # one commit per flush
                     s.flush()
 
