@@ -1,7 +1,8 @@
 """The device side of flor._core: snapshots and fingerprints of CUDA tensors,
 through torch's streams and events.  csrc/walk.c finds the CUDA storages of
-what it walks and calls the two functions below; nothing else does, and this
-module is imported only once a CUDA tensor has been met.
+what it walks and calls the functions below; nothing else does, and this
+module is imported only once a CUDA tensor has been met or a fingerprint is
+to be read later (which imports torch only where CUDA storages are given).
 
 copy(arena, blobs, pinned) queues the copy of every storage into the pinned
 staging arena and returns a Pending, which every reader of the arena waits
