@@ -42,7 +42,7 @@ ENV_REPLAY = ENV_STORE + (
     "  FLOR_REPLAY_CORES    cores the replay workers may use (default: this process's)\n"
     "  OMP_NUM_THREADS      as --threads\n"
     "  SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_MIN, JOB_COMPLETION_INDEX  --parts N's index\n"
-    "  CUDA_VISIBLE_DEVICES GPUs handed to the workers in turn\n")
+    "  CUDA_VISIBLE_DEVICES GPUs handed to the workers in turn (one worker sees them all)\n")
 TRAILING = ("flor's options go before SCRIPT, or, when none do, at the very end of ARGS "
             "(`flor replay train.py --epochs 4 --jobs 2`); `SCRIPT -- ARGS` hands all of "
             "ARGS to the script.")

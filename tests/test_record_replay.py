@@ -16,7 +16,8 @@ import pytest
 from flor.replay.checks import compare_logs
 from flor.runtime.writes import FALLBACK_WRITE_BPS
 
-from conftest import ROOT, block_stats, edit, flor, read, runs, store, values, write_script
+from conftest import (ROOT, block_stats, edit, flor, plain, read, runs, store, values,
+                      write_script)
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -430,6 +431,26 @@ def test_replay_workers_run_with_the_record_s_thread_count(tmp_path):
     parts = st.parts(runs(st, "replay")[-1]["run_id"])
     assert {p["info"].threads for p in parts} == {1}
     assert len(parts) == min(2, cores) and "asks for" not in told.stderr
+
+
+def test_one_replay_worker_sees_every_gpu(tmp_path):
+    """A script that uses several GPUs replays with --jobs 1 as it runs:
+    its one worker is not restricted to the first of them."""
+    d = str(tmp_path)
+    write_script(d, "gpus.py", """
+        import os
+        w = 0
+        for epoch in range(3):
+            for step in range(2):
+                w += step
+            print(epoch, w, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    """)
+    env = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    flor(d, "record", "--no-adaptive", "gpus.py", env=env)
+    edit(os.path.join(d, "gpus.py"), "w += step", "print(step)")
+    rep = flor(d, "replay", "--jobs", "1", "gpus.py", env=env)
+    assert "2 3 0,1" in rep.stdout.splitlines()
+    assert rep.stdout == plain(d, "gpus.py", env=env).stdout
 
 
 def test_a_worker_that_dies_without_finishing_is_reported_with_its_last_stderr(tmp_path):

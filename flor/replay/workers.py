@@ -114,7 +114,8 @@ class _Queue:
         self.lost: list[_Attempt] = []
         self.failed: list[_Attempt] = []
         self.seconds_per_iter: list[float] = []
-        self.gpus = _gpus()
+        # One worker sees every GPU, as a plain run would; several get one each, in turn.
+        self.gpus = _gpus() if slots > 1 else []
         self.threads = str(plan.threads_per_worker(os.cpu_count() or 1, slots))
         self.shown = [0] * len(plan.segments)  # iterations of each segment on the progress bar
         self.restarted: dict[int, str] = {}  # part -> why it ran again from its start
