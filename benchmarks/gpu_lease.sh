@@ -36,8 +36,8 @@ for what in "$@"; do
      python3 -m flor record train.py $a >/dev/null 2>&1  # calibration, caches
      for r in 1 2; do
        echo "round $r plain $(FLOR_MODE=off t python3 train.py $a) s"
-       echo "round $r record $(t python3 $root/benchmarks/record_costs.py train.py $a) s"; grep -v "^flor: block" "$d/err" | tail -17
-       echo "round $r record-eps0 $(t python3 $root/benchmarks/record_costs.py --epsilon 1e-9 train.py $a) s"; tail -13 "$d/err"
+       echo "round $r record $(t python3 $root/benchmarks/record_costs.py train.py $a) s"; grep -v "^flor: block" "$d/err" | tail -19
+       echo "round $r record-eps0 $(t python3 $root/benchmarks/record_costs.py --epsilon 1e-9 train.py $a) s"; tail -15 "$d/err"
      done) 2>&1 | tee "$OUT/costs.log" ;;
   profile)
     (cd "$d" && echo "plain $(FLOR_MODE=off /usr/bin/time -f %e python3 train.py $a 2>&1 >/dev/null | tail -1) s"

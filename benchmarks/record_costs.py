@@ -7,9 +7,8 @@ whose own cost would swamp small calls).
 At exit it prints, for each timed function, its calls and total seconds
 (nested ones overlap: `_checkpoint` holds `submit`, which holds the GPU
 `copy`), then the staging pool's counters and each materializer's as it
-closed.  Run it
-beside a plain run of the same script (interleaved, as gpu_lease.sh does)
-to put the timers against the whole overhead.  Timers are taken only on
+closed.  Run it beside a plain run of the same script (interleaved, as
+gpu_lease.sh does) to put the timers against the whole overhead.  Timers are taken only on
 functions looked up at call time (module attributes, methods), so what
 they time is what the record runs; the instrumented script's own calls
 into flor (handsfree.end, step_into) read their caller's frame and are
@@ -27,6 +26,7 @@ TIMED = [
     ("flor.runtime.entry", None, "instrument"),  # hands-free analysis, at start
     ("flor._core", None, "fingerprint"),  # state fingerprints (and digests' tensor bytes)
     ("flor._cuda", None, "digest"),  # the device part of a fingerprint: one synchronisation
+    ("flor._cuda", None, "later"),  # the same, queued (a block-end fingerprint)
     ("flor._cuda", None, "copy"),  # queueing a checkpoint's device-to-host copy
     ("flor.materializer", "Materializer", "submit"),  # a checkpoint's time on the training thread
     ("flor.materializer", "Materializer", "close"),  # the wait for the writer at exit
@@ -36,6 +36,7 @@ TIMED = [
     ("flor.runtime.recording", "Recording", "iteration_done"),
     ("flor.runtime.logbook", "Logbook", "iteration_state"),
     ("flor.runtime.logbook", "Logbook", "state"),
+    ("flor.runtime.logbook", "Logbook", "settle"),  # reading the queued ones, before a flush
     ("flor.runtime.logbook", "Logbook", "flush"),
     ("flor.runtime.handsfree", None, "_capture"),
 ]
