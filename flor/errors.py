@@ -13,8 +13,16 @@ def note(message: str) -> None:
     """Print ``flor: message`` to the process's real standard error: the
     user's script (or flor itself, in a replay worker) may have replaced
     sys.stderr, and flor's notes are never part of the script's output."""
-    stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
-    print(f"flor: {message}", file=stream, flush=True)
+    say(f"flor: {message}", sys.__stderr__ if sys.__stderr__ is not None else sys.stderr)
+
+
+def say(text: str, stream=None) -> None:
+    """Write `text` and a newline to `stream` (sys.stderr) in one write: a
+    print() writes the newline separately, and the lines of processes
+    sharing the stream (torchrun's ranks, replay workers) would interleave."""
+    stream = stream if stream is not None else sys.stderr
+    stream.write(text + "\n")
+    stream.flush()
 
 
 class CheckpointCorrupt(ValueError):

@@ -9,11 +9,10 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import sys
 import threading
 
 from . import _core, trust
-from .errors import CheckpointWriteError
+from .errors import CheckpointWriteError, note
 
 __all__ = ["Materializer", "DEFAULT_MODE", "MODES", "mode_from_env"]
 
@@ -255,4 +254,4 @@ def _close_all():
         except RuntimeError:
             pass  # a forked copy of the process: the parent owns these writes
         except Exception as e:  # report, and still close the others
-            print(f"flor: at exit: {e}", file=sys.stderr)
+            note(f"at exit: {e}")

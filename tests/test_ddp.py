@@ -125,7 +125,9 @@ def test_replay_steps_into_a_ddp_block_with_two_groups_of_ranks(handsfree):
                               "--epochs", "4", env={"FLOR_REPLAY_CORES": "2"})
     # Two segments, the same on every rank (where they meet follows the
     # epoch times the record measured; test_partition.py tests that).
-    (segments,) = set(re.findall(r"in segments (.*)", proc.stderr))
+    planned = set(re.findall(r"iterations in segments (.*)", proc.stderr))
+    assert len(planned) == 1 and "replay failed" not in proc.stderr, proc.stderr
+    (segments,) = planned
     assert re.fullmatch(r"\[0, (\d)\), \[\1, 4\)", segments), segments
     assert replayed == plain
     assert _checks_passed(proc.stderr), proc.stderr

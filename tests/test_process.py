@@ -1,5 +1,6 @@
 """Process hygiene: quiet import, multi-phase init, no leaks."""
 import gc
+import io
 import os
 import sys
 
@@ -129,3 +130,31 @@ def test_staging_buffers_are_reused(n):
         print(after["takes"] - before["takes"], after["fresh"] - before["fresh"])
     """)
     assert out.stdout.split() == ["20", "0"], "a snapshot mapped fresh memory instead of reusing"
+
+
+class _Writes(io.RawIOBase):
+    """A raw stream that keeps each write: what the kernel sees of stderr."""
+
+    def __init__(self):
+        self.calls = []
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.calls.append(bytes(b).decode())
+        return len(b)
+
+
+def test_a_note_is_one_write_so_processes_sharing_stderr_keep_whole_lines(monkeypatch):
+    # torchrun's ranks and replay's workers share one stderr; under
+    # PYTHONUNBUFFERED (python -u) a print() of a line is two writes, and
+    # another process's line can land between them.
+    from flor.errors import note, say
+
+    raw = _Writes()
+    monkeypatch.setattr(sys, "__stderr__", io.TextIOWrapper(raw, write_through=True))
+    note("replaying run 1: 4 iterations in segments [0, 2), [2, 4)")
+    say("--- replay worker 1 ---\nTraceback ...\nValueError: x", sys.__stderr__)
+    assert raw.calls == ["flor: replaying run 1: 4 iterations in segments [0, 2), [2, 4)\n",
+                         "--- replay worker 1 ---\nTraceback ...\nValueError: x\n"]

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from ..errors import FlorError, note
+from ..errors import FlorError, note, say
 from .plan import Plan, register
 from .results import conclude
 
@@ -93,7 +93,7 @@ def run_ray(store, plan: Plan, notes, strict=False, started=None) -> int:
     failed = [r for r in results if r["code"] != 0]
     for r in results:
         if r["stderr"].strip():
-            print(f"--- replay worker {r['part']} ---\n{r['stderr'].rstrip()}", file=sys.stderr)
+            say(f"--- replay worker {r['part']} ---\n{r['stderr'].rstrip()}")
     if failed:
         store.update_run(plan.replay_id, finished=time.time(), status="failed")
         note(f"replay failed in segments {', '.join(str(r['part']) for r in failed)}")

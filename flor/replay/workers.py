@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from ..errors import FlorError, Interrupted, note
+from ..errors import FlorError, Interrupted, note, say
 from ..store import Store
 from .plan import Plan, register
 from .progress import Progress
@@ -264,8 +264,7 @@ def _script_failure(plan, a, lines=20):
     text = "".join(r["text"] for r in rows if r["stream"] == "stderr").rstrip("\n")
     if text:
         tail = text.split("\n")[-lines:]
-        print(f"--- the script's stderr (last {len(tail)} lines) ---\n" + "\n".join(tail),
-              file=sys.stderr, flush=True)
+        say(f"--- the script's stderr (last {len(tail)} lines) ---\n" + "\n".join(tail))
 
 
 def _stopped(signum, frame):
@@ -299,7 +298,7 @@ def run_local(store: Store, plan: Plan, notes, strict=False, started=None) -> in
     for a in [*queue.won.values(), *queue.failed]:
         text = a.text()
         if text.strip():
-            print(f"--- replay worker {a.part} ---\n{text.rstrip()}", file=sys.stderr)
+            say(f"--- replay worker {a.part} ---\n{text.rstrip()}")
     for a in queue.lost:
         a.text()
     # What the workers' set-ups wrote privately (files.py), left by killed ones.
