@@ -6,6 +6,7 @@ scripts have?  For each workload script, recorded hands-free:
                    loop whose training step is inline), replayed with
                    --jobs 1, against a plain run of the edited script
   inner probe      a statement in the training step, replayed with --jobs 2
+                   (the planner starts the workers that pay: the table says how many)
                    (on a step loop with no nested loop every step runs
                    again, and only the workers can make it faster)
 
@@ -108,6 +109,8 @@ def bench(name, rounds, work, rng):
             "stdout_equal": outs[f"{probe}_plain"] == outs[f"{probe}_replay"],
             "checks_passed": "deferred checks passed" in stderr[f"{probe}_replay"],
             "segments": (re.findall(r"in segments (.*)", stderr[f"{probe}_replay"]) or [""])[0],
+            "workers": int((re.findall(r"iterations, (\d+) workers?", stderr[f"{probe}_replay"])
+                            or [0])[0]),
             "notes": [l for l in stderr[f"{probe}_replay"].splitlines()
                       if l.startswith("flor:") and ("faster" in l or "worker" in l)]}
     return result
@@ -145,7 +148,8 @@ def render(report):
              f"after.  Command: `{report['command']}`; {report['rounds']} interleaved "
              "round(s), medians.  Speed-up: a plain run of the edited script / its replay.", "",
              "| script | arguments | plain (s) | record | checkpoints (MiB), iteration (MiB) | "
-             "outer probe, 1 worker | inner probe, 2 workers | output = plain, checks |",
+             "outer probe, 1 worker | inner probe, --jobs 2 (workers started) | "
+             "output = plain, checks |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in report["scripts"].items():
         c = r["checkpoints"]
@@ -154,7 +158,8 @@ def render(report):
             f"| {name} | `{' '.join(r['args'])}` | {r['median_s']['plain']:.1f} | "
             f"{r['record_overhead']:+.1%} | "
             f"{f'{c[0]} ({c[1]}), {c[2]} ({c[3]})' if c else '?'} | "
-            f"{r['outer']['speedup']:.2f}x | {r['inner']['speedup']:.2f}x | "
+            f"{r['outer']['speedup']:.2f}x | {r['inner']['speedup']:.2f}x"
+            f"{' (%d)' % r['inner']['workers'] if r['inner'].get('workers') else ''} | "
             f"{'yes' if same else 'NO'} |")
     return "\n".join(lines) + "\n"
 

@@ -40,6 +40,7 @@ ENV_RECORD = ENV_STORE + (
     "  FLOR_REPLICATED=every  every torchrun rank writes the replicated DDP state\n")
 ENV_REPLAY = ENV_STORE + (
     "  FLOR_REPLAY_CORES    cores the replay workers may use (default: this process's)\n"
+    "  FLOR_ALL_JOBS=1      start every worker --jobs allows, even where fewer would do\n"
     "  OMP_NUM_THREADS      as --threads\n"
     "  SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_MIN, JOB_COMPLETION_INDEX  --parts N's index\n"
     "  CUDA_VISIBLE_DEVICES GPUs handed to the workers in turn (one worker sees them all)\n")
@@ -124,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "their checkpoints, and the main loop is split among workers. With no ARGS, "
                  "the recorded arguments are used.", ENV_REPLAY, TRAILING)
     p.add_argument("--jobs", type=_number(int, 1), default=1, metavar="N",
-                   help="parallel workers (default 1)")
+                   help="parallel workers, at most (default 1): fewer where the record's "
+                   "times say more would not finish sooner")
     p.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="where the workers run (default local)")
     p.add_argument("--threads", type=_number(int, 1), metavar="T",

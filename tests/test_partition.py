@@ -197,3 +197,31 @@ def test_the_expected_replay_counts_each_workers_start_and_the_queue():
     assert any(n.startswith("2 workers are not expected to finish sooner") for n in notes)
     cheap = Costs(10, [0.2] * 10, [0.2] * 10, {5: 0.1})
     assert planning_notes(rec, 20.0, [[0, 5], [5, 10]], [[0, 10]], cheap, 2) == []
+
+
+def test_a_local_replay_starts_only_the_workers_that_pay():
+    """The same 30 s record: a second worker is started only when it is
+    expected to save more than GAIN of the replay's time."""
+    from flor.replay.estimate import ALL_JOBS_ENV, workers_that_pay
+    from flor.replay.segments import Costs
+
+    rec, one, two = _record(), [[0, 10]], [[0, 5], [5, 10]]
+    # 28 s on one worker, 18.5 s on two: both start.
+    restored = Costs(10, [2.0] * 10, [2.0] * 10, {5: 0.5})
+    assert workers_that_pay(rec, 20.0, {1: one, 2: two}, restored) == (2, None)
+    # Getting to the second segment costs as much as the first: 28 s either way.
+    dear = Costs(10, [2.0] * 10, [2.0] * 10, {5: 10.0})
+    chosen, why = workers_that_pay(rec, 20.0, {1: one, 2: two}, dear)
+    assert chosen == 1 and why.startswith("replaying on 1 worker of the 2 --jobs allows: "
+                                          "about 28.0 s expected, against 28.0 s on 2")
+    assert f"{ALL_JOBS_ENV}=1 starts all 2" in why
+    # 10 s against 9.1 s: the second worker's start eats most of its share.
+    short = Costs(10, [0.2] * 10, [0.2] * 10, {5: 0.1})
+    assert workers_that_pay(rec, 2.0, {1: one, 2: two}, short)[0] == 1
+    # A 6 s main loop before 18 s of work after it: 28, 25 and 23.8 s on
+    # 1, 2 and 3 workers; the third saves less than GAIN.
+    three = [[0, 4], [4, 7], [7, 10]]
+    flat = Costs(10, [0.6] * 10, [0.0] * 10)
+    assert workers_that_pay(rec, 6.0, {1: one, 2: two, 3: three}, flat)[0] == 2
+    # No estimate (the record did not finish): every worker asked for.
+    assert workers_that_pay(_record(finished=None), 20.0, {1: one, 2: two}, dear) == (2, None)

@@ -453,6 +453,30 @@ def test_one_replay_worker_sees_every_gpu(tmp_path):
     assert rep.stdout == plain(d, "gpus.py", env=env).stdout
 
 
+def test_a_replay_without_the_seam_starts_the_workers_the_planner_chose(tmp_path):
+    """Without FLOR_ALL_JOBS the planner decides how many of --jobs 2 pay
+    (tests/test_partition.py tests the rule on given times): whichever it
+    chose, the replay runs that many segments and prints what a plain run
+    prints."""
+    d = str(tmp_path)
+    write_script(d, "train.py", """
+        w = 0.0
+        for epoch in range(6):
+            for step in range(4):
+                w += 0.25 * step
+            print(epoch, w)
+    """)
+    flor(d, "record", "--no-adaptive", "train.py")
+    edit(os.path.join(d, "train.py"), "w += 0.25 * step", "print('w', w)")
+    rep = flor(d, "replay", "--jobs", "2", "train.py", drop=("FLOR_ALL_JOBS",))
+    (segments,) = re.findall(r"iterations in segments (.*)", rep.stderr)
+    if "replaying on 1 worker of the 2 --jobs allows" in rep.stderr:
+        assert segments == "[0, 6)", rep.stderr
+    else:
+        assert segments.count("[") >= 2, rep.stderr
+    assert rep.stdout == plain(d, "train.py").stdout
+
+
 def test_a_worker_that_dies_without_finishing_is_reported_with_its_last_stderr(tmp_path):
     """A replay worker that leaves without flor's end (os._exit, a fatal
     signal) still shows the last lines its script wrote to stderr."""

@@ -30,7 +30,7 @@ from ..program.source import Comparison, FileMap, changed_functions, manual_bloc
 from ..runinfo import ReplayInfo
 from ..runtime import ranks as ranking
 from ..store import Store, new_run_id
-from .estimate import planning_notes
+from .estimate import ALL_JOBS_ENV, planning_notes, workers_that_pay
 from .segments import (SEGMENTS_ENV, Costs, forced_segments, iteration_costs, main_iteration,
                        partition, resume_points, segments_for)
 
@@ -311,6 +311,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     if group is not None and part is not None:
         raise FlorError("a data-parallel record is replayed by local workers under torchrun: "
                         "--part, --parts and --backend ray do not replay it")
+    asked_threads = threads
     threads, jobs, notes = worker_threads(rec, jobs, threads, cores)
     notes += _interrupted(store, rec)
     cmp, hands_free, code, new = _compare(store, script, rec)
@@ -337,14 +338,25 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     resume, restart = resume_points(store, rec, iterations, total)
     segments = partition(total, segments_for(jobs, work, rec) if part is None else jobs,
                          resumable, work, pseudo, restart)
+    runs = {r["run"] for r in loops if r["loop"] == rec["main_loop"] and r["depth"] == 0}
+    local = part is None and group is None and len(runs) <= 1
+    main_s = sum(r["seconds"] or 0.0 for r in loops if (r["loop"], r["run"], r["depth"])
+                 == (rec["main_loop"], rec["main_run"], 0))
+    costs = Costs(total, work, pseudo, restart)
+    if local and jobs > 1 and len(segments) > 1 and not os.environ.get(SEGMENTS_ENV) \
+            and os.environ.get(ALL_JOBS_ENV) != "1":
+        options = {k: partition(total, segments_for(k, work, rec), resumable, work, pseudo,
+                                restart) for k in range(1, jobs)}
+        options[jobs] = segments
+        chosen, why = workers_that_pay(rec, main_s, options, costs)
+        if why:
+            notes.append(why)
+            jobs, segments = chosen, options[chosen]
+            threads = worker_threads(rec, jobs, asked_threads, cores)[0]
     if os.environ.get(SEGMENTS_ENV):
         segments = forced_segments(os.environ[SEGMENTS_ENV], total)
-    runs = {r["run"] for r in loops if r["loop"] == rec["main_loop"] and r["depth"] == 0}
-    if part is None and group is None and len(runs) <= 1:
-        main_s = sum(r["seconds"] or 0.0 for r in loops if (r["loop"], r["run"], r["depth"])
-                     == (rec["main_loop"], rec["main_run"], 0))
-        notes += planning_notes(rec, main_s, segments, [[0, total]],
-                                Costs(total, work, pseudo, restart), jobs)
+    if local:
+        notes += planning_notes(rec, main_s, segments, [[0, total]], costs, jobs)
     if len(runs) > 1:
         # A worker would have to find its segment's execution among the
         # others, and start it from a checkpoint of that execution alone.

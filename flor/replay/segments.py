@@ -19,7 +19,7 @@ from ..context import is_outermost, top_key
 from ..errors import FlorError
 
 __all__ = ["Costs", "partition", "iteration_costs", "resume_points", "main_iteration",
-           "segments_for", "forced_segments", "SEGMENTS_ENV"]
+           "segments_for", "forced_segments", "worker_start_s", "SEGMENTS_ENV"]
 
 
 class Costs:
@@ -181,6 +181,15 @@ def forced_segments(starts: str, total: int) -> list:
     return [[a, b] for a, b in zip(at, at[1:] + [total])]
 
 
+MIN_START_S = 0.5  # a worker process's own start (Python, flor, its plan), at least
+
+
+def worker_start_s(rec) -> float:
+    """Seconds a replay worker takes to reach the main loop: the record's
+    time before it, and never less than a process's own start."""
+    return max(rec["info"].startup_s or 0.0, MIN_START_S)
+
+
 def segments_for(jobs, work, rec) -> int:
     """How many segments a local replay on `jobs` workers splits the main
     loop into: one per worker, and more (up to 4 per worker, for the queue
@@ -189,6 +198,6 @@ def segments_for(jobs, work, rec) -> int:
     record's time before its main loop)."""
     if jobs <= 1:
         return 1
-    startup = max(rec["info"].startup_s or 0.0, 0.5)
+    startup = worker_start_s(rec)
     per_worker = int(sum(work) / (jobs * 20 * startup))
     return jobs * max(1, min(4, per_worker))
