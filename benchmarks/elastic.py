@@ -104,8 +104,9 @@ def workload(name, args, rounds, work, log, rng):
     with open(os.path.join(ROOT, "benchmarks", "workloads", script)) as f:
         original = f.read()
     path = os.path.join(d, script)
+    # FLOR_ALL_JOBS: --jobs 2 starts two workers, however short the workload.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               FLOR_DIR=os.path.join(d, ".flor"), PYTHONPATH=d)
+               FLOR_DIR=os.path.join(d, ".flor"), PYTHONPATH=d, FLOR_ALL_JOBS="1")
     for k in ("FLOR_MODE", "FLOR_MATERIALIZER", "FLOR_ADAPTIVE", "FLOR_EPSILON"):
         env.pop(k, None)
     with open(path, "w") as f:
@@ -223,7 +224,7 @@ def _status(d):
 
 def trials(n, epochs, work, log, rng):
     base = os.path.join(work, "trials")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", FLOR_ALL_JOBS="1")
     for k in ("FLOR_MODE", "FLOR_MATERIALIZER", "FLOR_ADAPTIVE", "FLOR_EPSILON"):
         env.pop(k, None)
 

@@ -129,6 +129,7 @@ def workload(script, args, rounds):
     """Plain and record, interleaved: (Bench, plain times, record times)."""
     work = tempfile.mkdtemp(prefix="flor-bench-gpu-")
     b = Bench(work, args, example=script)
+    b.env["FLOR_ALL_JOBS"] = "1"  # --jobs 2 starts two workers, as the table says
     b.plain()  # warm the page cache, the kernels' caches and the calibration
     plain, record = [], []
     for r in range(rounds):

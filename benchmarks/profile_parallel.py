@@ -50,6 +50,7 @@ def main():
     a = p.parse_args()
     out = a.out or os.path.join(ROOT, "benchmarks", "results", f"profile-parallel-{a.workload}")
     w = prepare(a.workload, a.epochs)
+    w.env["FLOR_ALL_JOBS"] = "1"  # --jobs 2 starts two workers: what this profiles
     py, script, args = sys.executable, w.script, w.args
     rec_wall, _ = timed(w, [py, "-m", "flor", "record", script, *args])
     w.write(add_line(w.original, *w.spec["inner"]))

@@ -21,6 +21,12 @@ def say(text: str, stream=None) -> None:
     print() writes the newline separately, and the lines of processes
     sharing the stream (torchrun's ranks, replay workers) would interleave."""
     stream = stream if stream is not None else sys.stderr
+    if stream is None:  # the script set sys.stderr and sys.__stderr__ to None
+        try:
+            os.write(2, (text + "\n").encode(errors="replace"))
+        except OSError:
+            pass  # no standard error at all: nowhere to say it
+        return
     stream.write(text + "\n")
     stream.flush()
 

@@ -202,7 +202,7 @@ def test_the_expected_replay_counts_each_workers_start_and_the_queue():
 def test_a_local_replay_starts_only_the_workers_that_pay():
     """The same 30 s record: a second worker is started only when it is
     expected to save more than GAIN of the replay's time."""
-    from flor.replay.estimate import ALL_JOBS_ENV, workers_that_pay
+    from flor.replay.estimate import ALL_JOBS_ENV, planning_notes, workers_that_pay
     from flor.replay.segments import Costs
 
     rec, one, two = _record(), [[0, 10]], [[0, 5], [5, 10]]
@@ -223,5 +223,8 @@ def test_a_local_replay_starts_only_the_workers_that_pay():
     three = [[0, 4], [4, 7], [7, 10]]
     flat = Costs(10, [0.6] * 10, [0.0] * 10)
     assert workers_that_pay(rec, 6.0, {1: one, 2: two, 3: three}, flat)[0] == 2
+    # The planner chose: planning_notes does not compare with one worker again.
+    notes = planning_notes(rec, 20.0, two, None, dear, 2)
+    assert notes and not any("not expected to finish sooner" in n for n in notes)
     # No estimate (the record did not finish): every worker asked for.
     assert workers_that_pay(_record(finished=None), 20.0, {1: one, 2: two}, dear) == (2, None)

@@ -2,6 +2,7 @@
 import gc
 import io
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -158,3 +159,10 @@ def test_a_note_is_one_write_so_processes_sharing_stderr_keep_whole_lines(monkey
     say("--- replay worker 1 ---\nTraceback ...\nValueError: x", sys.__stderr__)
     assert raw.calls == ["flor: replaying run 1: 4 iterations in segments [0, 2), [2, 4)\n",
                          "--- replay worker 1 ---\nTraceback ...\nValueError: x\n"]
+
+
+def test_a_note_goes_to_file_descriptor_2_when_the_script_set_stderr_to_none():
+    code = ("import sys\nsys.stderr = sys.__stderr__ = None\n"
+            "from flor.errors import note\nnote('still said')\nprint('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "ok\n", "flor: still said\n")

@@ -71,13 +71,14 @@ def workers_that_pay(rec, main_s, options, costs):
 
 def planning_notes(rec, main_s, segments, alone, costs, workers) -> list[str]:
     """Notes before a local replay starts: `segments` on `workers`, against
-    `alone` (the segments of one worker) and against re-running."""
+    `alone` (the segments of one worker; None where workers_that_pay chose
+    `workers`) and against re-running."""
     rerun = rerun_seconds(rec)
     mine = replay_seconds(rec, main_s, segments, costs, workers)
     if rerun is None or mine is None:
         return []
     notes = []
-    if workers > 1 and len(segments) > 1:
+    if workers > 1 and len(segments) > 1 and alone is not None:
         one = replay_seconds(rec, main_s, alone, costs, 1)
         if one is not None and one <= mine * 1.05:
             notes.append(f"{workers} workers are not expected to finish sooner than one "

@@ -343,12 +343,17 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     main_s = sum(r["seconds"] or 0.0 for r in loops if (r["loop"], r["run"], r["depth"])
                  == (rec["main_loop"], rec["main_run"], 0))
     costs = Costs(total, work, pseudo, restart)
+    alone = [[0, total]]  # one worker's segments, that planning_notes compares with
     if local and jobs > 1 and len(segments) > 1 and not os.environ.get(SEGMENTS_ENV) \
             and os.environ.get(ALL_JOBS_ENV) != "1":
+        # 1, 2, 4 ... workers and --jobs: a partition of a long step loop
+        # takes a while, and these bound what fewer workers could save.
         options = {k: partition(total, segments_for(k, work, rec), resumable, work, pseudo,
-                                restart) for k in range(1, jobs)}
-        options[jobs] = segments
+                                restart) for k in (2 ** n for n in range(1, jobs.bit_length()))
+                   if k < jobs}
+        options.update({1: alone, jobs: segments})
         chosen, why = workers_that_pay(rec, main_s, options, costs)
+        alone = None  # the planner compared them
         if why:
             notes.append(why)
             jobs, segments = chosen, options[chosen]
@@ -356,7 +361,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     if os.environ.get(SEGMENTS_ENV):
         segments = forced_segments(os.environ[SEGMENTS_ENV], total)
     if local:
-        notes += planning_notes(rec, main_s, segments, [[0, total]], costs, jobs)
+        notes += planning_notes(rec, main_s, segments, alone, costs, jobs)
     if len(runs) > 1:
         # A worker would have to find its segment's execution among the
         # others, and start it from a checkpoint of that execution alone.
