@@ -2,6 +2,7 @@
 Table 2 rules, loop-scoped filtering, the script's own functions), probe
 detection, and the deferred checks' value comparison, on small snippets."""
 import ast
+import re
 import textwrap
 
 import pytest
@@ -541,3 +542,97 @@ def test_what_a_loop_body_reads_before_it_assigns():
         f = lambda q: q + bias
         count += 1
     """) == {"params", "bias", "count"}
+
+
+_LOOP = textwrap.dedent("""
+    def total_grad_norm(model):
+        return sum(float(p.grad.norm()) ** 2 for p in model.parameters())
+    for epoch in range(3):
+        for it, (x, y) in enumerate(data):
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+        print(epoch)
+""")
+_HOOKS = textwrap.dedent("""
+    class Probe(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kw):
+            print("epoch", state.epoch)
+    trainer.train()
+""")
+
+
+def _shapes(old, new):
+    """(hindsight lines, other lines) that detect() reports for an edit."""
+    probe = detect(old, new, instrument(new, "s.py", lambda line: f"s.py:{line}"),
+                   changed_functions({"s.py": old}, {"s.py": new}))
+    return [t for _, t in probe.hindsight], [t for _, t in probe.other]
+
+
+@pytest.mark.parametrize("old, anchor, added, hindsight", [  # added after anchor's line
+    # A helper line whose new name only an added print reads.
+    (_LOOP, "loss.backward()\n", ["gn = total_grad_norm(model)", "print(gn)"], True),
+    # A guard around hindsight statements.
+    (_LOOP, "loss.backward()\n", ["if it % 250 == 0:", "    print(total_grad_norm(model))"],
+     True),
+    # A helper that another helper, behind a guard, reads.
+    (_LOOP, "opt.step()\n", ["seen_norm = total_grad_norm(model)", "print(seen_norm)",
+                             "if it == 0:", "    first = seen_norm", "    print(first)"], True),
+    # A callback's new hook that only logs.
+    (_HOOKS, 'print("epoch", state.epoch)\n', ["<",
+        "def on_step_end(self, args, state, control, **kw):",
+        "    if state.global_step % 10 == 0:", "        print(state.log_history[-1:])"], True),
+    # Not probes: a name the script already uses, rebound ...
+    (_LOOP, "loss.backward()\n", ["loss = loss * 2", "print(loss)"], False),
+    # ... an existing statement wrapped in a guard ...
+    (_LOOP, "loss.backward()\n", ["if it % 2 == 0:", "    opt.zero_grad()"], False),
+    # ... a helper no added statement reads ...
+    (_LOOP, "loss.backward()\n", ["_ = total_grad_norm(model)"], False),
+    # ... a hook that returns a value, or changes state.
+    (_HOOKS, 'print("epoch", state.epoch)\n', ["<",
+        "def on_step_end(self, args, state, control, **kw):",
+        "    control.should_stop = True", "    return control"], False),
+    (_HOOKS, 'print("epoch", state.epoch)\n', ["<",
+        "def on_step_end(self, args, state, control, **kw):",
+        "    print(args.model.zero_grad())"], False),
+])
+def test_probe_lines_as_people_write_them(old, anchor, added, hindsight):
+    at = old.index(anchor) + len(anchor)
+    indent = re.match(r" *", old[old.rindex("\n", 0, at - 1) + 1:]).group(0)
+    if added[0] == "<":  # at the anchor's enclosing level: a method beside its method
+        indent, added = indent[4:], added[1:]
+    new = old[:at] + "".join(indent + line + "\n" for line in added) + old[at:]
+    got, other = _shapes(old, new)
+    if hindsight:
+        assert got == [line.strip() for line in added] and other == []
+    else:
+        assert other and not set(got) - {"print(loss)"}
+
+
+def test_a_helper_that_other_code_reads_is_not_a_probe():
+    """`gn` is added with its print, and an existing line is changed to
+    read it: the helper feeds the script, not only the probe, and what
+    reads the helper's new name is no probe either."""
+    new = _LOOP.replace("        loss.backward()\n",
+                        "        loss.backward()\n        gn = total_grad_norm(model)\n"
+                        "        print(gn)\n").replace("print(epoch)", "print(epoch, gn)")
+    got, other = _shapes(_LOOP, new)
+    assert "added: gn = total_grad_norm(model)" in other and "changed: print(epoch, gn)" in other
+    assert got == [] and "added: print(gn)" in other
+
+
+def test_a_helper_function_and_a_loop_that_print_what_it_returns_are_a_probe():
+    new = _LOOP.replace("for epoch", (
+        "def layer_norms(m):\n    out = {}\n    for n, p in m.named_parameters():\n"
+        "        out[n] = float(p.norm())\n    return out\nfor epoch")).replace(
+        "    print(epoch)\n", "    print(epoch)\n    for name, w in layer_norms(model).items():\n"
+        "        print(name, w)\n")
+    assert _shapes(_LOOP, new) == ([
+        "def layer_norms(m):", "out = {}", "for n, p in m.named_parameters():",
+        "out[n] = float(p.norm())", "return out",
+        "for name, w in layer_norms(model).items():", "print(name, w)"], [])
+    # A helper function that changes what it is given is no probe, nor what calls it.
+    bad = new.replace("out[n] = float(p.norm())", "p.data.zero_()")
+    got, other = _shapes(_LOOP, bad)
+    assert got == [] and "changes state (calls p.data.zero_()): def layer_norms(m):" in other
+    assert "added: for name, w in layer_norms(model).items():" in other

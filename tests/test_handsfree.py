@@ -153,6 +153,38 @@ def test_other_changes_warn_and_strict_refuses(tmp_path):
     assert "hindsight statement at line 21: print(loss.item())" in warn.stderr
 
 
+def test_probes_written_with_helper_lines_and_guards_replay_under_strict(tmp_path):
+    """A probe as people write it: a helper function and a helper line
+    whose new names only added prints read, behind an `if` every few steps;
+    and a per-layer loop at the epoch's end.  --strict accepts them, and the
+    replay prints what a plain run of the edited script prints."""
+    d = str(tmp_path)
+    shutil.copy(os.path.join(HF, "module_level.py"), os.path.join(d, "train.py"))
+    flor(d, "record", "train.py")
+    path = os.path.join(d, "train.py")
+    text = read(path).replace("seen = 0\n", (
+        "seen = 0\n"
+        "def grad_norm(model):\n"
+        "    total = 0.0\n"
+        "    for p in model.parameters():\n"
+        "        total += p.grad.norm().item() ** 2\n"
+        "    return total ** 0.5\n"))
+    with open(path, "w") as f:
+        f.write(text)
+    edit(path, "loss.backward()", "if i % 128 == 0:")
+    edit(path, "if i % 128 == 0:", "    gn = grad_norm(net)")
+    edit(path, "gn = grad_norm(net)", 'print(f"  gn {gn:.6f}")')
+    edit(path, "acc = (net(X)", "for name, w in net.named_parameters():")
+    edit(path, "for name, w in net.named_parameters():", '    print(f"  {name} {w.norm().item():.6f}")')
+    rep = flor(d, "replay", "--strict", "train.py")
+    assert "WARNING" not in rep.stderr
+    assert "hindsight statement at line 14: def grad_norm(model):" in rep.stderr
+    assert "hindsight statement at line 27: gn = grad_norm(net)" in rep.stderr
+    assert rep.stdout == plain(d, "train.py").stdout
+    assert rep.stdout.count("  gn ") == 9 and rep.stdout.count("  0.weight ") == 3
+    assert "deferred checks passed" in rep.stderr
+
+
 def test_tracebacks_keep_the_users_line_numbers(tmp_path):
     d = str(tmp_path)
     write_script(d, "boom.py", """

@@ -9,8 +9,16 @@ log-like: an expression statement that assigns nothing and calls ``print``,
 stream (``f.write``, ``writelines``, a csv writer's ``writerow(s)``), and
 that calls no in-place tensor method (``mul_``) and no method of training
 state (``step``, ``zero_grad``, ``add_param_group`` ...).  Added imports are allowed too.
-Everything else (assignments, control flow, changed arguments, deletions)
-is an *other change*: replay warns, listing them, or refuses with --strict.
+So are the lines probes are written with, when all of them are added and
+change no training state (`_Shapes`): a helper assignment to new names
+that only added statements read (``gn = grad_norm(model)`` then
+``print(gn)``), an added ``if`` or ``for`` around hindsight statements (``if
+step % 100 == 0: print(...)``), a new helper function that only added
+statements call, and a new method (a callback's or a LightningModule's
+hook) that only logs and returns nothing.
+Everything else (assignments to existing names, control flow around
+existing code, changed arguments, deletions) is an *other change*: replay
+warns, listing them, or refuses with --strict.
 
 A block is stepped into when a change lies inside it, or when it calls
 (directly or through other functions) a function of the script whose
@@ -23,7 +31,7 @@ import ast
 import difflib
 from dataclasses import dataclass, field
 
-from .syntax import bodies, header, is_compound
+from .syntax import bodies, header, is_compound, own_nodes
 
 __all__ = ["Probe", "detect", "is_log_like"]
 
@@ -95,6 +103,167 @@ def is_log_like(stmt) -> bool:
     return False
 
 
+def _quiet(node) -> bool:
+    """Nothing in `node` (expressions) changes training state or binds a name."""
+    return not any(isinstance(n, ast.NamedExpr) for n in ast.walk(node)) and \
+        not state_changes(node)
+
+
+def _names(target) -> list[str] | None:
+    """The names a plain target binds (``a``, ``a, b``), else None."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        got = [_names(t) for t in target.elts]
+        return None if None in got else [n for g in got for n in g]
+    return None
+
+
+def _bound(tree) -> set[str]:
+    """Every name `tree` binds or reads, its functions', classes', arguments'
+    and imports' names included."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.alias):
+            out.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            out.update(n.names)
+    return out
+
+
+class _Shapes:
+    """Which added statements are the lines of a probe (the module's
+    docstring): `accepted(node)` for an added statement of the current
+    script.  A helper (an assignment, a for's target, a function) binds
+    only names the recorded script never used, an accepted statement reads
+    it, and no other code does; a statement that reads a name which an
+    added, not accepted statement binds is not accepted.  That is a
+    fixpoint: rejecting a statement can reject those that read its names."""
+
+    def __init__(self, old_tree, new_tree, added):
+        self.old = _bound(old_tree)
+        self.added = added  # ids of the added statements
+        self.parent = {id(c): p for p in ast.walk(new_tree) for c in ast.iter_child_nodes(p)}
+        self.statements = [n for n in ast.walk(new_tree) if isinstance(n, ast.stmt)]
+        self.rejected: set[str] = set()  # names no helper may bind
+        self.tainted: set[str] = set()  # names bound by added statements not accepted
+        while True:
+            self.memo = {}
+            rejected, tainted = self._settle()
+            if rejected <= self.rejected and tainted <= self.tainted:
+                break
+            self.rejected |= rejected
+            self.tainted |= tainted
+
+    def accepted(self, node) -> bool:
+        """`node` and every added statement around it are probe lines."""
+        p = node
+        while p is not None and id(p) in self.added:
+            if not self._local(p):
+                return False
+            p = self.parent.get(id(p))
+        return id(node) in self.added
+
+    def _local(self, node) -> bool:
+        if id(node) not in self.memo:
+            self.memo[id(node)] = self._shape(node) and not self._reads(node) & self.tainted
+        return self.memo[id(node)]
+
+    def _function(self, node):
+        """The function `node` is in, if any."""
+        p = self.parent.get(id(node))
+        while p is not None and not isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            p = self.parent.get(id(p))
+        return p
+
+    def _own(self, node) -> bool:
+        """`node` is in an added function: the names it binds are that function's."""
+        fn = self._function(node)
+        return fn is not None and id(fn) in self.added
+
+    def _fresh(self, names, node) -> bool:
+        """Names a helper may bind: its function's own, or new to the script
+        and not rejected."""
+        return bool(names) and (self._own(node) or not (set(names) & (self.old | self.rejected)))
+
+    def _target(self, target, node) -> bool:
+        """A target a helper may assign: fresh names, or an item of a
+        container its added function made (``out[name] = ...``)."""
+        if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+            fn = self._function(node)
+            return fn is not None and id(fn) in self.added and _quiet(target.slice) and \
+                target.value.id in {x for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                                    for t in n.targets for x in (_names(t) or [])}
+        return self._fresh(_names(target), node)
+
+    def _body(self, node) -> bool:
+        subs = [x for _, sub in bodies(node) for x in sub]
+        return all(isinstance(x, ast.stmt) and id(x) in self.added and self._local(x)
+                   for x in subs)
+
+    def _shape(self, node) -> bool:
+        if is_log_like(node) or isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
+            return True
+        if isinstance(node, ast.Assign):
+            return _quiet(node.value) and all(self._target(t, node) for t in node.targets)
+        if isinstance(node, ast.AugAssign):
+            return _quiet(node.value) and isinstance(node.target, ast.Name) and \
+                self._fresh([node.target.id], node)
+        if isinstance(node, ast.Return):  # of a helper function, not of a method
+            fn = self._function(node)
+            return fn is not None and not self._method(fn) and \
+                (node.value is None or _quiet(node.value))
+        if isinstance(node, ast.If):
+            return _quiet(node.test) and self._body(node)
+        if isinstance(node, ast.For):
+            return _quiet(node.iter) and self._fresh(_names(node.target), node) and \
+                self._body(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            heads = [*node.decorator_list, *node.args.defaults,
+                     *[d for d in node.args.kw_defaults if d is not None]]
+            return all(_quiet(h) for h in heads) and node.name not in self.old and \
+                (self._method(node) or node.name not in self.rejected) and self._body(node)
+        return False
+
+    def _method(self, fn) -> bool:
+        return isinstance(self.parent.get(id(fn)), ast.ClassDef)
+
+    @staticmethod
+    def _reads(node) -> set[str]:
+        """The names a statement's own expressions read (a compound
+        statement's header, not its body)."""
+        return {x.id for part in (own_nodes(node) if is_compound(node) else [node])
+                for x in ast.walk(part) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
+
+    @staticmethod
+    def _binds(node) -> set[str]:
+        if isinstance(node, ast.Assign):
+            return {x for t in node.targets for x in (_names(t) or [])}
+        if isinstance(node, (ast.AugAssign, ast.For)):
+            return set(_names(node.target) or [])
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return {node.name}
+        return set()
+
+    def _settle(self):
+        """(names helpers may not bind, names whose readers are rejected)
+        given the statements accepted now."""
+        helpers, tainted, by_accepted, by_others = set(), set(), set(), set()
+        for n in self.statements:
+            ok = self.accepted(n)
+            if id(n) in self.added and not self._own(n) and not \
+                    (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and self._method(n)):
+                (helpers if ok else tainted).update(self._binds(n) - self.old)
+            (by_accepted if ok else by_others).update(self._reads(n))
+        return (helpers & by_others) | (helpers - by_accepted), tainted
+
+
 def _flatten(stmts, depth, out):
     for s in stmts:
         if not is_compound(s):
@@ -124,25 +293,29 @@ def detect(old_source: str, new_source: str, inst, changed: set[str]) -> Probe:
     current script (its blocks, in current line numbers); `changed` names the
     functions whose definition changed and their callers
     (source.changed_functions)."""
-    old = _flatten(ast.parse(old_source).body, 0, [])
-    new = _flatten(ast.parse(new_source).body, 0, [])
+    old_tree, new_tree = ast.parse(old_source), ast.parse(new_source)
+    old = _flatten(old_tree.body, 0, [])
+    new = _flatten(new_tree.body, 0, [])
     old_lines, new_lines = old_source.splitlines(), new_source.splitlines()
     probe = Probe()
     changed_lines = []
     sm = difflib.SequenceMatcher(None, [t for t, _, _ in old], [t for t, _, _ in new],
                                  autojunk=False)
-    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+    opcodes = sm.get_opcodes()
+    shapes = _Shapes(old_tree, new_tree, {id(node) for tag, _, _, j1, j2 in opcodes
+                                          if tag == "insert" for _, node, _ in new[j1:j2]})
+    for tag, i1, i2, j1, j2 in opcodes:
         if tag == "equal":
             continue
         for _, node, _ in new[j1:j2]:
             line = getattr(node, "lineno", None)
-            if tag == "insert" and is_log_like(node):
+            if tag == "insert" and isinstance(node, (ast.Import, ast.ImportFrom)):
+                pass  # an import for a hindsight statement
+            elif tag == "insert" and shapes.accepted(node):
                 probe.hindsight.append((line, _describe(node, new_lines)))
             elif tag == "insert" and state_changes(node):
                 probe.other.append((line, f"changes state (calls {', '.join(state_changes(node))}"
                                           f"): {_describe(node, new_lines)}"))
-            elif tag == "insert" and isinstance(node, (ast.Import, ast.ImportFrom)):
-                pass  # an import for a hindsight statement
             else:
                 probe.other.append((line, ("changed: " if tag == "replace" else "added: ")
                                     + _describe(node, new_lines)))
