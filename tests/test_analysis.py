@@ -578,6 +578,9 @@ def _shapes(old, new):
     # A helper that another helper, behind a guard, reads.
     (_LOOP, "opt.step()\n", ["seen_norm = total_grad_norm(model)", "print(seen_norm)",
                              "if it == 0:", "    first = seen_norm", "    print(first)"], True),
+    # Loops over the model's own listings.
+    (_LOOP, "opt.step()\n", ["<", "for _ in range(2):", "    print(epoch)",
+                              "for name, w in model.named_parameters():", "    print(name)"], True),
     # A callback's new hook that only logs.
     (_HOOKS, 'print("epoch", state.epoch)\n', ["<",
         "def on_step_end(self, args, state, control, **kw):",
@@ -588,6 +591,33 @@ def _shapes(old, new):
     (_LOOP, "loss.backward()\n", ["if it % 2 == 0:", "    opt.zero_grad()"], False),
     # ... a helper no added statement reads ...
     (_LOOP, "loss.backward()\n", ["_ = total_grad_norm(model)"], False),
+    # ... a guard that returns from the script's own function ...
+    ("def train(data):\n    for x in data:\n        fit(x)\n", "fit(x)\n",
+     ["if x is None:", "    return"], False),
+    # ... a helper that yields (the function becomes a generator) ...
+    ("def train(data):\n    for x in data:\n        fit(x)\n", "fit(x)\n",
+     ["v = yield x", "print(v)"], False),
+    # ... an alias of training state changed in place, or an item of it ...
+    (_LOOP, "loss.backward()\n", ["w = model.weight.data", "w *= 0.5", "print(w.sum())"],
+     False),
+    (_LOOP, "model.parameters())\n", ["<", "def f(o):", "    g = o.param_groups[0]", "    g['lr'] = 0.0",
+                          "    return g['lr']"], False),
+    # ... a loop over a data loader (it draws the shuffle's random numbers) ...
+    (_LOOP, "opt.step()\n", ["<", "for bx, by in loader:", "    print(bx.shape)"], False),
+    # ... a guard that draws a random number or advances an iterator ...
+    (_LOOP, "loss.backward()\n", ["if random.random() < 0.01:", "    print(loss)"], False),
+    (_LOOP, "loss.backward()\n", ["b = next(it)", "print(b)"], False),
+    # ... a hook on the model, or a dunder call ...
+    (_LOOP, "loss.backward()\n", ["h = model.register_forward_hook(show)", "print(h)"], False),
+    (_LOOP, "loss.backward()\n", ["z = opt.param_groups[0].__setitem__('lr', 0.0)",
+                                   "print(z)"], False),
+    # ... a method that overrides a base class's, or a class attribute ...
+    (_HOOKS, 'print("epoch", state.epoch)\n', ["<", "def zero_grad(self, set_to_none=True):",
+                                                "    print('zg')"], False),
+    (_HOOKS, 'print("epoch", state.epoch)\n', ["<", "def __setattr__(self, k, v):",
+                                                "    print(k)"], False),
+    (_HOOKS, 'print("epoch", state.epoch)\n', ["<", "call_super_init = True",
+                                                "print(call_super_init)"], False),
     # ... a hook that returns a value, or changes state.
     (_HOOKS, 'print("epoch", state.epoch)\n', ["<",
         "def on_step_end(self, args, state, control, **kw):",
@@ -636,3 +666,32 @@ def test_a_helper_function_and_a_loop_that_print_what_it_returns_are_a_probe():
     got, other = _shapes(_LOOP, bad)
     assert got == [] and "changes state (calls p.data.zero_()): def layer_norms(m):" in other
     assert "added: for name, w in layer_norms(model).items():" in other
+
+
+def test_an_accumulator_of_numbers_is_a_probe_and_one_of_an_alias_is_not():
+    new = _LOOP.replace("    for it, (x, y)", "    gsum = 0.0\n    for it, (x, y)").replace(
+        "        opt.step()\n", "        opt.step()\n        gsum += float(loss)\n").replace(
+        "    print(epoch)\n", "    print(epoch)\n    print(gsum)\n")
+    assert _shapes(_LOOP, new) == (["gsum = 0.0", "gsum += float(loss)", "print(gsum)"], [])
+    alias = new.replace("gsum = 0.0", "gsum = model.weight.data")
+    got, other = _shapes(_LOOP, alias)
+    assert "added: gsum += float(loss)" in other and "gsum += float(loss)" not in got
+
+
+@pytest.mark.parametrize("helper, reader", [
+    # It changes what it is given: an item of an optimizer's group, a parameter.
+    ("def f(o):\n    g = o.param_groups[0]\n    g['lr'] = 0.0\n    return g['lr']\n",
+     "print(f(opt))"),
+    ("def f(w):\n    w += 1\n    return 0\n", "print(f(model.weight.data))"),
+])
+def test_a_helper_function_that_changes_its_arguments_is_not_a_probe(helper, reader):
+    new = _LOOP.replace("for epoch", helper + "for epoch").replace(
+        "    print(epoch)\n", f"    print(epoch)\n    {reader}\n")
+    got, other = _shapes(_LOOP, new)
+    assert got == [] and f"added: {reader}" in other
+    # The same helper adding up numbers of its own is one.
+    fine = _LOOP.replace("for epoch", (
+        "def gnorm(m):\n    total = 0.0\n    for q in m.parameters():\n"
+        "        total += float(q.grad.norm()) ** 2\n    return total ** 0.5\nfor epoch")).replace(
+        "    print(epoch)\n", "    print(epoch)\n    print(gnorm(model))\n")
+    assert _shapes(_LOOP, fine)[1] == []

@@ -10,12 +10,13 @@ stream (``f.write``, ``writelines``, a csv writer's ``writerow(s)``), and
 that calls no in-place tensor method (``mul_``) and no method of training
 state (``step``, ``zero_grad``, ``add_param_group`` ...).  Added imports are allowed too.
 So are the lines probes are written with, when all of them are added and
-change no training state (`_Shapes`): a helper assignment to new names
-that only added statements read (``gn = grad_norm(model)`` then
-``print(gn)``), an added ``if`` or ``for`` around hindsight statements (``if
-step % 100 == 0: print(...)``), a new helper function that only added
-statements call, and a new method (a callback's or a LightningModule's
-hook) that only logs and returns nothing.
+change no training state (`_Shapes`, `_quiet`): a helper assignment to new
+names that only added statements read (``gn = grad_norm(model)`` then
+``print(gn)``), an accumulator of a number, an added ``if`` around
+hindsight statements (``if step % 100 == 0: print(...)``), a ``for`` over a
+container or the model's listings (never over a data loader), a new helper
+function that only added statements call, and a new ``on_*`` method (a
+callback's or a LightningModule's hook) that only logs and returns nothing.
 Everything else (assignments to existing names, control flow around
 existing code, changed arguments, deletions) is an *other change*: replay
 warns, listing them, or refuses with --strict.
@@ -103,10 +104,52 @@ def is_log_like(stmt) -> bool:
     return False
 
 
+# Calls that a probe line's helper, guard or loop may not make: they
+# advance an iterator, change a container or an object, draw random numbers
+# (a plain run of the edited script would then train on other numbers), or
+# hook into the model.
+_CONSUMING = {"next", "setattr", "delattr", "exec", "eval", "globals", "locals", "vars",
+              "pop", "popitem", "append", "extend", "insert", "remove", "clear", "setdefault",
+              "send", "throw", "close", "rand", "randn", "randint", "randperm", "rand_like",
+              "randn_like", "randint_like", "normal", "bernoulli", "multinomial", "poisson",
+              "random", "choice", "choices", "shuffle", "sample", "uniform", "gauss",
+              "integers", "permutation", "dropout"}
+# What an added `for` may iterate: containers and the model's own listings,
+# never an iterator or a data loader that the training consumes.
+_LISTINGS = {"items", "keys", "values", "parameters", "named_parameters", "buffers",
+             "named_buffers", "modules", "named_modules", "children", "named_children",
+             "state_dict", "range"}
+_WRAPPERS = {"enumerate", "zip", "sorted", "reversed", "list", "tuple"}
+
+
+def _called(call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
 def _quiet(node) -> bool:
-    """Nothing in `node` (expressions) changes training state or binds a name."""
-    return not any(isinstance(n, ast.NamedExpr) for n in ast.walk(node)) and \
-        not state_changes(node)
+    """Nothing in `node` (expressions) changes training state, binds a name,
+    yields, or makes a call of _CONSUMING, a dunder or a register_* hook."""
+    for n in ast.walk(node):
+        if isinstance(n, (ast.NamedExpr, ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda)):
+            return False
+        if isinstance(n, ast.Call):
+            name = _called(n)
+            if name in _CONSUMING or name.startswith(("__", "register_")):
+                return False
+    return not state_changes(node)
+
+
+def _listing(node) -> bool:
+    """An iterable an added `for` may run over (_LISTINGS)."""
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return _quiet(node)
+    if not isinstance(node, ast.Call) or not _quiet(node):
+        return False
+    name = _called(node)
+    if name in _WRAPPERS:
+        return bool(node.args) and all(_listing(a) for a in node.args)
+    return name in _LISTINGS
 
 
 def _names(target) -> list[str] | None:
@@ -192,14 +235,21 @@ class _Shapes:
         and not rejected."""
         return bool(names) and (self._own(node) or not (set(names) & (self.old | self.rejected)))
 
+    def _made_here(self, name, node, kinds) -> bool:
+        """`name` is bound, in `node`'s function (or module), by an added
+        assignment of a value of `kinds` (a new container, a number)."""
+        fn = self._function(node)
+        return any(isinstance(n, ast.Assign) and id(n) in self.added and
+                   isinstance(n.value, kinds) and self._function(n) is fn and
+                   any(name in (_names(t) or []) for t in n.targets)
+                   for n in self.statements)
+
     def _target(self, target, node) -> bool:
         """A target a helper may assign: fresh names, or an item of a
-        container its added function made (``out[name] = ...``)."""
+        container its added function made (``out = {}``, ``out[name] = ...``)."""
         if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
-            fn = self._function(node)
-            return fn is not None and id(fn) in self.added and _quiet(target.slice) and \
-                target.value.id in {x for n in ast.walk(fn) if isinstance(n, ast.Assign)
-                                    for t in n.targets for x in (_names(t) or [])}
+            return self._own(node) and _quiet(target.slice) and self._made_here(
+                target.value.id, node, (ast.Dict, ast.List, ast.DictComp, ast.ListComp))
         return self._fresh(_names(target), node)
 
     def _body(self, node) -> bool:
@@ -210,29 +260,41 @@ class _Shapes:
     def _shape(self, node) -> bool:
         if is_log_like(node) or isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
             return True
+        if isinstance(self.parent.get(id(node)), ast.ClassDef) and \
+                not isinstance(node, ast.FunctionDef):
+            return False  # a class attribute, which may override a base class's
         if isinstance(node, ast.Assign):
             return _quiet(node.value) and all(self._target(t, node) for t in node.targets)
-        if isinstance(node, ast.AugAssign):
+        if isinstance(node, ast.AugAssign):  # an accumulator: a number added to
             return _quiet(node.value) and isinstance(node.target, ast.Name) and \
-                self._fresh([node.target.id], node)
-        if isinstance(node, ast.Return):  # of a helper function, not of a method
+                self._fresh([node.target.id], node) and \
+                self._made_here(node.target.id, node, (ast.Constant, ast.UnaryOp))
+        if isinstance(node, ast.Return):  # of an added helper function, not of a method
             fn = self._function(node)
-            return fn is not None and not self._method(fn) and \
+            return fn is not None and id(fn) in self.added and not self._method(fn) and \
                 (node.value is None or _quiet(node.value))
         if isinstance(node, ast.If):
             return _quiet(node.test) and self._body(node)
         if isinstance(node, ast.For):
-            return _quiet(node.iter) and self._fresh(_names(node.target), node) and \
+            return _listing(node.iter) and self._fresh(_names(node.target), node) and \
                 self._body(node)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, ast.FunctionDef):
             heads = [*node.decorator_list, *node.args.defaults,
                      *[d for d in node.args.kw_defaults if d is not None]]
             return all(_quiet(h) for h in heads) and node.name not in self.old and \
-                (self._method(node) or node.name not in self.rejected) and self._body(node)
+                (self._hook(node) if self._method(node) else node.name not in self.rejected) \
+                and self._body(node)
         return False
 
     def _method(self, fn) -> bool:
         return isinstance(self.parent.get(id(fn)), ast.ClassDef)
+
+    @staticmethod
+    def _hook(fn) -> bool:
+        """A new method may be a callback's hook (``on_step_end``,
+        ``on_train_batch_end``): any other name may override what a base
+        class does (``train``, ``zero_grad``, ``backward``, ``__setattr__``)."""
+        return fn.name.startswith("on_") and not fn.decorator_list
 
     @staticmethod
     def _reads(node) -> set[str]:
@@ -254,14 +316,16 @@ class _Shapes:
     def _settle(self):
         """(names helpers may not bind, names whose readers are rejected)
         given the statements accepted now."""
-        helpers, tainted, by_accepted, by_others = set(), set(), set(), set()
+        helpers, values, tainted, by_accepted, by_others = set(), set(), set(), set(), set()
         for n in self.statements:
             ok = self.accepted(n)
             if id(n) in self.added and not self._own(n) and not \
                     (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and self._method(n)):
                 (helpers if ok else tainted).update(self._binds(n) - self.old)
+                if ok and not isinstance(n, ast.For):  # a loop's names need no reader
+                    values.update(self._binds(n) - self.old)
             (by_accepted if ok else by_others).update(self._reads(n))
-        return (helpers & by_others) | (helpers - by_accepted), tainted
+        return (helpers & by_others) | (values - by_accepted), tainted
 
 
 def _flatten(stmts, depth, out):
