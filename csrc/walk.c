@@ -373,6 +373,48 @@ cleanup:
     return idx;
 }
 
+/* Widen the span of e's blob to the bytes the tensor t views: from its
+ * storage offset to its last element, or none when it has no element. */
+static int
+span_tensor(walker *w, PyObject *t, const flor_entry *e)
+{
+    flor_blob *b = &w->blobs[e->blob];
+    PyObject *r = PyObject_CallMethod(t, "element_size", NULL);
+    long long es = r == NULL ? -1 : PyLong_AsLongLong(r);
+    int64_t last = e->storage_offset;
+    uint8_t i;
+    Py_XDECREF(r);
+    if (es < 0) {
+        return -1;
+    }
+    if (!b->spanned) {
+        b->spanned = 1;
+        b->lo = UINT64_MAX;
+        b->hi = 0;
+    }
+    for (i = 0; i < e->ndim; i++) {
+        if (e->dims[i] == 0) {
+            return 0;
+        }
+        last += (e->dims[i] - 1) * e->dims[e->ndim + i];
+    }
+    if (e->storage_offset < 0 || last < e->storage_offset) {
+        b->lo = 0; /* not a plain view (cannot happen with torch's strides): all of it */
+        b->hi = b->nbytes;
+        return 0;
+    }
+    if ((uint64_t)e->storage_offset * (uint64_t)es < b->lo) {
+        b->lo = (uint64_t)e->storage_offset * (uint64_t)es;
+    }
+    if ((uint64_t)(last + 1) * (uint64_t)es > b->hi) {
+        b->hi = (uint64_t)(last + 1) * (uint64_t)es;
+    }
+    if (b->hi > b->nbytes) {
+        b->hi = b->nbytes;
+    }
+    return 0;
+}
+
 static PyObject *
 walk_tensor(walker *w, PyObject *t)
 {
@@ -484,7 +526,7 @@ walk_tensor(walker *w, PyObject *t)
     e->blob = (uint32_t)bidx;
     e->storage_offset = PyLong_AsLongLong(offset);
     if (PyErr_Occurred() || fill_dims(e, shape, stride) < 0 ||
-        set_name(e->dtype, name, "dtype") < 0) {
+        set_name(e->dtype, name, "dtype") < 0 || span_tensor(w, t, e) < 0) {
         goto cleanup;
     }
     if (is_cpu) {
@@ -1772,15 +1814,19 @@ cleanup:
     return rc;
 }
 
-/* Version 2: the CRC-32C of the blobs' lengths and of the digest (crc32c.c)
- * of their bytes, each blob starting at a fresh 8-byte word; CUDA blobs are
- * digested on their device (flor._cuda.digest), with no host copy.  Bit 32
- * is set: a recorded value tells its version.  With `later` set, the value
- * is not waited for: *later gets flor._cuda.later's object, given the CRC
- * of the lengths and the host blobs' sum, which adds the device's sum once
- * the device has it (fingerprint(obj, 2, True) below). */
+/* Versions 2 and 3: the CRC-32C of the blobs' lengths and of the digest
+ * (crc32c.c) of their bytes, each blob starting at a fresh 8-byte word;
+ * CUDA blobs are digested on their device (flor._cuda.digest), with no host
+ * copy.  Version 2 reads whole blobs; version 3 reads, of a blob reached
+ * through tensors, only the bytes they view (its span: a storage's other
+ * bytes may never have been written, and differ from run to run); its
+ * length is the span's.  Bit 32 (version 2)
+ * or bit 33 (version 3) is set: a recorded value tells its version.  With
+ * `later` set, the value is not waited for: *later gets flor._cuda.later's
+ * object, given the CRC of the lengths and the host blobs' sum, which adds
+ * the device's sum once the device has it (fingerprint(obj, 3, True)). */
 static int
-fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out, PyObject **later)
+fingerprint_v2(flor_state *st, FlorSnapshot *s, long version, uint64_t *out, PyObject **later)
 {
     uint32_t crc = 0, i;
     uint64_t total = 0, index = 0;
@@ -1790,13 +1836,19 @@ fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out, PyObject **later)
 
     for (i = 0; i < s->n_blobs; i++) {
         flor_blob *b = &s->blobs[i];
-        le64(bytes, b->nbytes);
+        uint64_t lo = 0, n = b->nbytes;
+        if (version >= 3 && b->spanned) {
+            lo = b->lo < b->hi ? b->lo : 0;
+            n = b->lo < b->hi ? b->hi - b->lo : 0;
+        }
+        le64(bytes, n);
         crc = flor_crc32c(crc, bytes, 8);
-        if (b->nbytes == 0) {
+        if (n == 0) {
             continue;
         }
         if (b->where == FLOR_BLOB_CUDA) {
-            PyObject *item = Py_BuildValue("(OK)", b->owner, (unsigned long long)index);
+            PyObject *item = Py_BuildValue("(OKKK)", b->owner, (unsigned long long)index,
+                                           (unsigned long long)lo, (unsigned long long)n);
             int e = item == NULL || (device == NULL && (device = PyList_New(0)) == NULL) ||
                     PyList_Append(device, item) < 0;
             Py_XDECREF(item);
@@ -1811,11 +1863,11 @@ fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out, PyObject **later)
                 goto cleanup;
             }
             Py_BEGIN_ALLOW_THREADS
-            total = flor_digest64(total, index, src, (size_t)b->nbytes);
+            total = flor_digest64(total, index, src + lo, (size_t)n);
             Py_END_ALLOW_THREADS
             free(tmp);
         }
-        index += (b->nbytes + 7) / 8;
+        index += (n + 7) / 8;
     }
     if (later != NULL) {
         if (device == NULL && (device = PyList_New(0)) == NULL) {
@@ -1824,8 +1876,8 @@ fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out, PyObject **later)
         helper = cuda_helper(st);
         *later = helper == NULL
                      ? NULL
-                     : PyObject_CallMethod(helper, "later", "OkK", device, (unsigned long)crc,
-                                           (unsigned long long)total);
+                     : PyObject_CallMethod(helper, "later", "OkKl", device, (unsigned long)crc,
+                                           (unsigned long long)total, version);
         rc = *later == NULL ? -1 : 0;
         goto cleanup;
     }
@@ -1841,7 +1893,7 @@ fingerprint_v2(flor_state *st, FlorSnapshot *s, uint64_t *out, PyObject **later)
         }
     }
     le64(bytes, total);
-    *out = (uint64_t)1 << 32 | flor_crc32c(crc, bytes, 8);
+    *out = (uint64_t)1 << (version >= 3 ? 33 : 32) | flor_crc32c(crc, bytes, 8);
     rc = 0;
 cleanup:
     Py_XDECREF(device);
@@ -2053,13 +2105,15 @@ mod_measure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(fingerprint_doc,
-             "fingerprint(obj, version=2, later=False, /)\n--\n\n"
+             "fingerprint(obj, version=3, later=False, /)\n--\n\n"
              "A checksum of the bytes of every tensor and array a snapshot of obj would\n"
-             "hold, read in place (found by the same walk, without copying). Version 2\n"
-             "(bit 32 set) reads CUDA tensors on their device and equals the\n"
-             "fingerprint of the same bytes on the host; version 1, of records made\n"
-             "before it, is the CRC-32C of the bytes. With later true (version 2\n"
-             "only), returns an object whose value() is the fingerprint: the call\n"
+             "hold, read in place (found by the same walk, without copying). Version 3\n"
+             "(bit 33 set) reads of each tensor storage only the bytes the tensors\n"
+             "view; version 2 (bit 32), of records made before it, whole storages.\n"
+             "Both read CUDA tensors on their device and equal the fingerprint of the\n"
+             "same bytes on the host; version 1, of older records, is the CRC-32C of\n"
+             "the bytes. With later true (versions 2 and 3), returns an object whose\n"
+             "value() is the fingerprint: the call\n"
              "queues the device's part and does not wait for the kernels queued\n"
              "before it; value() waits for that part alone (flor._cuda.Later).");
 
@@ -2069,7 +2123,7 @@ mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     flor_state *st = (flor_state *)PyModule_GetState(module);
     walker w;
     uint64_t fp = 0;
-    long version = 2;
+    long version = 3;
     int rc, later = 0;
     FlorSnapshot *s;
     PyObject *lazy = NULL;
@@ -2084,20 +2138,22 @@ mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (version == -1 && PyErr_Occurred()) {
             return NULL;
         }
-        if (version != 1 && version != 2) {
-            PyErr_Format(PyExc_ValueError, "fingerprint: version must be 1 or 2, not %ld", version);
+        if (version < 1 || version > 3) {
+            PyErr_Format(PyExc_ValueError, "fingerprint: version must be 1, 2 or 3, not %ld",
+                         version);
             return NULL;
         }
     }
-    if (later && version != 2) {
-        PyErr_SetString(PyExc_ValueError, "fingerprint: later is for version 2 only");
+    if (later && version == 1) {
+        PyErr_SetString(PyExc_ValueError, "fingerprint: later is for versions 2 and 3 only");
         return NULL;
     }
     s = walk_object(st, args[0], &w);
     if (s == NULL) {
         return NULL;
     }
-    rc = version == 1 ? fingerprint_v1(s, &fp) : fingerprint_v2(st, s, &fp, later ? &lazy : NULL);
+    rc = version == 1 ? fingerprint_v1(s, &fp)
+                      : fingerprint_v2(st, s, version, &fp, later ? &lazy : NULL);
     blobs_release(s->blobs, s->n_blobs);
     Py_DECREF(s);
     if (rc < 0) {

@@ -24,11 +24,12 @@ buffer (half its free memory), else orders; staged and ordered force one
 bytes are coalesced into one copy.  docs/benchmarks.md ("The CUDA path on a
 GPU") has what each costs the training stream.
 
-digest(blobs) is the sum under a version 2 state fingerprint (csrc/crc32c.c,
-flor_digest64) of storages, computed where they live with int64 kernels:
+digest(blobs) is the sum under a version 2 or 3 state fingerprint
+(csrc/crc32c.c, flor_digest64) of storages, or of the spans of them that
+tensors view (version 3), computed where they live with int64 kernels:
 no host copy, one synchronisation for the 8-byte result.  On CPU storages it
 gives what the C code gives, which tests/test_fingerprint.py checks.
-later(blobs, crc, total) queues the same sum and its copy to the host, and
+later(blobs, crc, total, version) queues the same sum and its copy to the host, and
 returns a Later, whose value() is the fingerprint: a record's block-end
 fingerprints do not wait for the training kernels queued before them.
 
@@ -245,8 +246,9 @@ def _whole(u8, first) -> list:
 
 
 def digest(blobs) -> int:
-    """The digest of storages [(storage, first word index)], each storage's
-    bytes starting at a fresh 8-byte word, modulo 2**64."""
+    """The digest of storages [(storage, first word index[, first byte,
+    length])], each storage's bytes (or the span of them given) starting at a
+    fresh 8-byte word, modulo 2**64."""
     total = 0
     for s in _sums(blobs).values():
         total += int(s)  # one synchronisation per device
@@ -254,16 +256,17 @@ def digest(blobs) -> int:
 
 
 class Later:
-    """A version 2 fingerprint whose device part is still being computed
-    (csrc/walk.c, fingerprint(obj, 2, True)): `crc` is the CRC-32C of the
-    blobs' lengths, `total` the host blobs' digest, `parts` each device's
-    sum as (device, pinned host tensor it is copied into, the event after
-    the copy)."""
+    """A version 2 or 3 fingerprint whose device part is still being
+    computed (csrc/walk.c, fingerprint(obj, 3, True)): `crc` is the CRC-32C
+    of the blobs' lengths, `total` the host blobs' digest, `parts` each
+    device's sum as (device, pinned host tensor it is copied into, the event
+    after the copy), `version` the bit the value sets (32 + version - 2)."""
 
-    __slots__ = ("crc", "total", "parts", "_value")
+    __slots__ = ("crc", "total", "parts", "version", "_value")
 
-    def __init__(self, crc, total):
+    def __init__(self, crc, total, version=2):
         self.crc, self.total, self.parts, self._value = crc, total, [], None
+        self.version = version
 
     def value(self) -> int:
         """The fingerprint, once every device part has landed (waiting for
@@ -280,21 +283,22 @@ class Later:
                 total += int(host)
             self.parts = []
             word = (total & MASK).to_bytes(8, "little")
-            self._value = 1 << 32 | _core.crc32c(word, self.crc)
+            self._value = 1 << (30 + self.version) | _core.crc32c(word, self.crc)
         return self._value
 
 
-def later(blobs, crc, total) -> Later:
-    """Queue the digest of storages [(storage, first word index)] on their
-    devices' current streams, after the work queued there so far (which a
-    later in-place update of the storages comes after), and return the
-    fingerprint that adds it to `total` (see Later)."""
-    out = Later(crc, total)
+def later(blobs, crc, total, version=2) -> Later:
+    """Queue the digest of storages [(storage, first word index[, first
+    byte, length])] on their devices' current streams, after the work
+    queued there so far (which a later in-place update of the storages comes
+    after), and return the fingerprint of that version that adds it to
+    `total` (see Later)."""
+    out = Later(crc, total, version)
     if not blobs:
         return out
     import torch
 
-    for storage, _ in blobs:
+    for storage, *_ in blobs:
         if storage.device.type == "cuda":
             # Freed by the script meanwhile, its memory is not reused before
             # the digest has read it.
@@ -313,7 +317,8 @@ def later(blobs, crc, total) -> Later:
 
 def _sums(blobs) -> dict:
     """Each device's sum of the digest terms of storages [(storage, first
-    word index)], as a 0-d int64 tensor there (wrapping modulo 2**64).
+    word index[, first byte, length])], as a 0-d int64 tensor there
+    (wrapping modulo 2**64).
     Storages under a pass are copied together (consecutive words of one
     device, a pass at most) and read in one pass; larger ones are read
     where they are."""
@@ -330,12 +335,21 @@ def _sums(blobs) -> dict:
             parts.setdefault(run[0].device, []).extend(_whole(torch.cat(run), first))
             run.clear()
 
-    for storage, at in blobs:
+    for storage, at, *span in blobs:
         u8 = _bytes(storage)
+        if span:
+            u8 = u8[span[0]:span[0] + span[1]]
         n = u8.numel()
         words = (n + 7) // 8
         if words > PASS // 2:
-            parts.setdefault(u8.device, []).extend(_whole(u8, at))
+            if u8.storage_offset() % 8 == 0:
+                parts.setdefault(u8.device, []).extend(_whole(u8, at))
+                continue
+            # Words are read as int64, from an 8-byte boundary: a span that
+            # starts off one is copied, a pass at a time.
+            for s in range(0, n, 8 * PASS):
+                piece = u8[s:s + 8 * PASS].clone()
+                parts.setdefault(u8.device, []).extend(_whole(piece, at + s // 8))
             continue
         if not run or at != end or u8.device != run[0].device or at + words - first > PASS:
             close_run()

@@ -150,9 +150,32 @@ def test_a_gpu_fingerprint_read_later_is_of_the_state_when_it_was_taken():
     gpu[0].mul_(2)  # queued after it: never read by it
     gpu[1].zero_()
     host[1].fill_(3.0)
-    expected = _core.fingerprint(host)
+    expected = _core.fingerprint(host, 2)
     assert got.value() == expected
-    assert _core.fingerprint(gpu) != expected
+    assert _core.fingerprint(gpu, 2) != expected
+
+
+@pytest.mark.unit
+def test_a_gpu_version_3_fingerprint_reads_the_viewed_bytes_on_the_device():
+    """Version 3 reads of each storage the span its tensors view, on the
+    device, at any byte offset (a float32 view starting at an odd element
+    is not on an 8-byte word), now and later alike, equal to the host's;
+    where the span starts does not count (the host's 0-d loss views a
+    storage of 4 bytes, the device's one of 32)."""
+    g = torch.Generator().manual_seed(2)
+    base, losses = torch.randn(4099, generator=g), torch.randn(8, generator=g)
+    host = {"mid": base[1:4000], "two": [base[5:9], base[21:30]], "loss": losses[3].clone(),
+            "big": torch.randn(3 << 20, generator=g), "none": base[:0]}
+    gbase = base.cuda()
+    gpu = {"mid": gbase[1:4000], "two": [gbase[5:9], gbase[21:30]],
+           "loss": losses.cuda()[3], "big": host["big"].cuda()[7:], "none": gbase[:0]}
+    host["big"] = host["big"][7:]
+    expected = _core.fingerprint(host, 3)
+    assert _core.fingerprint(gpu, 3) == expected == _core.fingerprint(gpu, 3, True).value()
+    gbase[4000:].fill_(7.0)  # bytes no tensor views
+    assert _core.fingerprint(gpu, 3) == expected
+    gbase[25] = 0.5
+    assert _core.fingerprint(gpu, 3) != expected
 
 
 @pytest.mark.unit

@@ -51,6 +51,18 @@ def test_tensor_bytes_count_unless_a_fingerprint_covers_them():
 
 
 @pytest.mark.unit
+def test_a_tensor_counts_by_its_whole_storage_as_a_checkpoint_restores_it():
+    """Unlike a state fingerprint (version 3), a digest reads the whole
+    storage of a view, as checkpoints hold it: the digests that records of
+    earlier versions of flor stored keep verifying their restores."""
+    base = torch.arange(16.0)
+    view = base[4:8]
+    before = digest([view])
+    base[12] = -1.0  # a byte no tensor views, which a restore puts back too
+    assert digest([view]) != before
+
+
+@pytest.mark.unit
 def test_optimizer_state_and_hyperparameters_count():
     m = torch.nn.Linear(3, 1)
     opt = torch.optim.Adam(m.parameters(), lr=0.1)

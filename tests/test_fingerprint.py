@@ -3,7 +3,9 @@ a 64-bit digest of their bytes (csrc/crc32c.c), which a GPU computes where
 the tensors live (flor/_cuda.py).  Its torch kernels run here on CPU
 storages and must give what the C code gives, so that a state fingerprinted
 on the GPU in record and on the host in replay (or the reverse) compares.
-Records made before version 2 keep being replayed with version 1."""
+Version 3, which records take, reads of each tensor storage only the span
+its tensors view: the rest may never have been written.  Records made
+before it keep being replayed with version 2 or 1."""
 import json
 import os
 import struct
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from flor import _core, _cuda
+from flor.runtime.blockstate import fingerprint_version
 
 from conftest import flor, plain, runs, store, write_script
 
@@ -37,6 +40,33 @@ def blob_bytes(t) -> bytes:
     return bytes(torch.empty(0, dtype=torch.uint8).set_(s).numpy())
 
 
+def span(views) -> tuple[int, int]:
+    """The bytes [lo, hi) of their storage that tensors view, from the
+    first element of any to the last of any; (0, 0) when none has one."""
+    lo = hi = None
+    for t in views:
+        if t.numel() == 0:
+            continue
+        last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        first = t.storage_offset() * t.element_size()
+        end = (last + 1) * t.element_size()
+        lo, hi = (first, end) if lo is None else (min(lo, first), max(hi, end))
+    return (0, 0) if lo is None else (lo, hi)
+
+
+def version_3_spec(storages) -> int:
+    """Version 3, from its definition: storages [[tensor views]], in the
+    order the walk meets them."""
+    crc, total, index = 0, 0, 0
+    for views in storages:
+        lo, hi = span(views)
+        data = blob_bytes(views[0])[lo:hi]
+        crc = _core.crc32c(struct.pack("<Q", len(data)), crc)
+        total = (total + digest_spec(data, index)) & M
+        index += (len(data) + 7) // 8
+    return 1 << 33 | _core.crc32c(struct.pack("<Q", total), crc)
+
+
 STATE = [torch.randn(1001), torch.arange(13, dtype=torch.uint8), torch.randn(5, 3).double().t(),
          torch.arange(7, dtype=torch.int16), torch.zeros(0)]
 
@@ -58,11 +88,53 @@ def test_a_version_2_fingerprint_is_the_crc_of_the_lengths_and_the_digest():
         total = (total + digest_spec(data, index)) & M
         index += (len(data) + 7) // 8
     expected = 1 << 32 | _core.crc32c(struct.pack("<Q", total), crc)
-    assert _core.fingerprint(STATE) == _core.fingerprint(STATE, 2) == expected
+    assert _core.fingerprint(STATE, 2) == expected
     # One changed bit changes it; so does a swap of two equal-sized words.
     changed = [t.clone() for t in STATE]
     changed[3][2], changed[3][5] = STATE[3][5], STATE[3][2]
-    assert _core.fingerprint(changed) != expected
+    assert _core.fingerprint(changed, 2) != expected
+
+
+@pytest.mark.unit
+def test_a_version_3_fingerprint_reads_the_bytes_the_tensors_view():
+    base = torch.randn(40)
+    grid = torch.arange(24.0).reshape(4, 6)
+    state = [base[3:9], STATE[0], base[30:31], grid[1:3, 2:4], torch.randn(8)[5], base[:0],
+             grid.t()[0], torch.zeros(0), torch.arange(5)[2:].expand(3, 3)]
+    # The walk meets storages in this order; one storage's views widen one span.
+    storages = [[base[3:9], base[30:31], base[:0]], [STATE[0]], [grid[1:3, 2:4], grid.t()[0]],
+                [state[4]], [torch.zeros(0)], [state[8]]]
+    assert span(storages[0]) == (12, 124) and span(storages[2]) == (0, 76)
+    assert span(storages[5]) == (16, 40)
+    expected = version_3_spec(storages)
+    assert _core.fingerprint(state) == _core.fingerprint(state, 3) == expected
+    assert _core.fingerprint(state, 3, True).value() == expected
+    assert _core.fingerprint(STATE) == version_3_spec([[t] for t in STATE])
+
+
+@pytest.mark.unit
+def test_bytes_no_tensor_views_leave_a_version_3_fingerprint_as_it_was():
+    """A mean-squared-error loss is a 0-d view of a 32-byte buffer whose
+    other bytes were never written: they differ from run to run (here,
+    from call to call), and a fingerprint of the loss must not read them."""
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    loss = torch.nn.functional.mse_loss(torch.nn.Linear(3, 1)(x), y).detach()
+    storage = torch.empty(0, dtype=torch.uint8).set_(loss.untyped_storage())
+    assert loss.dim() == 0 and storage.numel() > loss.element_size()
+    before3, before2 = _core.fingerprint([loss], 3), _core.fingerprint([loss], 2)
+    storage[loss.element_size():] = 0xA5
+    assert _core.fingerprint([loss], 3) == before3 == _core.fingerprint([loss.clone()], 3)
+    assert _core.fingerprint([loss], 2) != before2
+    loss += 1  # a viewed byte
+    assert _core.fingerprint([loss], 3) != before3
+    # A view of the middle of a storage, likewise.
+    base = torch.randn(64)
+    view = base[10:20]
+    before3 = _core.fingerprint({"w": view})
+    base[:10], base[20:] = 0.0, 1.0
+    assert _core.fingerprint({"w": view}) == before3
+    base[19] += 1
+    assert _core.fingerprint({"w": view}) != before3
 
 
 @pytest.mark.unit
@@ -72,8 +144,9 @@ def test_version_1_is_the_crc_of_the_lengths_and_the_bytes():
         data = blob_bytes(t)
         crc = _core.crc32c(data, _core.crc32c(struct.pack("<Q", len(data)), crc))
     assert _core.fingerprint(STATE, 1) == crc < 1 << 32
-    with pytest.raises(ValueError, match="version must be 1 or 2"):
-        _core.fingerprint(STATE, 3)
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="version must be 1, 2 or 3"):
+            _core.fingerprint(STATE, bad)
 
 
 @pytest.mark.unit
@@ -95,19 +168,30 @@ def test_the_device_digest_equals_the_host_digest(monkeypatch):
         expected = (expected + _core.digest64(data, index)) & M
         index += (len(data) + 7) // 8
     assert _cuda.digest(blobs) == expected
+    # Spans (version 3): (storage, first word, first byte, length), at any
+    # byte offset, small ones read together and large ones in passes.
+    blobs, expected, index = [], 0, 0
+    for k, t in enumerate(tensors):
+        data = blob_bytes(t)
+        lo, n = k % 5, len(data) - k % 5 - 3 * (k % 2)
+        blobs.append((t.untyped_storage(), index, lo, n))
+        expected = (expected + _core.digest64(data[lo:lo + n], index)) & M
+        index += (n + 7) // 8
+    assert _cuda.digest(blobs) == expected
 
 
 @pytest.mark.unit
 def test_a_fingerprint_read_later_equals_the_one_read_now():
-    """fingerprint(objs, 2, True) hands the CRC of the lengths and the host
+    """fingerprint(objs, 2 or 3, True) hands the CRC of the lengths and the host
     blobs' sum to flor._cuda.later, whose value() finishes the same
     fingerprint; version 1 has no such form."""
     mixed = [STATE, np.arange(11.0), {"n": 3, "t": torch.ones(2, 2)}]
     for objs in (STATE, mixed, [], [1, "no tensors"]):
-        got = _core.fingerprint(objs, 2, True)
-        assert isinstance(got, _cuda.Later)
-        assert got.value() == got.value() == _core.fingerprint(objs, 2)
-    with pytest.raises(ValueError, match="version 2 only"):
+        for version in (2, 3):
+            got = _core.fingerprint(objs, version, True)
+            assert isinstance(got, _cuda.Later)
+            assert got.value() == got.value() == _core.fingerprint(objs, version)
+    with pytest.raises(ValueError, match="versions 2 and 3 only"):
         _core.fingerprint(STATE, 1, True)
 
 
@@ -212,3 +296,47 @@ def test_a_record_with_version_1_fingerprints_replays_with_them(tmp_path):
     # The second segment started from its iteration checkpoint, verified by
     # its version 1 fingerprint.
     assert parts[1]["info"].resumed_from is not None, parts
+
+
+# The loss of the last batch, a 0-d view of a buffer most of which no
+# kernel wrote, is in the state of the batch loop: version 2 read that
+# buffer and a replay stepping into the loop reported false failures.
+MSE = """
+    import torch
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    X = torch.randn(128, 8)
+    Y = X @ torch.randn(8, 1) + 0.1 * torch.randn(128, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch in range(3):
+        for i in range(0, 128, 32):
+            loss = F.mse_loss(model(X[i:i + 32]), Y[i:i + 32])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        print("epoch", epoch, round(loss.item(), 4))
+"""
+
+
+def test_a_replay_into_a_loop_whose_loss_views_a_larger_buffer_passes_its_checks(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "train.py", MSE)
+    assert torch.nn.functional.mse_loss(torch.ones(2), torch.zeros(2)).untyped_storage().nbytes() > 4
+    flor(d, "record", "--no-adaptive", "train.py")
+    st = store(d)
+    rec = runs(st, "record")[0]
+    assert rec["info"].fingerprint == 3
+    fps = [json.loads(r["value"]) for r in st.logs(rec["run_id"]) if r["name"] == "state@block"]
+    assert fps and all(fingerprint_version(v[-1] if isinstance(v, list) else v) == 3 for v in fps)
+    with open(os.path.join(d, "train.py")) as f:
+        src = f.read()
+    with open(os.path.join(d, "train.py"), "w") as f:
+        f.write(src.replace("        opt.step()\n",
+                            "        opt.step()\n        print(\"batch\", loss.item())\n"))
+    rep = flor(d, "replay", "train.py")
+    assert rep.stdout == plain(d, "train.py").stdout and "batch" in rep.stdout
+    assert "stepping into changed blocks" in rep.stderr, rep.stderr
+    assert "deferred checks passed" in rep.stderr and "state fingerprints" in rep.stderr, \
+        rep.stderr

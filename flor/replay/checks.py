@@ -49,7 +49,7 @@ class CheckReport:
     random: list = field(default_factory=list)  # (loc, recorded, replayed) random states
     ambiguous: int = 0
     states_skipped: int = 0  # not compared under a tolerance
-    states_older: int = 0  # not compared: the record took them with a version 1 fingerprint
+    states_older: int = 0  # not compared: the record took them with another fingerprint version
     boundaries: list = field(default_factory=list)  # what a segment's start did not verify
     causes: dict = field(default_factory=dict)  # loc -> likely cause
     run_causes: list = field(default_factory=list)  # likely causes for the whole run

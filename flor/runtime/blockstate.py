@@ -46,21 +46,26 @@ def unheld(sig) -> list[str]:
     return [label for label in sig if isinstance(label, str) and label.endswith(UNHELD)]
 
 #: The version of the state fingerprints a record takes (_core.fingerprint):
-#: 2 reads CUDA tensors on their device, and equals the host's for the same
-#: bytes.  Records made before it hold version 1 (run info without "fingerprint").
-FINGERPRINT = 2
+#: 3 reads of each tensor storage only the bytes its tensors view (the rest
+#: may never have been written: a loss from a reduction keeps a 0-d view of
+#: a larger buffer).  Records made before it hold version 2 (whole storages,
+#: bit 32 set) or version 1 (run info without "fingerprint").  Versions 2 and
+#: 3 read CUDA tensors on their device and equal the host's for the same bytes.
+FINGERPRINT = 3
 
 
 def fingerprint(objs, version=FINGERPRINT, later=False):
     """The state fingerprint of the tensors and arrays of `objs`: an int, or
-    with `later` (version 2 only) an object whose value() is the int, which
-    does not wait for the GPU kernels queued before it (flor._cuda.Later)."""
+    with `later` (versions 2 and 3) an object whose value() is the int,
+    which does not wait for the GPU kernels queued before it
+    (flor._cuda.Later)."""
     return _core.fingerprint(objs, version, later) if later else _core.fingerprint(objs, version)
 
 
 def fingerprint_version(value) -> int:
-    """The version of a recorded fingerprint: version 2 sets bit 32."""
-    return 2 if value >> 32 else 1
+    """The version of a recorded fingerprint: version 3 sets bit 33,
+    version 2 bit 32."""
+    return 3 if value >> 33 else 2 if value >> 32 else 1
 
 
 def rng_state() -> dict:

@@ -46,6 +46,10 @@ __all__ = ["digest", "covered", "Opaque", "VERSION"]
 
 #: The version of these digests that an iteration checkpoint records.
 VERSION = 1
+#: The state fingerprint version a digest reads tensors with: whole
+#: storages, as a checkpoint holds and restores them (and as the records of
+#: every earlier version of flor digested them).
+TENSORS = 2
 
 _JSON = (str, int, float, bool, type(None))  # values json writes exactly
 _ENCODE = json.JSONEncoder(sort_keys=True).encode
@@ -96,7 +100,7 @@ def digest(obj, skip=frozenset()) -> int:
     try:
         d.add(obj)
         if d.tensors:
-            d.h.update(struct.pack("<Q", _core.fingerprint(d.tensors)))
+            d.h.update(struct.pack("<Q", _core.fingerprint(d.tensors, TENSORS)))
     except Opaque:
         raise
     except RecursionError:
@@ -208,7 +212,7 @@ class _Digest:
             sub = _Digest(self.skip)
             sub.add(x)
             if sub.tensors:
-                sub.h.update(struct.pack("<Q", _core.fingerprint(sub.tensors)))
+                sub.h.update(struct.pack("<Q", _core.fingerprint(sub.tensors, TENSORS)))
             parts.append(sub.h.digest())
         for p in sorted(parts):
             self.h.update(p)

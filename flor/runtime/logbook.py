@@ -237,7 +237,7 @@ class Logbook:
         ctx = block_context(b.ctx, b.key, b.occurrence)
         version = self.s.policy.fingerprint_version
         value = _BlockState(_core.crc32c(json.dumps(sig).encode()),
-                            fingerprint(list(objs), version, later=version == 2))
+                            fingerprint(list(objs), version, later=version >= 2))
         self._unsettled += 1
         self.logs.append(LOGS.Row(run_id=s.run_id, part=s.part, ord=self.next_ord(),
                                   phase=phase, top=top, ctx=ctx, name=STATE_BLOCK,
