@@ -30,7 +30,7 @@ from ..checkpoint import read, restore_placed
 from ..errors import CheckpointCorrupt
 from .placement import Devices
 
-__all__ = ["payload", "belongs", "apply", "signature", "rng_state", "set_rng_state",
+__all__ = ["labels", "payload", "belongs", "apply", "signature", "rng_state", "set_rng_state",
            "fingerprint", "fingerprint_version", "FINGERPRINT", "UNHELD", "unheld"]
 
 #: How a signature (the labels of what a block or a main loop changes) ends
@@ -177,6 +177,14 @@ def signature(objs) -> list:
     """What end() received: the type of each object (or, hands-free, what
     each captured name and path is)."""
     return [f"{type(o).__module__}.{type(o).__qualname__}" for o in objs]
+
+
+def labels(sig, objs) -> list[str]:
+    """How messages name `objs`: by the names of a hands-free signature,
+    else by position and type."""
+    if list(sig) == signature(objs):
+        return [f"object {i} given to end()" for i in range(len(objs))]
+    return [str(label) for label in sig]
 
 
 def parameters(objs) -> list:

@@ -50,7 +50,13 @@ import os
 import sys
 import time
 
-__all__ = ["Charges", "StateReads", "reason"]
+from .. import _core
+
+__all__ = ["Charges", "StateReads", "reason", "UNCAPTURED"]
+
+#: How the reason of a decision not to checkpoint a state that cannot be
+#: read or copied says so (recording.py notes it once, when it happens).
+UNCAPTURED = "cannot be checkpointed"
 
 SPARE_CORE_SHARE = 0.25  # of the write time, charged before any measure
 # What training pays per byte of a CUDA tensor before a checkpoint is
@@ -235,6 +241,7 @@ class StateReads:
         self.nbytes: dict[str, int] = {}
         self.on_device: dict[str, float] = {}
         self.unheld: dict[str, list] = {}
+        self.uncaptured: dict[str, str] = {}  # why a state cannot be checkpointed
         self._at: dict[str, float] = {}  # when last measured (time.monotonic())
 
     def size(self, key, objs, measure, keep=True) -> tuple[int, bool]:
@@ -255,9 +262,44 @@ class StateReads:
         """A checkpoint of `key`'s state wrote `nbytes`."""
         self.nbytes[key], self._at[key] = nbytes, time.monotonic()
 
+    def cannot_capture(self, key, named, error) -> str:
+        """Reading or copying `key`'s state raised `error` (pickle cannot
+        reduce an object of it, say): it is never checkpointed again, and
+        replay runs it again.  Returns why, naming the object of `named()`
+        ([(label, object)]) that cannot be read alone, else the error as
+        raised (with the walk's path)."""
+        culprit = None
+        try:
+            for label, obj in named():
+                try:
+                    _core.measure(obj, True)
+                except Exception as e:  # noqa: BLE001 -- any failure names it
+                    kind = "" if "(a " in label else f" (a {_type_name(obj)})"
+                    culprit = f"{label}{kind} {UNCAPTURED}: {_said(e)}"
+                    break
+        except Exception as e:  # noqa: BLE001 -- the state cannot even be listed
+            culprit = f"its state {UNCAPTURED}: listing it raised {_said(e)}"
+        if culprit is None:
+            culprit = f"its state {UNCAPTURED}: {_said(error, notes=True)}"
+        self.uncaptured[key] = culprit
+        return culprit
+
     def unheld_of(self, key, unheld, read: bool) -> list:
         """What no checkpoint of `key`'s state holds: `unheld()` where `read`
         (or never asked before), else as last read."""
         if read or key not in self.unheld:
             self.unheld[key] = unheld()
         return self.unheld[key]
+
+
+def _type_name(obj) -> str:
+    t = type(obj)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _said(e: BaseException, notes=False) -> str:
+    """An exception as one line: its type and message (and notes)."""
+    text = f"{type(e).__name__}: {e}"
+    if notes and getattr(e, "__notes__", None):
+        text += " (" + "; ".join(e.__notes__) + ")"
+    return text

@@ -18,6 +18,7 @@ from ..program.instrument import instrument, uses_flor
 from ..replay.plan import Plan
 from ..store import Store
 from . import blockstate
+from .charge import UNCAPTURED
 from . import resume as resuming
 from .script import run_main
 from .session import Session
@@ -104,10 +105,13 @@ def summary(store, run_id) -> list[str]:
 
 def never_checkpointed(decisions):
     """A note for each outermost block that ran but was never checkpointed:
-    what the adaptive rule weighed at its last execution, and the way out."""
+    what the adaptive rule weighed at its last execution, and the way out.
+    (A state that cannot be checkpointed was noted when the record met it.)"""
     last, taken, unheld_loops = {}, set(), {}
     for d in decisions:
-        if is_outermost(d["ctx"]) and not is_iteration(d["block"]):
+        if UNCAPTURED in (d["reason"] or ""):
+            taken.add(d["block"])
+        elif is_outermost(d["ctx"]) and not is_iteration(d["block"]):
             last[d["block"]] = d
             if d["checkpoint"]:
                 taken.add(d["block"])

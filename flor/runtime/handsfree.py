@@ -148,12 +148,27 @@ def _value(path, g, ns):
         return eval(code, g, ns)
     except (NameError, AttributeError, KeyError, IndexError, TypeError):
         return UNBOUND
+    except Exception as e:  # noqa: BLE001 -- a property that raises: the script runs on
+        return Unreadable(e)
+
+
+class Unreadable:
+    """What a path reads as where reading it raised (a property that
+    raises): no checkpoint holds it, so replay runs its block again."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+    def __str__(self):
+        return f"a value that cannot be read ({type(self.error).__name__}: {self.error})"
 
 
 def _set(path, value, g, ns):
     node = ast.parse(path, mode="eval").body
     container = _value(ast.unparse(node.value), g, ns)
-    if container is UNBOUND:
+    if container is UNBOUND or isinstance(container, Unreadable):
         return
     if isinstance(node, ast.Attribute):
         setattr(container, node.attr, value)
@@ -165,7 +180,7 @@ def _state(value) -> bool:
     """Whether to capture `value` (UNBOUND is captured, as a marker)."""
     if value is UNBOUND:
         return True
-    if isinstance(value, _NOT_STATE):
+    if isinstance(value, (_NOT_STATE, Unreadable)):
         return False
     mod = type(value).__module__ or ""
     return not any(mod == m or mod.startswith(m + ".") for m in _NOT_STATE_MODULES)
@@ -282,6 +297,7 @@ def _capture(s, names, paths, globals_, rebound, frame, dead=(), iterated=()):
     extra = _completion([items[i][1] for i in captured if items[i][1] is not UNBOUND], ns, g)
     lost = [f"{label}: a {type(v).__name__}, {UNHELD}" for label, v, _ in items
             if _lost(v) and label not in dead]  # dead: nothing reads it after the block
+    lost += [f"{label}: {v}, {UNHELD}" for label, v, _ in items if isinstance(v, Unreadable)]
     for p in iterated:
         if any(p == label for label, _, _ in items):
             continue

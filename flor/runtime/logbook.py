@@ -155,6 +155,7 @@ class Logbook:
         self._values = None  # the Materializer of large values, once one is logged
         self._locs: dict = {}  # (id(code), instruction offset) -> (code, location)
         self.fingerprint_s = 0.0  # what the last state fingerprint took
+        self._unfingerprinted: set = set()  # what a fingerprint could not read (noted once)
 
     def next_ord(self) -> int:
         """Rows of logs and output share one order."""
@@ -213,8 +214,10 @@ class Logbook:
             return None
         t0 = time.perf_counter()
         owners = state_owners([], frame.scope)
-        fp = fingerprint(owners, self.s.policy.fingerprint_version)
+        fp = self._fingerprint(f"the main loop {frame[1]}", owners, later=False)
         self.fingerprint_s = time.perf_counter() - t0
+        if fp is None:
+            return None
         if budget is not None:
             budget.took(loop, self.fingerprint_s)
         if owners:
@@ -235,13 +238,29 @@ class Logbook:
         s = self.s
         phase, _, top, _, indices = s.where
         ctx = block_context(b.ctx, b.key, b.occurrence)
-        version = self.s.policy.fingerprint_version
-        value = _BlockState(_core.crc32c(json.dumps(sig).encode()),
-                            fingerprint(list(objs), version, later=version >= 2))
+        fp = self._fingerprint(f"block {b.key}", list(objs), later=True)
+        if fp is None:
+            return
+        value = _BlockState(_core.crc32c(json.dumps(sig).encode()), fp)
         self._unsettled += 1
         self.logs.append(LOGS.Row(run_id=s.run_id, part=s.part, ord=self.next_ord(),
                                   phase=phase, top=top, ctx=ctx, name=STATE_BLOCK,
                                   iter=iter_column(indices), seq=0, value=value, loc=b.key))
+
+    def _fingerprint(self, what, objs, later):
+        """The state fingerprint of `objs` (with `later`, read later where
+        the version allows), or None where reading them raises (a
+        state_dict() that fails, say): the script runs on, and `what` is
+        noted once as not fingerprinted."""
+        version = self.s.policy.fingerprint_version
+        try:
+            return fingerprint(objs, version, later=later and version >= 2)
+        except Exception as e:  # noqa: BLE001 -- a check must not end the script
+            if what not in self._unfingerprinted:
+                self._unfingerprinted.add(what)
+                note(f"the state of {what} cannot be fingerprinted, so no check compares it: "
+                     f"{type(e).__name__}: {e}")
+            return None
 
     def _is_user_code(self, code) -> bool | None:
         """Whether a code object belongs to a file of the user's program;

@@ -17,7 +17,7 @@ import os
 import time
 
 from .. import _core
-from ..context import checkpoint_name, iter_column, iteration_key
+from ..context import checkpoint_name, is_iteration, iter_column, iteration_key
 from ..errors import CheckpointWriteError, FlorError, Interrupted, note
 from ..program.gradients import manual_gradients
 from ..schema import DECISIONS
@@ -191,7 +191,8 @@ class Recording(Policy):
         name = self._checkpoint(
             session, iteration_key(loop), handle, session.where.ctx, 0, seconds,
             lambda: carried()[0], make, session.logbook.fingerprint_s if fp is not None else 0.0,
-            unheld=lambda: blockstate.unheld(carried()[1]))
+            unheld=lambda: blockstate.unheld(carried()[1]),
+            named=lambda: zip(frame.carrier.labels(carried()[1]), carried()[0]))
         self.checkpointed = name is not None
         if name is not None:
             self.thinning.written(loop, run, i, name, len(self.writes.submitted) - 1)
@@ -232,13 +233,14 @@ class Recording(Policy):
         if self._checkpoint(session, b.key, b.handle, b.ctx, b.occurrence, seconds,
                             lambda: [list(objs), grads], lambda: blockstate.payload(
                                 b.key, b.ctx, b.occurrence, sig, objs, grads),
-                            unheld=lambda: blockstate.unheld(sig)):
+                            unheld=lambda: blockstate.unheld(sig),
+                            named=lambda: zip(blockstate.labels(sig, objs), objs)):
             t0 = time.perf_counter()
             session.logbook.state(b, sig, objs)
             self.charges.paid(b.key, time.perf_counter() - t0)
 
     def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make,
-                    made_s=0.0, unheld=list):
+                    made_s=0.0, unheld=list, named=list):
         """The adaptive rule for this execution of `key` (of `seconds`,
         changing `objs()`); if it says yes, submit the checkpoint `make()`
         (`made_s`: what training already paid towards it).  Stores the
@@ -247,7 +249,9 @@ class Recording(Policy):
         The state is read (`objs()`, `unheld()`) only to measure its size (at
         most once every FLUSH_S) and where the rule says yes: a step loop's
         iterations that are not checkpointed do not pay for reading what the
-        loop carries."""
+        loop carries.  A state that cannot be read or copied (`named()` says
+        which object) is never checkpointed: the script runs on as it would
+        without flor, and replay runs it again."""
         self.charges.ended(key, seconds, self.writes.writing())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
@@ -255,8 +259,13 @@ class Recording(Policy):
         # pays (all the bytes, a copy of them), never its own small writes:
         # whichever rank decides, the rule holds for the rank that writes.
         stand_in = self.group is not None and not self.group.owner
-        nbytes, fresh = self.states.size(key, objs, lambda o: _core.measure(o, True),
-                                         keep=not stand_in)
+        nbytes, fresh = self.states.nbytes.get(key, 0), False
+        if key not in self.states.uncaptured:
+            try:
+                nbytes, fresh = self.states.size(key, objs, lambda o: _core.measure(o, True),
+                                                 keep=not stand_in)
+            except Exception as e:  # noqa: BLE001 -- reading it for flor must not end the script
+                self._uncaptured(key, named, e)
         speeds = self.writes.speeds()
         bw, copy_bw, write_s = speeds.write_bps, speeds.copy_bps, speeds.write_seconds(nbytes)
         M = self.charges.cost(key, nbytes, copy_bw, write_s, self.states.on_device.get(key, 0.0))
@@ -266,6 +275,10 @@ class Recording(Policy):
         held_by_none = self.states.unheld_of(key, unheld, ok or fresh)
         if held_by_none:  # replay runs it again (a worker: the iterations before its segment)
             ok, reason = False, f"no checkpoint: none holds {'; '.join(held_by_none)}"
+        if key in self.states.uncaptured:
+            ok, reason = False, f"no checkpoint: {self.states.uncaptured[key]}"
+        if decided[0] and not ok:  # the rule's accounting (k, bytes) follows
+            self.machine.overruled(handle, False, write_s, nbytes)
         if self.group is not None:  # every rank follows the first to get here
             ok, reason = self.group.follow(self.machine, handle, key, ctx, occurrence,
                                            (ok, reason), write_s, nbytes)
@@ -275,12 +288,12 @@ class Recording(Policy):
             fname = checkpoint_name(key, ctx, occurrence, indices)
             self.writes.materializer()  # made before the clock starts: once per run
             t0 = time.perf_counter()
-            payload = make()
-            if self.group is not None:  # replicated state: written by rank 0 alone
-                payload = ranks.split(payload, self.group.rank)
-            t1 = time.perf_counter()
-            made_s += t1 - t0  # an iteration checkpoint's fingerprint, when taken here
             try:
+                payload = make()
+                if self.group is not None:  # replicated state: written by rank 0 alone
+                    payload = ranks.split(payload, self.group.rank)
+                t1 = time.perf_counter()
+                made_s += t1 - t0  # an iteration checkpoint's fingerprint, when taken here
                 self.states.written(key, self.writes.submit(key, fname, payload,
                                                             blockstate.payload_tag(payload)))
                 self.charges.charged(key, made_s + (nbytes / copy_bw if stand_in and "replicated"
@@ -288,6 +301,9 @@ class Recording(Policy):
             except CheckpointWriteError as e:
                 note(f"checkpoint of block {key!r} failed: {e}")
                 fname = None
+            except Exception as e:  # noqa: BLE001 -- copying it for flor must not end the script
+                ok, reason, fname = False, f"no checkpoint: {self._uncaptured(key, named, e)}", None
+                self.machine.overruled(handle, False, write_s, nbytes)
         st = self.machine.stats()[handle]
         session.logbook.decisions.append(DECISIONS.Row(
             run_id=self.run_id, block=key, ctx=ctx, occurrence=occurrence,
@@ -297,6 +313,16 @@ class Recording(Policy):
             materialize_s=M, ratio=ratio if math.isfinite(ratio) else None, limit_value=limit,
             checkpoint=int(ok), reason=reason, file=fname + ".flor" if fname else None))
         return fname
+
+    def _uncaptured(self, key, named, error) -> str:
+        """`key`'s state cannot be checkpointed: say so once, and why."""
+        if key in self.states.uncaptured:  # another rank's decision made it try again
+            return self.states.uncaptured[key]
+        why = self.states.cannot_capture(key, named, error)
+        what = (f"the main loop {key[:-len(' (iteration)')]} is" if is_iteration(key)
+                else f"block {key} is")
+        note(f"{what} not checkpointed, and replay runs it again: {why}")
+        return why
 
     # -- the end ------------------------------------------------------------
 
