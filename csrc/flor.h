@@ -103,7 +103,7 @@ typedef struct {
     int hashed;
     uint32_t source; /* files: 0 here, k: in the k-th earlier file of the table */
     int copy;        /* loading: another blob maps the same bytes, so copy them */
-    /* Walks: the bytes the tensors met view, [lo, hi) (empty when lo >= hi),
+    /* Fingerprint walks: the bytes the tensors met view, [lo, hi) (empty when lo >= hi),
      * for a blob reached only through tensors (spanned); the rest of a
      * storage may never have been written (a reduction's 0-d result). */
     uint64_t lo, hi;

@@ -162,6 +162,7 @@ typedef struct {
     int any_cuda;
     int not_tree; /* an object may appear twice in the skeleton */
     int foreign;  /* holds a result of a class's own __deepcopy__ */
+    int spans;    /* find the bytes each storage's tensors view (fingerprints) */
 } walker;
 
 static PyObject *walk(walker *w, PyObject *o, int shared);
@@ -526,7 +527,7 @@ walk_tensor(walker *w, PyObject *t)
     e->blob = (uint32_t)bidx;
     e->storage_offset = PyLong_AsLongLong(offset);
     if (PyErr_Occurred() || fill_dims(e, shape, stride) < 0 ||
-        set_name(e->dtype, name, "dtype") < 0 || span_tensor(w, t, e) < 0) {
+        set_name(e->dtype, name, "dtype") < 0 || (w->spans && span_tensor(w, t, e) < 0)) {
         goto cleanup;
     }
     if (is_cpu) {
@@ -1658,9 +1659,10 @@ add_path_note(walker *w)
 
 /* The walk alone: a snapshot whose blobs still point at their sources
  * (copy_phase or a fingerprint then reads them and releases them).
- * On success *w keeps only what copy_phase needs. */
+ * On success *w keeps only what copy_phase needs.  With spans, each
+ * blob also gets the bytes its tensors view (version 3 fingerprints). */
 static FlorSnapshot *
-walk_object(flor_state *st, PyObject *obj, walker *w)
+walk_object(flor_state *st, PyObject *obj, walker *w, int spans)
 {
     FlorSnapshot *s = NULL;
     PyObject *skeleton = NULL;
@@ -1668,6 +1670,7 @@ walk_object(flor_state *st, PyObject *obj, walker *w)
 
     memset(w, 0, sizeof(*w));
     w->st = st;
+    w->spans = spans;
     if (flor_torch_init(st) < 0 || flor_numpy_init(st) < 0) {
         return NULL;
     }
@@ -1726,7 +1729,7 @@ PyObject *
 flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx, int hash)
 {
     walker w;
-    FlorSnapshot *s = walk_object(st, obj, &w);
+    FlorSnapshot *s = walk_object(st, obj, &w, 0);
     if (s != NULL && copy_phase(&w, s, reserve, ctx, hash) < 0) {
         Py_CLEAR(s);
     }
@@ -2148,7 +2151,7 @@ mod_fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "fingerprint: later is for versions 2 and 3 only");
         return NULL;
     }
-    s = walk_object(st, args[0], &w);
+    s = walk_object(st, args[0], &w, version >= 3);
     if (s == NULL) {
         return NULL;
     }

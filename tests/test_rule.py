@@ -493,7 +493,12 @@ def test_a_state_is_read_to_measure_it_at_most_once_per_interval():
     assert seldom.size("c", lambda: "yy", measure, keep=False) == (2, True)
     assert seldom.size("c", lambda: "y", measure, keep=False) == (1, True)
     asked = []
-    assert seldom.unheld_of("b", lambda: asked.append(1) or ["lock"], read=False) == ["lock"]
-    assert seldom.unheld_of("b", lambda: asked.append(1) or [], read=False) == ["lock"]
-    assert seldom.unheld_of("b", lambda: asked.append(1) or [], read=True) == []
+    assert seldom.unheld_of("b", lambda: asked.append(1) or ["lock"], False, False) == ["lock"]
+    assert seldom.unheld_of("b", lambda: asked.append(1) or [], False, False) == ["lock"]
+    # A checkpoint the rule wants of a state known to be held by none: not read again.
+    assert seldom.unheld_of("b", lambda: asked.append(1) or [], False, True) == ["lock"]
+    assert seldom.unheld_of("b", lambda: asked.append(1) or [], True, False) == []
     assert len(asked) == 2
+    # Known to be all held: read again before the checkpoint the rule wants.
+    assert seldom.unheld_of("b", lambda: asked.append(1) or ["it"], False, True) == ["it"]
+    assert len(asked) == 3

@@ -284,12 +284,16 @@ class StateReads:
         self.uncaptured[key] = culprit
         return culprit
 
-    def unheld_of(self, key, unheld, read: bool) -> list:
-        """What no checkpoint of `key`'s state holds: `unheld()` where `read`
-        (or never asked before), else as last read."""
-        if read or key not in self.unheld:
-            self.unheld[key] = unheld()
-        return self.unheld[key]
+    def unheld_of(self, key, unheld, fresh: bool, wanted: bool) -> list:
+        """What no checkpoint of `key`'s state holds: `unheld()` where its
+        size was `fresh`ly measured, or never asked before, or where a
+        checkpoint is `wanted` and the last read found all of it held; else
+        as last read (a step loop carrying an iterator is not read again at
+        every step the rule would checkpoint)."""
+        last = self.unheld.get(key)
+        if fresh or last is None or (wanted and not last):
+            self.unheld[key] = last = unheld()
+        return last
 
 
 def _type_name(obj) -> str:

@@ -272,7 +272,7 @@ class Recording(Policy):
         decided = self.machine.decide(handle, nbytes, M, write_s)
         ok, ratio, limit, M, _ = decided
         reason = charge.reason(self.machine, nbytes, write_s, decided)
-        held_by_none = self.states.unheld_of(key, unheld, ok or fresh)
+        held_by_none = self.states.unheld_of(key, unheld, fresh, ok)
         if held_by_none:  # replay runs it again (a worker: the iterations before its segment)
             ok, reason = False, f"no checkpoint: none holds {'; '.join(held_by_none)}"
         if key in self.states.uncaptured:
