@@ -141,9 +141,10 @@ class LoopFrame(list):
 class BlockFrame(list):
     """["B", block, occurrence], with what the session knows of the open
     block: the context it runs in, its handle in the C state machine, its
-    state, the checkpoint loaded for it (replay) and the seconds that took."""
+    state, the checkpoint loaded for it (replay) and the seconds that took;
+    in record, what it wrote to files (runtime/filewrites.py), once it did."""
 
-    __slots__ = ("ctx", "handle", "state", "payload", "load_s")
+    __slots__ = ("ctx", "handle", "state", "payload", "load_s", "writes")
 
     @property
     def key(self):
@@ -240,6 +241,7 @@ class Context:
         frame = BlockFrame([BLOCK, key, occurrence])
         frame.ctx = ctx
         frame.handle, frame.state, frame.payload, frame.load_s = handle, state, payload, load_s
+        frame.writes = None
         self.frames.append(frame)
         self.on_change()
         return frame

@@ -206,10 +206,10 @@ def _check_schema(conn, db_file, create=True, migrate=True):
                 conn.execute(statement)
         if version != SCHEMA_VERSION:
             conn.execute("UPDATE flor_schema SET version = ?", (SCHEMA_VERSION,))
-        # Indexes added since a store was made: no schema change for a reader.
+        # Tables and indexes added since a store was made: no schema change
+        # for a reader (one that does not know a table leaves it alone).
         for statement in ddl():
-            if statement.startswith("CREATE INDEX"):
-                conn.execute(statement)
+            conn.execute(statement)
 
 
 def _scratch(conn):

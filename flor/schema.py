@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import namedtuple
 
 __all__ = ["Table", "TABLES", "RUNS", "PARTS", "LOGS", "OUTPUT", "DECISIONS", "BLOCKRUNS",
-           "BLOCKS", "LOOPS", "PART_TABLES"]
+           "BLOCKS", "LOOPS", "WRITES", "PART_TABLES"]
 
 
 class Table:
@@ -77,6 +77,18 @@ LOOPS = Table("loops", [
     ("run_id", "TEXT"), ("part", "INTEGER"), ("loop", "TEXT"), ("run", "INTEGER"),
     ("depth", "INTEGER"), ("iterations", "INTEGER"), ("seconds", "REAL")])
 
-TABLES = (RUNS, PARTS, LOGS, OUTPUT, DECISIONS, BLOCKRUNS, BLOCKS, LOOPS)
+# What a record's checkpointed blocks did to the script's files
+# (runtime/filewrites.py): a replay that restores a block execution does it
+# again.  `mode` is "write" (`data`: the text or bytes written), "flush",
+# "close", or the mode the block opened the file with (`args`: open()'s
+# encoding, errors and newline, JSON); `handle` numbers the file objects of
+# the record; `file` is relative to the record's working directory where
+# it is inside it.
+WRITES = Table("writes", [
+    ("run_id", "TEXT"), ("ord", "INTEGER"), ("top", "TEXT"), ("iter", "INTEGER"),
+    ("ctx", "TEXT"), ("file", "TEXT"), ("handle", "INTEGER"), ("mode", "TEXT"),
+    ("args", "TEXT"), ("data", "BLOB")], indexes=(("writes_by_run", ("run_id", "top", "iter")),))
+
+TABLES = (RUNS, PARTS, LOGS, OUTPUT, DECISIONS, BLOCKRUNS, BLOCKS, LOOPS, WRITES)
 # Tables a replay part writes; merge copies them from per-part databases.
 PART_TABLES = (PARTS, LOGS, OUTPUT, BLOCKRUNS, BLOCKS, LOOPS)

@@ -21,7 +21,8 @@ from .database import SCHEMA_VERSION, Database, ddl
 from .errors import StoreError, unusable
 from .layout import Layout, new_run_id, process_alive, process_start, store_root
 from .runinfo import PartInfo, encoded, run_row
-from .schema import BLOCKRUNS, BLOCKS, DECISIONS, LOGS, LOOPS, OUTPUT, PART_TABLES, PARTS, RUNS
+from .schema import (BLOCKRUNS, BLOCKS, DECISIONS, LOGS, LOOPS, OUTPUT, PART_TABLES, PARTS, RUNS,
+                     WRITES)
 
 __all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION", "ddl", "unusable",
            "printed_lines", "process_start", "process_alive"]
@@ -134,7 +135,7 @@ class Store(Database):
         """Delete what a record stored after a resume point: logs and output
         after order `ord_`, decisions after rowid `decisions`."""
         with self.transaction():
-            for table in ("logs", "output"):
+            for table in ("logs", "output", "writes"):
                 self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND ord > ?",
                                 (run_id, ord_))
             self.db.execute("DELETE FROM decisions WHERE run_id = ? AND rowid > ?",
@@ -155,7 +156,7 @@ class Store(Database):
         are deleted by the caller, after)."""
         keys = [(r,) for r in run_ids]
         with self.transaction():
-            for table in (RUNS, *PART_TABLES, DECISIONS):
+            for table in (RUNS, *PART_TABLES, DECISIONS, WRITES):
                 self.db.executemany(f"DELETE FROM {table.name} WHERE run_id = ?", keys)
 
     def restore_ratios(self, script_name) -> list[float]:
@@ -262,6 +263,20 @@ class Store(Database):
         its context."""
         rows = self.run_rows("logs", run_id) + printed_lines(self.run_rows("output", run_id))
         return sorted(rows, key=lambda r: (r["part"], r["ord"]))
+
+    def add_writes(self, rows):
+        self._insert(WRITES, rows)
+
+    def writes_by_block(self, run_id, top, it) -> list[dict]:
+        """What a record's blocks wrote to files in one main-loop iteration,
+        with the context of each write, in order (none in a store read
+        without the table: one made before it, opened read-only)."""
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                           "name = 'writes'").fetchone() is None:
+            return []
+        return [dict(r) for r in self.db.execute(
+            "SELECT ctx, file, handle, mode, args, data FROM writes WHERE run_id = ? AND top IS ? "
+            "AND iter IS ? ORDER BY ord", (run_id, top, it))]
 
     def output_by_block(self, run_id, top, it) -> list[dict]:
         """A record's output in one main-loop iteration, with the context of

@@ -22,6 +22,9 @@ output), nothing the script writes to these sinks happens:
 - progress bars: a tqdm bar writes nothing (see below).
 - files: files.py.
 
+Written again: what a block wrote to the script's files in the record, where
+replay restores the block from its checkpoint (filewrites.py journals it).
+
 Stored (in iterations that count, record and replay), with the location of
 the statement of the user's program that wrote them:
 
@@ -152,9 +155,17 @@ class Effects:
         if pending:
             self._watch = _Watch(pending)
             sys.meta_path.insert(0, self._watch)
+        # Record: what blocks write to files, for replay to write again.
+        self.journal = None
+        # Only a replay and record --resume ever discard what the script does.
+        self._may_discard = session.replaying or not getattr(session.policy, "restored", True)
         if files:
             from .files import Files
 
+            if not session.replaying:
+                from .filewrites import WriteJournal
+
+                self.journal = WriteJournal(session)
             self.files = Files(self)
 
     # -- the rules ------------------------------------------------------------
@@ -174,6 +185,8 @@ class Effects:
         """Whether what the script writes to its files (and TensorBoard
         event files) now must not happen (files.py): when anything must not,
         and in a copy's set-up."""
+        if not self._may_discard:
+            return False
         return self.quiet() or (self.copy and self.s.phase == PRE and self._mine())
 
     def user_code(self, code) -> bool:

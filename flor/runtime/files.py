@@ -1,5 +1,7 @@
-"""Files the script writes, in a replay worker (and in record --resume):
-written once however many workers replay the script.
+"""Files the script writes: written once however many workers replay the
+script (in a replay worker, and in record --resume), and what a block
+wrote in the record written again where replay restores the block
+(`Files.rewrite`; the record's journal is filewrites.py).
 
 The rule: a file that the user's program opens for writing with ``open()``
 (builtins.open or io.open, also through ``pathlib.Path.open`` and
@@ -48,18 +50,21 @@ import fcntl
 import functools
 import hashlib
 import io
+import json
 import os
 import pathlib
 import shutil
 import sys
 import tempfile
 import threading
+import weakref
 
 from ..context import PRE
 
 __all__ = ["Files", "GuardedFile"]
 
 _WRITING = frozenset("wax+")
+_PAST = frozenset({"fileno", "buffer", "raw", "detach"})  # ways past a GuardedFile's writes
 _STDLIB = os.path.dirname(pathlib.__file__)
 # Code between the user's statement and open(): pathlib, logging's file
 # handlers, and the logging patch of effects.py (a handler that opens its
@@ -79,14 +84,18 @@ def _key(file) -> str:
 class GuardedFile:
     """A file the user's code opened for writing (see the module's docstring):
     opened now (`real`) or at its first write (`pending`: open's arguments),
-    with what is written while suppressed in the `private` copy, if any."""
+    with what is written while suppressed in the `private` copy, if any.
+    `key` is its absolute path (None for a descriptor).  In record, what
+    it writes inside a block is journaled (filewrites.py)."""
 
     def __init__(self, effects, real=None, pending=None, opener=None, truncate=False,
-                 private=None):
+                 private=None, key=None):
         self._fx, self._real, self._pending, self._opener = effects, real, pending, opener
         self._truncate = truncate  # opened with "w" while quiet
         self._private = private
         self._closed = False
+        self.key = key
+        self.handle = None  # its number in a record's journal (filewrites.py)
 
     def _file(self):
         if self._real is None:
@@ -119,20 +128,52 @@ class GuardedFile:
         if self._fx.files_quiet():
             private = self._quiet()
             return private.write(data) if private is not None else len(data)
-        return self._file().write(data)
+        n = self._file().write(data)
+        journal = self._fx.journal
+        if journal is not None:
+            if not journal.gathers(self, data):
+                journal.wrote(self, data)
+            elif (g := journal.gathered) is not None and g.where is journal.s.where:
+                g.parts.append(data if type(data) in (str, bytes) else bytes(data))
+                g.nbytes += len(data)
+        return n
 
     def writelines(self, lines):
+        if self._fx.journal is not None:
+            lines = list(lines)  # (an iterator: journaled as written)
         if self._fx.files_quiet():
             private = self._quiet()
             return private.writelines(lines) if private is not None else None
-        return self._file().writelines(lines)
+        self._file().writelines(lines)
+        if self._fx.journal is not None and lines:
+            self._fx.journal.wrote(self, "".join(lines) if isinstance(lines[0], str)
+                                   else b"".join(lines))
+
+    def seek(self, offset, whence=0):
+        # (to the end, as a rotating log handler does: nothing moves)
+        if self._fx.journal is not None and (offset, whence) != (0, 2):
+            self._fx.journal.moved(self.name, "seek")
+        return self._target().seek(offset, whence)
+
+    def truncate(self, *args, **kwargs):
+        if self._fx.journal is not None:
+            self._fx.journal.moved(self.name, "truncate")
+        return self._target().truncate(*args, **kwargs)
+
+    def binary(self) -> bool:
+        mode = self._pending[1] if self._real is None else getattr(self._real, "mode", "")
+        return "b" in mode
 
     def flush(self):
         for f in (self._private, self._real):
             if f is not None:
                 f.flush()
+        if self._fx.journal is not None:
+            self._fx.journal.done(self, "flush")
 
     def close(self):
+        if self._fx.journal is not None and not self.closed:
+            self._fx.journal.done(self, "close")
         self._closed = True
         for f in (self._private, self._real):
             if f is not None:
@@ -141,6 +182,10 @@ class GuardedFile:
     @property
     def closed(self):
         return self._real.closed if self._real is not None else self._closed
+
+    def __reduce_ex__(self, protocol):
+        # As the file itself: a file object cannot be pickled (nor copied).
+        raise TypeError(f"cannot pickle file object {self.name!r}")
 
     def __enter__(self):
         return self
@@ -173,7 +218,9 @@ class GuardedFile:
         return self._real.name
 
     def __getattr__(self, name):
-        return getattr(self._target(), name)  # (tell, seek, read, mode: of what it wrote)
+        if name in _PAST and self._fx.journal is not None:  # (what is written there is not seen)
+            self._fx.journal.moved(self.name, name)
+        return getattr(self._target(), name)  # (tell, read, mode: of what it wrote)
 
 
 # A file object, like the one it stands for: hands-free mode does not take
@@ -196,6 +243,8 @@ class Files:
         self._private = {}  # file -> its private copy
         self._private_dir = None
         self._serial = 0  # of private copies
+        self._live = {}  # file -> weak references to the GuardedFiles open on it
+        self._cwd = os.getcwd()  # what the journal's relative file names are relative to
         guard = self
 
         def open(file, mode="r", *args, **kwargs):
@@ -215,26 +264,47 @@ class Files:
         self._moves = {}  # name -> (os's function, flor's, the modules holding it)
         s = effects.s
         if s.replaying and len(s.policy.plan.segments) > 1 and (s.part > 0 or effects.copy):
-            self._patch_os()  # (this process's set-up is suppressed)
+            self._patch_os(self._private_moves)  # (this process's set-up is suppressed)
+        elif effects.journal is not None:
+            self._patch_os(self._journaled_moves)
 
-    def _patch_os(self):
+    def _private_moves(self, name, original):
         """os.replace/os.rename move private copies, os.remove/os.unlink
         drop them (and, called by the user's code while suppressed, remove
         nothing else): in the workers that have suppressed phases."""
+        if name in ("replace", "rename"):
+            def patched(src, dst, *args, **kwargs):
+                if not args and not kwargs and self.renamed(src, dst):
+                    return None
+                if not isinstance(dst, int):
+                    self.forget(dst)  # (a real file comes to its place)
+                return original(src, dst, *args, **kwargs)
+        else:
+            def patched(path, *args, **kwargs):
+                if not args and not kwargs and self.removed(path, sys._getframe(1)):
+                    return None
+                return original(path, *args, **kwargs)
+        return patched
+
+    def _journaled_moves(self, name, original):
+        """Record: a block whose code renames or removes a file is not
+        checkpointed (filewrites.py)."""
+        def patched(path, *args, **kwargs):
+            if self.by_user(sys._getframe(1)):
+                try:
+                    what = os.fsdecode(path)
+                except TypeError:  # (os's own function says what is wrong with it)
+                    what = repr(path)
+                self.fx.journal.moved(what, f"os.{name}")
+            return original(path, *args, **kwargs)
+        return patched
+
+    def _patch_os(self, make):
+        """os.replace, os.rename, os.remove and os.unlink, as `make(name,
+        os's function)` makes them."""
         for name in ("replace", "rename", "remove", "unlink"):
             original = getattr(os, name)
-            if name in ("replace", "rename"):
-                def patched(src, dst, *args, _original=original, **kwargs):
-                    if not args and not kwargs and self.renamed(src, dst):
-                        return None
-                    if not isinstance(dst, int):
-                        self.forget(dst)  # (a real file comes to its place)
-                    return _original(src, dst, *args, **kwargs)
-            else:
-                def patched(path, *args, _original=original, **kwargs):
-                    if not args and not kwargs and self.removed(path, sys._getframe(1)):
-                        return None
-                    return _original(path, *args, **kwargs)
+            patched = make(name, original)
             # The script sees os's function (its name, module, docstring), and
             # pickles it by reference: its module (posix) holds flor's too.
             # A function another module put in os's place is pickled as os's.
@@ -259,6 +329,18 @@ class Files:
         return frame is not None and self.fx.user_code(frame.f_code)
 
     def open(self, file, mode, args, kwargs):
+        """A GuardedFile for the user's open(file, mode, *args, **kwargs)."""
+        f = self._open(file, mode, args, kwargs)
+        if not isinstance(file, int):
+            f.key = _key(file)
+            live = self._live.setdefault(f.key, [])
+            live[:] = [r for r in live if (g := r()) is not None and not g.closed]
+            live.append(weakref.ref(f))
+        if self.fx.journal is not None:
+            self.fx.journal.opened(f, mode, args, kwargs)
+        return f
+
+    def _open(self, file, mode, args, kwargs):
         fx, original = self.fx, self.original
         if isinstance(file, int):  # a descriptor: guard its writes only
             return GuardedFile(fx, original(file, mode, *args, **kwargs))
@@ -346,6 +428,48 @@ class Files:
             return False
         self.forget(path)
         return True
+
+    # -- what a restored block wrote (filewrites.py) ------------------------------
+
+    def rewrite(self, rows):
+        """Write again, in order, what a block execution that replay restored
+        wrote to files in the record (`writes` rows), as the script's own
+        writes would be (suppressed, claimed, appended: the rules above):
+        to the file the script still has open for it, else to the file
+        opened again (with "w" where the block truncated it)."""
+        opened = {}  # the record's handle -> the file this restore opened for it
+        try:
+            for r in rows:
+                data, mode, handle = r["data"], r["mode"], r["handle"]
+                file = os.path.join(self._cwd, r["file"])  # (the script may have moved since)
+                if mode == "write":
+                    text = isinstance(data, str)
+                    f = opened.get(handle) or self._still_open(file, text)
+                    if f is None:  # opened before the block, closed since: appended to
+                        f = opened[handle] = self.open(file, "a" if text else "ab", (), {})
+                    f.write(data)
+                elif mode in ("flush", "close"):
+                    f = opened.pop(handle, None) if mode == "close" else opened.get(handle)
+                    if f is not None:
+                        f.flush() if mode == "flush" else f.close()
+                    elif (f := self._still_open(file, None)) is not None:
+                        f.flush()  # (the script's own file object: it closes it itself)
+                else:  # the block opened it
+                    if handle in opened:
+                        opened.pop(handle).close()
+                    opened[handle] = self.open(file, mode, (), json.loads(r["args"] or "{}"))
+        finally:
+            for f in opened.values():
+                f.close()
+
+    def _still_open(self, file, text):
+        """The GuardedFile the script opened last on `file` and has not
+        closed, if it writes `text` (str) or bytes (either: None)."""
+        for ref in reversed(self._live.get(_key(file), ())):
+            f = ref()
+            if f is not None and not f.closed and (text is None or f.binary() != text):
+                return f
+        return None
 
     # -- parts that write one file ------------------------------------------------
 

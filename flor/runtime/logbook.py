@@ -146,6 +146,7 @@ class Logbook:
     def __init__(self, session):
         self.s = session
         self.logs, self.out, self.decisions, self.blockruns = [], [], [], []
+        self.writes = []  # record: what blocks wrote to files (filewrites.py)
         self._unsettled = 0  # block-end state rows whose fingerprint is not read yet
         self.journal = _core.Journal(self._is_user_code)
         self._user_files: dict[str, bool] = {}
@@ -324,11 +325,14 @@ class Logbook:
         self.settle()
         self.digest()
         logs, out, dec, runs = self.logs, self.out, self.decisions, self.blockruns
+        writes = self.writes
         self.logs, self.out, self.decisions, self.blockruns = [], [], [], []
-        if not (logs or out or dec or runs):
+        self.writes = []
+        if not (logs or out or dec or runs or writes):
             return
         with store.transaction():  # one commit, not one per table
             store.add_logs(logs)
             store.add_output(out)
             store.add_decisions(dec)
             store.add_blockruns(runs)
+            store.add_writes(writes)

@@ -230,17 +230,22 @@ class Recording(Policy):
             grads = blockstate.gradients(blockstate.state_owners(objs, frame))
         else:
             grads = None
-        if self._checkpoint(session, b.key, b.handle, b.ctx, b.occurrence, seconds,
-                            lambda: [list(objs), grads], lambda: blockstate.payload(
-                                b.key, b.ctx, b.occurrence, sig, objs, grads),
-                            unheld=lambda: blockstate.unheld(sig),
-                            named=lambda: zip(blockstate.labels(sig, objs), objs)):
+        journal = session.effects.journal
+        name = self._checkpoint(session, b.key, b.handle, b.ctx, b.occurrence, seconds,
+                                lambda: [list(objs), grads], lambda: blockstate.payload(
+                                    b.key, b.ctx, b.occurrence, sig, objs, grads),
+                                unheld=lambda: blockstate.unheld(sig),
+                                named=lambda: zip(blockstate.labels(sig, objs), objs),
+                                refused=journal.refusal(b) if journal is not None else None)
+        if journal is not None:  # what it wrote to files, for replay to write again
+            journal.ended(b, kept=name is not None)
+        if name:
             t0 = time.perf_counter()
             session.logbook.state(b, sig, objs)
             self.charges.paid(b.key, time.perf_counter() - t0)
 
     def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make,
-                    made_s=0.0, unheld=list, named=list):
+                    made_s=0.0, unheld=list, named=list, refused=None):
         """The adaptive rule for this execution of `key` (of `seconds`,
         changing `objs()`); if it says yes, submit the checkpoint `make()`
         (`made_s`: what training already paid towards it).  Stores the
@@ -251,7 +256,8 @@ class Recording(Policy):
         iterations that are not checkpointed do not pay for reading what the
         loop carries.  A state that cannot be read or copied (`named()` says
         which object) is never checkpointed: the script runs on as it would
-        without flor, and replay runs it again."""
+        without flor, and replay runs it again; so is an execution whose
+        writes to files replay could not write again (`refused`, why)."""
         self.charges.ended(key, seconds, self.writes.writing())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
@@ -277,6 +283,8 @@ class Recording(Policy):
             ok, reason = False, f"no checkpoint: none holds {'; '.join(held_by_none)}"
         if key in self.states.uncaptured:
             ok, reason = False, f"no checkpoint: {self.states.uncaptured[key]}"
+        elif refused is not None:
+            ok, reason = False, f"no checkpoint: {refused}"
         if decided[0] and not ok:  # the rule's accounting (k, bytes) follows
             self.machine.overruled(handle, False, write_s, nbytes)
         if self.group is not None:  # every rank follows the first to get here

@@ -60,7 +60,7 @@ class Replaying(Policy):
         self.recorded = type(store)(plan.store)  # the record's rows (a part may store elsewhere)
         self.fingerprints = RecordedFingerprints.of(self.recorded, plan)
         self.fingerprint_version = self.fingerprints.version
-        self._output_at, self._output = None, []  # the record's output of one iteration
+        self._recorded_at, self._recorded_rows = None, {}  # the record's, of one iteration
         store.clear_part(self.run_id, part)
         store.set_part(self.run_id, part, "running")
 
@@ -204,18 +204,26 @@ class Replaying(Policy):
         out = blockstate.apply(saved, objs, rebind, frame)
         self.machine.restored(b.handle, b.load_s + time.perf_counter() - t0)
         if not session.discard:
-            for row in self._recorded_output(session, b):
+            for row in self._recorded(session, b, "output"):
                 session.capture.emit(row["stream"], row["text"])
+        # What it wrote to files, written again (suppressed like the script's
+        # own writes where its output is discarded).
+        session.effects.files.rewrite(self._recorded(session, b, "writes"))
         return out
 
-    def _recorded_output(self, session, b):
-        """What the record printed inside this block execution, in order."""
+    def _recorded(self, session, b, what):
+        """What the record printed ("output") or wrote to files ("writes")
+        inside this block execution, in order."""
         where = (session.where.top, session.where.top_iter)
-        if self._output_at != where:
-            self._output_at = where
-            self._output = self.recorded.output_by_block(self.plan.record, *where)
+        if self._recorded_at != where:
+            self._recorded_at, self._recorded_rows = where, {}
+        rows = self._recorded_rows.get(what)
+        if rows is None:
+            by_block = self.recorded.output_by_block if what == "output" else \
+                self.recorded.writes_by_block
+            rows = self._recorded_rows[what] = by_block(self.plan.record, *where)
         inside = block_context(b.ctx, b.key, b.occurrence)
-        return [r for r in self._output if r["ctx"] is not None and within(r["ctx"], inside)]
+        return [r for r in rows if r["ctx"] is not None and within(r["ctx"], inside)]
 
     # -- the end ------------------------------------------------------------
 

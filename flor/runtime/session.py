@@ -192,8 +192,9 @@ class Session:
         self.finished = False
         self.capture = Capture(self.logbook.journal, tee, stderr, watch_exceptions)
         self._show()
-        # Files are guarded where the session may discard: replay, record --resume.
-        self.effects = Effects(self, files=self.replaying or not getattr(policy, "restored", True))
+        # Files the script writes are guarded (files.py): in record, what its
+        # blocks write is journaled for replay to write again.
+        self.effects = Effects(self, files=True)
         atexit.register(self.finish)
 
     # -- where the run is -----------------------------------------------------
@@ -305,6 +306,8 @@ class Session:
         if b is not None and b is not PLAIN:
             self.machine.leave(b.handle)
             self.policy.block_abandoned(self, b.key)
+            if self.effects.journal is not None:  # (to the block around it, if any)
+                self.effects.journal.ended(b, kept=False)
 
     @_accounted
     def end(self, objs, frame, sig=None, rebind=None, as_list=False,
