@@ -10,7 +10,8 @@ import secrets
 import socket
 import time
 
-__all__ = ["Layout", "store_root", "new_run_id", "process_start", "process_alive"]
+__all__ = ["Layout", "store_root", "new_run_id", "checkpoint_path", "process_start",
+           "process_alive"]
 
 
 def store_root() -> str:
@@ -19,6 +20,19 @@ def store_root() -> str:
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def checkpoint_path(ckpt_dir: str, name) -> str:
+    """The file `name` (a checkpoint's name, as the store gives it) of the
+    run's checkpoint directory: a name that is not one file's there (a
+    path, "..") is refused with a StoreError, never followed."""
+    from .errors import StoreError
+
+    if not isinstance(name, str) or not name or name in (".", "..") or \
+            os.path.basename(name) != name or (os.altsep and os.altsep in name):
+        raise StoreError(f"the run store names {name!r} as a checkpoint of {ckpt_dir}, "
+                         "which is not a file name there: it is not read")
+    return os.path.join(ckpt_dir, name)
 
 
 class Layout:

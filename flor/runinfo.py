@@ -73,6 +73,8 @@ class RecordInfo(Info):
     pid_start: float | None = None
     host: str | None = None
     fingerprint: int = 1  # the state fingerprint's version (records before 2 do not say)
+    # 2: checkpoint header tags bound to the run (rank 0's run id: `tag_run`)
+    tags: int = 1
     iteration_checkpoints: int | None = None  # kept of each run of a loop (None: before a bound)
     resumed: list = field(default_factory=list)  # iterations record --resume started at
     group: str | None = None  # data-parallel: rank 0's run id, this rank, the world size

@@ -31,7 +31,7 @@ import warnings
 from . import _core
 from .errors import FlorError
 
-__all__ = ["UnsafeCheckpoint", "HookFailed", "tag_of", "signer", "policy"]
+__all__ = ["UnsafeCheckpoint", "HookFailed", "tag_of", "bound", "signer", "policy"]
 
 KEY_BYTES = 32
 _SIGN_CONTEXT = b"flor checkpoint v2\0"
@@ -55,6 +55,13 @@ def tag_of(*parts) -> bytes:
         h.update(str(p).encode("utf-8", "surrogatepass"))
         h.update(b"\0")
     return h.digest()
+
+
+def bound(tag: bytes, run_id: str) -> bytes:
+    """`tag` bound to the run that writes the checkpoint (a record's run id;
+    its ranks share rank 0's): a file of another run, of the same script
+    even, has another tag, and is refused before anything is unpickled."""
+    return tag_of("run", run_id, tag.hex())
 
 
 # -- the signing key ---------------------------------------------------------
@@ -221,8 +228,8 @@ def policy(path: str, trusted: bool, expect_tag=None, seen=None):
         # An untagged file (format version 1, flor.save) is checked after
         # unpickling instead; unsigned, it is unpickled in safe mode.
         if expect_tag is not None and tag is not None and tag != expect_tag:
-            raise Mismatch(f"{path} belongs to another block or iteration (its header tag "
-                           "differs)")
+            raise Mismatch(f"{path} belongs to another run, block or iteration (its header "
+                           "tag differs)")
         how = "safe"
         if trusted is True:
             how = "trusted"

@@ -346,3 +346,68 @@ def test_replay_restores_signed_files_and_never_runs_planted_ones(tmp_path):
     assert "safe loading refuses it" in rep.stderr and files[1] in rep.stderr, rep.stderr
     assert "does not belong" in rep.stderr and "nothing of it was unpickled" in rep.stderr
     assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
+RUNS = """
+import sys
+
+import torch
+import flor
+
+torch.manual_seed(int(sys.argv[1]))
+w = torch.zeros(3)
+for epoch in flor.generator(range(3)):
+    if flor.SkipBlock.step_into("train"):
+        for _ in range(4):
+            w += torch.randn(3)
+    w = flor.SkipBlock.end(w)
+    print("epoch", epoch, round(w.sum().item(), 4))
+"""
+
+
+def test_a_checkpoint_of_another_run_or_outside_the_run_is_never_restored(tmp_path):
+    # Two records of one script (seeds 1 and 2): the first's signed
+    # checkpoints, put in the second's place, name another run in their
+    # header tag; a decision row naming a path outside the run's checkpoint
+    # directory is not followed.  Each such block is run again.
+    d = str(tmp_path)
+    path = write_script(d, "train.py", RUNS)
+    flor_cli(d, "record", "--no-adaptive", "train.py", "1")
+    flor_cli(d, "record", "--no-adaptive", "train.py", "2")
+    st = store(d)
+    first, second = [r["run_id"] for r in st.runs() if r["kind"] == "record"]
+    names = sorted(os.listdir(st.layout.ckpt_dir(second)))
+    assert names == sorted(os.listdir(st.layout.ckpt_dir(first))) and len(names) == 3
+    for name in names[:2]:
+        shutil.copy(os.path.join(st.layout.ckpt_dir(first), name),
+                    os.path.join(st.layout.ckpt_dir(second), name))
+    outside = os.path.join(d, "elsewhere.flor")
+    shutil.copy(os.path.join(st.layout.ckpt_dir(second), names[2]), outside)
+    with st.transaction():
+        st.db.execute("UPDATE decisions SET file = ? WHERE run_id = ? AND file = ?",
+                      (outside, second, names[2]))
+    edit(path, 'print("epoch"', 'print("  w", round(w.norm().item(), 4))', after=False)
+    want = plain(d, "train.py", "2").stdout
+    rep = flor_cli(d, "replay", "train.py")
+    assert rep.stdout == want
+    for name in names[:2]:
+        assert f"checkpoint {name} does not belong to block 'train'" in rep.stderr
+        assert f"of run {second}" in rep.stderr
+    assert f"the run store names {outside!r} as a checkpoint" in rep.stderr, rep.stderr
+    assert "deferred checks passed" in rep.stderr
+
+
+@pytest.mark.unit
+def test_header_tags_name_the_run_and_store_names_stay_in_the_run(tmp_path):
+    from flor.errors import StoreError
+    from flor.layout import checkpoint_path
+    from flor.runtime import blockstate
+
+    t = blockstate.tag("train", "[]", 0)
+    assert trust.bound(t, "run-a") != trust.bound(t, "run-b") != t
+    assert blockstate.expected(t, None) == t
+    ckdir = str(tmp_path)
+    assert checkpoint_path(ckdir, "train@0-abc.flor") == os.path.join(ckdir, "train@0-abc.flor")
+    for bad in ("/etc/passwd", "../other/ckpt/x.flor", "..", ".", "", "a/b.flor", None):
+        with pytest.raises(StoreError, match="not a file name there"):
+            checkpoint_path(ckdir, bad)

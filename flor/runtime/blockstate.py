@@ -27,7 +27,7 @@ import sys
 
 from .. import _core, trust
 from ..checkpoint import read, restore_placed
-from ..errors import CheckpointCorrupt
+from ..errors import CheckpointCorrupt, StoreError
 from .placement import Devices
 
 __all__ = ["labels", "payload", "belongs", "apply", "signature", "rng_state", "set_rng_state",
@@ -259,8 +259,23 @@ def payload_tag(saved: dict) -> bytes:
     return tag(saved["block"], saved["ctx"], saved["occurrence"])
 
 
+TAGS = 2  # the header tags a record writes: 2, bound to its run (1: not)
+
+
+def tag_run(run_id: str, info) -> str | None:
+    """The run a record's header tags are bound to (rank 0's, for every rank
+    of a data-parallel record), or None for a record made before they were."""
+    return (info.group or run_id) if info.tags >= 2 else None
+
+
+def expected(tag_: bytes, run: str | None) -> bytes:
+    """The header tag a file of `run` has for `tag_` (blockstate.tag)."""
+    return trust.bound(tag_, run) if run is not None else tag_
+
+
 # What read_own raises for a file that cannot be restored from.
-UNREADABLE = (FileNotFoundError, CheckpointCorrupt, trust.Mismatch, trust.UnsafeCheckpoint)
+UNREADABLE = (FileNotFoundError, CheckpointCorrupt, trust.Mismatch, trust.UnsafeCheckpoint,
+              StoreError)
 
 
 def read_own(path: str, expect: bytes, devices: bool = True):

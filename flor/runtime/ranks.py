@@ -48,6 +48,7 @@ import os
 import sys
 
 from ..errors import CheckpointCorrupt, FlorError
+from ..layout import checkpoint_path
 from ..runinfo import RecordInfo
 
 __all__ = ["Group", "world", "rank_run_id", "replicated", "split", "join", "read", "sources",
@@ -268,13 +269,13 @@ def read(ckpt_dir: str, fname: str, expect: bytes, group: dict | None):
     objects it leaves to the owner rank's file of the same name put back."""
     from .blockstate import read_own
 
-    path = os.path.join(ckpt_dir, fname)
+    path = checkpoint_path(ckpt_dir, fname)
     saved, how = read_own(path, expect)
     if group is not None:
         def owner(rank):
             # Its devices are the owner's: what is not copied into a live
             # object stays on the CPU.
-            return read_own(os.path.join(group["ckpt_dirs"][rank], fname), expect,
+            return read_own(checkpoint_path(group["ckpt_dirs"][rank], fname), expect,
                             devices=False)[0]
         saved = join(saved, owner, group["size"], path)
     return saved, how

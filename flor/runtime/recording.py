@@ -19,6 +19,7 @@ import time
 from .. import _core
 from ..context import checkpoint_name, is_iteration, iter_column, iteration_key
 from ..errors import CheckpointWriteError, FlorError, Interrupted, note
+from ..layout import checkpoint_path
 from ..program.gradients import manual_gradients
 from ..schema import DECISIONS
 from . import blockstate, carry, charge, ranks
@@ -78,6 +79,8 @@ class Recording(Policy):
         self.row = RecordRow(store, self.script, argv, eps, c, adaptive, hands_free, resume,
                              self.group, self.fingerprint_version, keep)
         self.run_id, source = self.row.run_id, self.row.source
+        # The header tags of its checkpoints name the run (rank 0's).
+        self.tag_run = blockstate.tag_run(self.run_id, self.row.info)
         # Manual API: blocks whose gradients are read after their end().
         self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
             if source is not None and hands_free is None else set()
@@ -129,8 +132,9 @@ class Recording(Policy):
         if carrier is None:
             raise FlorError(f"the main loop at {key} no longer says what it carries "
                             f"(state=): run {r.run_id} cannot be resumed")
-        path = os.path.join(self.store.layout.ckpt_dir(self.run_id), r.file)
-        return Span(start=r.start, restore=lambda expect: blockstate.read_own(path, expect)[0],
+        path = checkpoint_path(self.store.layout.ckpt_dir(self.run_id), r.file)
+        return Span(start=r.start, restore=lambda expect: blockstate.read_own(
+                        path, blockstate.expected(expect, self.tag_run))[0],
                     where=f"iteration checkpoint {r.file} of run {r.run_id}",
                     refusal="cannot resume")
 
@@ -302,8 +306,8 @@ class Recording(Policy):
                     payload = ranks.split(payload, self.group.rank)
                 t1 = time.perf_counter()
                 made_s += t1 - t0  # an iteration checkpoint's fingerprint, when taken here
-                self.states.written(key, self.writes.submit(key, fname, payload,
-                                                            blockstate.payload_tag(payload)))
+                self.states.written(key, self.writes.submit(key, fname, payload, blockstate.expected(
+                    blockstate.payload_tag(payload), self.tag_run)))
                 self.charges.charged(key, made_s + (nbytes / copy_bw if stand_in and "replicated"
                                                     in payload else time.perf_counter() - t1))
             except CheckpointWriteError as e:

@@ -15,6 +15,7 @@ from ..errors import SegmentDone, note
 from ..runinfo import RecordInfo
 from ..store import new_run_id, process_start
 from ..version import __version__
+from .blockstate import TAGS
 
 __all__ = ["RecordRow", "versions"]
 
@@ -42,7 +43,7 @@ class RecordRow:
         info = RecordInfo(adaptive=adaptive, hands_free=hands_free is not None,
                           pid=os.getpid(), pid_start=process_start(os.getpid()),
                           host=socket.gethostname(), fingerprint=fingerprint,
-                          iteration_checkpoints=keep)
+                          iteration_checkpoints=keep, tags=TAGS)
         if resume is None:
             run_id = group.new_run_id(store, new_run_id, info) if group else None
             self.run_id = store.new_run("record", script, argv, self.source, epsilon=epsilon,
@@ -51,7 +52,9 @@ class RecordRow:
                 group.publish(self.run_id)
         else:
             self.run_id = resume.run_id
-            info.resumed = store.run(resume.run_id)["info"].resumed + [resume.start]
+            before = store.run(resume.run_id)["info"]
+            info.resumed = before.resumed + [resume.start]
+            info.tags = before.tags  # (its checkpoints so far keep theirs)
             store.truncate_record(self.run_id, resume.ord, resume.decisions)
             store.update_run(self.run_id, status="running", info=info,
                              iterations=resume.start)

@@ -23,7 +23,7 @@ import time
 
 from .. import _core, trust
 from ..context import PRE, block_context, location, within
-from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, note
+from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, StoreError, note
 from ..runinfo import PartInfo
 from ..schema import BLOCKRUNS
 from . import blockstate, ranks
@@ -61,6 +61,8 @@ class Replaying(Policy):
         self.fingerprints = RecordedFingerprints.of(self.recorded, plan)
         self.fingerprint_version = self.fingerprints.version
         self._recorded_at, self._recorded_rows = None, {}  # the record's, of one iteration
+        # Its checkpoints' header tags name it: a file of another run is refused.
+        self.tag_run = blockstate.tag_run(plan.record, self.recorded.run(plan.record)["info"])
         store.clear_part(self.run_id, part)
         store.set_part(self.run_id, part, "running")
 
@@ -155,8 +157,10 @@ class Replaying(Policy):
         except CheckpointCorrupt as e:
             note(f"{e}; re-executing {where}")
         except trust.Mismatch:
-            note(f"checkpoint {fname} does not belong to {where} (its header says so; nothing "
-                 "of it was unpickled); re-executing it")
+            note(f"checkpoint {fname} does not belong to {where} of run {self.plan.record} "
+                 "(its header says so; nothing of it was unpickled); re-executing it")
+        except StoreError as e:
+            note(f"{e}; re-executing {where}")
         except trust.UnsafeCheckpoint as e:
             note(f"checkpoint {fname} is not signed with this user's key "
                  f"({trust.key_path()}), and safe loading refuses it: it names the global "
@@ -169,7 +173,8 @@ class Replaying(Policy):
         self.reexecuted += 1
 
     def _read(self, fname, expect):
-        return ranks.read(self.plan.ckpt_dir, fname, expect, self.plan.ranks)
+        return ranks.read(self.plan.ckpt_dir, fname, blockstate.expected(expect, self.tag_run),
+                          self.plan.ranks)
 
     def _how_read(self, fname, how):
         """Say, once, that checkpoints without a valid signature load in safe mode."""

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from ..context import top_key
 from ..errors import FlorError, note
-from .blockstate import UNREADABLE, belongs, read_own, tag
+from ..layout import checkpoint_path
+from .blockstate import UNREADABLE, belongs, expected, read_own, tag, tag_run
 
 __all__ = ["ResumePoint", "find"]
 
@@ -76,9 +77,10 @@ def _point(store, run) -> ResumePoint:
     for row in reversed(store.iteration_checkpoints(rid)):
         if row["top"] != main or row["top_iter"] >= (run["iterations"] or 0):
             continue
-        path = os.path.join(store.layout.ckpt_dir(rid), row["file"])
         try:
-            saved, _ = read_own(path, tag(row["block"], row["ctx"], 0), devices=False)
+            path = checkpoint_path(store.layout.ckpt_dir(rid), row["file"])
+            saved, _ = read_own(path, expected(tag(row["block"], row["ctx"], 0),
+                                               tag_run(rid, run["info"])), devices=False)
         except UNREADABLE as e:
             note(f"iteration checkpoint {row['file']} cannot be used ({e}); trying an earlier one")
             continue
