@@ -40,10 +40,14 @@ check: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q $(PYTEST_JOBS) -m "not differential"
 
-# The suite against an AddressSanitizer + UndefinedBehaviorSanitizer build,
-# installed (not editable) in its own environment and built in build/sanitize,
-# less the differential replays (they exercise Python, not the C core; `make
-# test` runs them).
+# The C core's tests against an AddressSanitizer + UndefinedBehaviorSanitizer
+# build, installed (not editable) in its own environment and built in
+# build/sanitize: the unit tier (most of it calls the C core directly) and
+# the end-to-end tests marked `core` (snapshots, checkpoint files, fingerprints,
+# digests, the materializer's modes, kill -9 and resume, ranks, crafted files,
+# state the walk cannot copy). The others (the differential replays, the
+# program analysis, the command line, files and side effects) exercise
+# Python over the same C paths; `make test` runs them.
 # Leak reports are off (CPython and torch hold memory until exit); the
 # quarantine stays on so that use-after-free is caught. FLOR_SANITIZED tells
 # the RSS leak checks that RSS is not meaningful under that quarantine.
@@ -60,7 +64,7 @@ test-asan:
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/python -c \
 		"import flor._core as c, sys; sys.exit(0 if '$(ASAN_VENV)' in c.__file__ else 'not the sanitizer build: ' + c.__file__)"
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_JOBS) \
-		-m "not differential" .
+		-m "unit or core" .
 
 # The manual as a site (mkdocs.yml): the command-line page must be what
 # docs/gen_cli.py makes of flor/cli.py, and MkDocs warnings are errors.

@@ -16,6 +16,9 @@ import pytest
 
 from conftest import ROOT, edit, store
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 

@@ -8,6 +8,9 @@ import pytest
 
 from conftest import run_py
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 torch = pytest.importorskip("torch")
 from flor.runtime.digest import Opaque, covered, digest  # noqa: E402
 

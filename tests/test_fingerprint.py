@@ -19,6 +19,9 @@ from flor.runtime.blockstate import fingerprint_version
 
 from conftest import flor, plain, runs, store, write_script
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 M = (1 << 64) - 1
 
 

@@ -21,6 +21,9 @@ from flor import _core
 from conftest import ROOT, run_py
 from make_golden import GOLDEN_TAG, golden_object
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden-v1.flor")
 GOLDEN_V2 = os.path.join(os.path.dirname(__file__), "data", "golden-v2.flor")
 HEADER = struct.Struct("<8sIIQQQQQQQIIIIII32s32s28sI")  # version 2

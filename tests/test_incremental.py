@@ -14,6 +14,9 @@ import flor
 
 from conftest import ROOT
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 
 def _finetune_state(seed=0):
     torch.manual_seed(seed)

@@ -14,6 +14,9 @@ from flor import _core
 
 from conftest import run_py
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 
 # Under AddressSanitizer freed memory sits in a quarantine, so RSS grows
 # without a leak; the object counts below still apply.

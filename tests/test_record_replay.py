@@ -19,6 +19,9 @@ from flor.runtime.writes import FALLBACK_WRITE_BPS
 from conftest import (ROOT, block_stats, edit, flor, plain, read, runs, store, values,
                       write_script)
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 ARGS = ["--epochs", "4", "--limit", "300", "--width", "4"]

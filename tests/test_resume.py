@@ -12,6 +12,9 @@ import pytest
 
 from conftest import ROOT, flor, read, store, write_script
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 def _stoppable(source):
     """tests/scripts/handsfree/digits_epochs.py, which kills itself (signal
     STOP_WITH) when STOP_AT names an epoch it has printed, or is "start".

@@ -13,6 +13,9 @@ from flor import _core
 
 from conftest import run_py
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 MAGIC = bytes([0x89]) + b"FLR\r\n\x1a\n"
 
 

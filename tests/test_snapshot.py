@@ -11,6 +11,9 @@ import flor
 
 from conftest import run_py
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 Point = collections.namedtuple("Point", "x y")
 
 

@@ -9,6 +9,9 @@ import pytest
 from conftest import flor, plain, runs, store, write_script
 from flor.runtime.thinning import Thinning
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 STEP_LOOP = """
 import torch
 

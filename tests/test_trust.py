@@ -19,6 +19,9 @@ from flor.errors import FlorError
 from conftest import edit, flor as flor_cli, plain, run_py, store, write_script
 from crafted import craft
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 
 class _RunsCode:
     """Unpickling this runs os.system: what a malicious file would hold."""

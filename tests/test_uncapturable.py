@@ -14,6 +14,9 @@ import pytest
 
 from conftest import flor, plain, write_script
 
+# The C core's paths: the sanitized build runs these (make test-asan).
+pytestmark = pytest.mark.core
+
 HEAD = """
     import torch
     torch.manual_seed(0)
