@@ -155,3 +155,69 @@ def test_blocks_whose_writes_cannot_be_written_again_run_again(tmp_path):
     assert proc.stdout == expected.stdout and proc.stdout.count("probe") == 3
     assert replayed == _files(run, files) == recorded
     assert b"na\xefve 2 4\r\n" in recorded["enc.txt"]
+
+
+RUN_DIR = """
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import flor
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+run = os.path.join("runs", f"{time.time_ns()}-{os.getpid()}")  # another in every run
+os.makedirs(run)
+log = open(os.path.join(run, "log.txt"), "w")
+side = open("side.txt", "w")
+pool = ThreadPoolExecutor(1)
+w = torch.zeros(4)
+for epoch in flor.generator(range(3)):
+    if flor.SkipBlock.step_into("steps"):
+        for step in range(4):
+            w += torch.randn(4)
+            log.write(f"{epoch} {step} {w.sum().item():.6f}\\n")
+            with open(os.path.join(run, "status.txt"), "w") as f:
+                f.write(f"{epoch} {step}")
+        log.flush()
+    w = flor.SkipBlock.end(w)
+    if flor.SkipBlock.step_into("threaded"):  # written by another thread
+        w *= 0.5
+        pool.submit(side.write, f"{epoch}\\n").result()
+        side.flush()
+    w = flor.SkipBlock.end(w)
+    with open(os.path.join(run, "log.txt")) as f:
+        lines = len(f.readlines())
+    print(epoch, lines, open(os.path.join(run, "status.txt")).read(),
+          open("side.txt").read().split(), round(w.sum().item(), 6))
+"""
+
+
+def test_files_named_by_the_run_and_writes_of_other_threads_are_run_again(tmp_path):
+    # The record's files are not the replay's: a block that wrote into the
+    # record's run directory runs again in the replay (and leaves the
+    # record's files alone); one whose writes another thread made is not
+    # checkpointed.
+    d = str(tmp_path)
+    write_script(d, "rundir.py", RUN_DIR)
+    flor(d, "record", "--no-adaptive", "rundir.py")
+    st = store(d)
+    record_id = st.runs()[-1]["run_id"]
+    decisions = {}
+    for r in st.rows("decisions", record_id):
+        decisions.setdefault(r["block"], []).append((r["checkpoint"], r["reason"]))
+    assert [c for c, _ in decisions["steps"]] == [1, 1, 1]
+    assert [c for c, _ in decisions["threaded"]] == [0, 0, 0]
+    assert "another thread writes to 'side.txt'" in decisions["threaded"][0][1]
+    (recorded_run,) = os.listdir(os.path.join(d, "runs"))
+    recorded = _files(os.path.join(d, "runs", recorded_run), ["log.txt", "status.txt"])
+
+    edit(os.path.join(d, "rundir.py"), "with open(os.path.join(run, \"log.txt\")) as f:",
+         'print("probe", round(w.norm().item(), 6))', after=False)
+    proc = flor(d, "replay", "rundir.py")
+    assert "block steps: it wrote to " in proc.stderr and "re-executing it" in proc.stderr
+    assert "deferred checks passed" in proc.stderr
+    assert proc.stdout == plain(d, "rundir.py").stdout and proc.stdout.count("probe") == 3
+    assert _files(os.path.join(d, "runs", recorded_run), ["log.txt", "status.txt"]) == recorded

@@ -15,10 +15,13 @@ execution are kept only if it, or a block around it, is checkpointed.
 A block execution whose writes cannot be written again faithfully is not
 checkpointed (`refusal`), and replay runs it again: it moved within a file
 (``seek`` other than to its end, ``truncate``), reached past the file
-object (``fileno``, ``buffer``), opened one for updating (``r+``), renamed
+object (``fileno``, ``buffer``), let another thread write to one (which
+the journal does not follow), opened one for updating (``r+``), renamed
 or removed a file (``os.replace``, ``os.remove``...), left open a file it
 opened (a later iteration writes to it), or wrote more than `LIMIT` bytes
 (a model saved into an open file: cheaper to run again than to keep twice).
+A replay that cannot do them again in its own files (`Files.unrewritable`:
+a run directory named by the time) runs the block instead of skipping it.
 """
 from __future__ import annotations
 
@@ -86,11 +89,13 @@ class WriteJournal:
         return g is not None and g.where is where and g.type is type(data) and \
             g.nbytes < LIMIT and g.ref() is gfile and threading.get_ident() == self.thread
 
-    def _open_blocks(self):
-        """The block executions open now, in the session's thread, when the
-        session keeps what it runs (not record --resume's set-up)."""
+    def _open_blocks(self, thread=True):
+        """The block executions open now, in the session's thread (any, unless
+        `thread`), when the session keeps what it runs (not record
+        --resume's set-up)."""
         s = self.s
-        if threading.get_ident() != self.thread or s.discard or s.pid != os.getpid():
+        if (thread and threading.get_ident() != self.thread) or s.discard or \
+                s.pid != os.getpid():
             return ()
         frames = [f for f in s.context.frames if f is not PLAIN and isinstance(f, BlockFrame)]
         for f in frames:
@@ -162,6 +167,10 @@ class WriteJournal:
         """`data` went to `gfile` (after the write succeeded), and does not
         continue the gathered writes (`gathers`): gather from it."""
         self._settle()
+        if threading.get_ident() != self.thread:  # (a thread of the script's: not journaled)
+            self._refuse(self._open_blocks(thread=False), f"another thread writes to "
+                         f"{gfile.name!r}")
+            return
         if not any(f is not PLAIN and isinstance(f, BlockFrame) for f in self.s.context.frames):
             self.unjournaled = self.s.where  # (until the context changes)
             return

@@ -93,7 +93,7 @@ class Policy:
 
     # -- blocks (session.py: step_into and end) ------------------------------
 
-    def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
+    def checkpoint_for(self, session, key, ctx, occurrence, probed, expect_sig):
         """(checkpoint payload or None, seconds to load it, probed) for the
         execution `occurrence` of block `key` in context `ctx`: a block with
         a checkpoint (and not probed) is skipped."""

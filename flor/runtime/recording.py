@@ -224,7 +224,7 @@ class Recording(Policy):
 
     # -- blocks -------------------------------------------------------------
 
-    def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
+    def checkpoint_for(self, session, key, ctx, occurrence, probed, expect_sig):
         self.charges.started(key, self.writes.writing())
         return None, 0.0, probed  # record runs every block
 

@@ -56,6 +56,7 @@ class Replaying(Policy):
         self.main_seen = False
         self.reexecuted = 0
         self._sig_noted: set[str] = set()
+        self._rewrite_noted: set[str] = set()  # blocks whose file writes cannot be redone
         self._safe_noted = False
         self.recorded = type(store)(plan.store)  # the record's rows (a part may store elsewhere)
         self.fingerprints = RecordedFingerprints.of(self.recorded, plan)
@@ -126,7 +127,7 @@ class Replaying(Policy):
 
     # -- blocks -------------------------------------------------------------
 
-    def checkpoint_for(self, key, ctx, occurrence, probed, expect_sig):
+    def checkpoint_for(self, session, key, ctx, occurrence, probed, expect_sig):
         """(checkpoint, seconds to load it, probed) for a block execution:
         None where the block runs instead."""
         probed = probed or key in self.plan.probed
@@ -135,6 +136,15 @@ class Replaying(Policy):
         t0 = time.perf_counter()
         payload = self._load(key, ctx, occurrence)
         load_s = time.perf_counter() - t0
+        if payload is not None:  # what it wrote to files must be written again here
+            why = session.effects.files.unrewritable(self._recorded(
+                session, block_context(ctx, key, occurrence), "writes"))
+            if why is not None:
+                if key not in self._rewrite_noted:
+                    self._rewrite_noted.add(key)
+                    note(f"block {key}: {why}; re-executing it")
+                payload = None
+                self.reexecuted += 1
         if payload is not None and expect_sig is not None and payload["sig"] != expect_sig:
             if key not in self._sig_noted:
                 self._sig_noted.add(key)
@@ -209,16 +219,16 @@ class Replaying(Policy):
         out = blockstate.apply(saved, objs, rebind, frame)
         self.machine.restored(b.handle, b.load_s + time.perf_counter() - t0)
         if not session.discard:
-            for row in self._recorded(session, b, "output"):
+            for row in self._recorded(session, _inside(b), "output"):
                 session.capture.emit(row["stream"], row["text"])
         # What it wrote to files, written again (suppressed like the script's
         # own writes where its output is discarded).
-        session.effects.files.rewrite(self._recorded(session, b, "writes"))
+        session.effects.files.rewrite(self._recorded(session, _inside(b), "writes"))
         return out
 
-    def _recorded(self, session, b, what):
+    def _recorded(self, session, inside, what):
         """What the record printed ("output") or wrote to files ("writes")
-        inside this block execution, in order."""
+        inside a block execution (`inside`: its context), in order."""
         where = (session.where.top, session.where.top_iter)
         if self._recorded_at != where:
             self._recorded_at, self._recorded_rows = where, {}
@@ -227,7 +237,6 @@ class Replaying(Policy):
             by_block = self.recorded.output_by_block if what == "output" else \
                 self.recorded.writes_by_block
             rows = self._recorded_rows[what] = by_block(self.plan.record, *where)
-        inside = block_context(b.ctx, b.key, b.occurrence)
         return [r for r in rows if r["ctx"] is not None and within(r["ctx"], inside)]
 
     # -- the end ------------------------------------------------------------
@@ -248,3 +257,8 @@ class Replaying(Policy):
                                      unverified=self.unverified, restored=self.restored_labels,
                                      captured=session.block_labels,
                                      error=repr(error) if failed else None))
+
+
+def _inside(b) -> str:
+    """The context inside block execution `b`."""
+    return block_context(b.ctx, b.key, b.occurrence)

@@ -281,7 +281,7 @@ class Session:
         handle = self.machine.block(key)
         ctx = self.where.ctx
         occurrence = self.context.next("B", key, ctx)
-        payload, load_s, probed = self.policy.checkpoint_for(key, ctx, occurrence, probed,
+        payload, load_s, probed = self.policy.checkpoint_for(self, key, ctx, occurrence, probed,
                                                              expect_sig)
         state = self.machine.enter(handle, bool(probed), payload is not None)
         self.policy.entered(self, key, ctx, occurrence, state)
