@@ -1,7 +1,7 @@
 """Files the script writes: written once however many workers replay the
-script (in a replay worker, and in record --resume), and what a block
-wrote in the record written again where replay restores the block
-(`Files.rewrite`; the record's journal is filewrites.py).
+script (in a replay worker, and in record --resume); in record, what a
+block writes to them is journaled, and a replay that restores the block
+writes it again (filewrites.py).
 
 The rule: a file that the user's program opens for writing with ``open()``
 (builtins.open or io.open, also through ``pathlib.Path.open`` and
@@ -50,7 +50,6 @@ import fcntl
 import functools
 import hashlib
 import io
-import json
 import os
 import pathlib
 import shutil
@@ -244,8 +243,8 @@ class Files:
         self._private_dir = None
         self._serial = 0  # of private copies
         self._live = {}  # file -> weak references to the GuardedFiles open on it
-        self._dirs = set()  # directories this process opened files in for writing
-        self._cwd = os.getcwd()  # what the journal's relative file names are relative to
+        self.dirs = set()  # directories this process opened files in for writing
+        self.cwd = os.getcwd()  # what the journal's relative file names are relative to
         guard = self
 
         def open(file, mode="r", *args, **kwargs):
@@ -334,7 +333,7 @@ class Files:
         f = self._open(file, mode, args, kwargs)
         if not isinstance(file, int):
             f.key = _key(file)
-            self._dirs.add(os.path.dirname(f.key))
+            self.dirs.add(os.path.dirname(f.key))
             live = self._live.setdefault(f.key, [])
             live[:] = [r for r in live if (g := r()) is not None and not g.closed]
             live.append(weakref.ref(f))
@@ -431,62 +430,9 @@ class Files:
         self.forget(path)
         return True
 
-    # -- what a restored block wrote (filewrites.py) ------------------------------
+    # -- the files open now (filewrites.py redoes a restored block's writes) ---
 
-    def rewrite(self, rows):
-        """Write again, in order, what a block execution that replay restored
-        wrote to files in the record (`writes` rows), as the script's own
-        writes would be (suppressed, claimed, appended: the rules above):
-        to the file the script still has open for it, else to the file
-        opened again (with "w" where the block truncated it)."""
-        opened = {}  # the record's handle -> the file this restore opened for it
-        self._dirs.update(os.path.dirname(_key(os.path.join(self._cwd, r["file"])))
-                          for r in rows if r["mode"] not in ("write", "flush", "close"))
-        try:
-            for r in rows:
-                data, mode, handle = r["data"], r["mode"], r["handle"]
-                file = os.path.join(self._cwd, r["file"])  # (the script may have moved since)
-                if mode == "write":
-                    f = opened.get(handle) or self._still_open(file, isinstance(data, str))
-                    if f is not None:  # (`unrewritable` found it open)
-                        f.write(data)
-                elif mode in ("flush", "close"):
-                    f = opened.pop(handle, None) if mode == "close" else opened.get(handle)
-                    if f is not None:
-                        f.flush() if mode == "flush" else f.close()
-                    elif (f := self._still_open(file, None)) is not None:
-                        f.flush()  # (the script's own file object: it closes it itself)
-                else:  # the block opened it
-                    if handle in opened:
-                        opened.pop(handle).close()
-                    opened[handle] = self.open(file, mode, (), json.loads(r["args"] or "{}"))
-        finally:
-            for f in opened.values():
-                f.close()
-
-    def unrewritable(self, rows) -> str | None:
-        """Why what a block execution wrote in the record (its `writes` rows)
-        cannot be written again in this process, asked before the block
-        would be skipped (None: it can).  A file it wrote without opening it
-        must be open here at the same path, and a file it opened must be in
-        the working directory or in one where this process opened a file
-        for writing: a script that names its run's directory by the time or
-        the process writes elsewhere in a replay than in its record."""
-        opened = set()  # the handles the block opened
-        for r in rows:
-            file = _key(os.path.join(self._cwd, r["file"]))
-            if r["mode"] not in ("write", "flush", "close"):
-                opened.add(r["handle"])
-                where = os.path.dirname(file)
-                if where != _key(self._cwd) and where not in self._dirs:
-                    return (f"it opened {r['file']!r}, and this replay wrote no file in "
-                            f"{os.path.dirname(r['file'])!r}")
-            elif r["mode"] == "write" and r["handle"] not in opened and \
-                    self._still_open(file, isinstance(r["data"], str)) is None:
-                return f"it wrote to {r['file']!r}, which this replay has not open"
-        return None
-
-    def _still_open(self, file, text):
+    def still_open(self, file, text):
         """The GuardedFile the script opened last on `file` and has not
         closed, if it writes `text` (str) or bytes (either: None)."""
         for ref in reversed(self._live.get(_key(file), ())):

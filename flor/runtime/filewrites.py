@@ -1,7 +1,7 @@
 """What a record's blocks write to the script's files: journaled, so that a
 replay that restores a block execution from its checkpoint writes it again
-(files.py's `Files.rewrite`), and a script that reads the file back prints
-what a plain run prints.
+(`rewrite`), and a script that reads the file back prints what a plain
+run prints.
 
 Journaled, made by the session's thread while a block runs, for each
 `GuardedFile` (a file the user's code opened for writing, files.py; each
@@ -20,8 +20,8 @@ the journal does not follow), opened one for updating (``r+``), renamed
 or removed a file (``os.replace``, ``os.remove``...), left open a file it
 opened (a later iteration writes to it), or wrote more than `LIMIT` bytes
 (a model saved into an open file: cheaper to run again than to keep twice).
-A replay that cannot do them again in its own files (`Files.unrewritable`:
-a run directory named by the time) runs the block instead of skipping it.
+A replay that cannot do them again in its own files (`unrewritable`: a
+run directory named by the time) runs the block instead of skipping it.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import weakref
 from ..context import BlockFrame, PLAIN
 from ..schema import WRITES
 
-__all__ = ["WriteJournal", "LIMIT", "OPEN_ARGS"]
+__all__ = ["WriteJournal", "rewrite", "unrewritable", "LIMIT", "OPEN_ARGS"]
 
 LIMIT = 4 << 20  # bytes journaled for one block execution
 # open()'s arguments after the mode that change what reaches the file
@@ -236,3 +236,70 @@ class WriteJournal:
                     outer[-1].writes = _Execution()
                 outer[-1].writes.rows.extend(ex.rows)
         ex.rows = []
+
+
+# -- replay -------------------------------------------------------------------
+
+_NOT_OPENS = ("write", "flush", "close")  # the rows' modes that do not open a file
+
+
+def _path(files, name) -> str:
+    """A row's file, resolved against the session's first working directory
+    (the script may have moved since)."""
+    return os.path.abspath(os.path.join(files.cwd, name))
+
+
+def unrewritable(files, rows) -> str | None:
+    """Why what a block execution wrote in the record (its `writes` rows)
+    cannot be written again in this process (`files`, files.py's Files),
+    asked before the block would be skipped (None: it can).  A file it
+    wrote without opening it must be open here at the same path, and a
+    file it opened must be in the working directory or in one where this
+    process opened a file for writing: a script that names its run's
+    directory by the time or the process writes elsewhere in a replay than
+    in its record."""
+    opened = set()  # the handles the block opened
+    for r in rows:
+        file = _path(files, r["file"])
+        if r["mode"] not in _NOT_OPENS:
+            opened.add(r["handle"])
+            where = os.path.dirname(file)
+            if where != os.path.abspath(files.cwd) and where not in files.dirs:
+                return (f"it opened {r['file']!r}, and this replay wrote no file in "
+                        f"{os.path.dirname(r['file'])!r}")
+        elif r["mode"] == "write" and r["handle"] not in opened and \
+                files.still_open(file, isinstance(r["data"], str)) is None:
+            return f"it wrote to {r['file']!r}, which this replay has not open"
+    return None
+
+
+def rewrite(files, rows):
+    """Do again, in order, what a block execution that replay restored did to
+    files in the record (`writes` rows), as the script's own writes would
+    be (suppressed, claimed, appended: files.py's rules): to the file the
+    script still has open for it, else to the file opened again (with "w"
+    where the block truncated it)."""
+    opened = {}  # the record's handle -> the file this restore opened for it
+    files.dirs.update(os.path.dirname(_path(files, r["file"])) for r in rows
+                      if r["mode"] not in _NOT_OPENS)
+    try:
+        for r in rows:
+            data, mode, handle = r["data"], r["mode"], r["handle"]
+            file = _path(files, r["file"])
+            if mode == "write":
+                f = opened.get(handle) or files.still_open(file, isinstance(data, str))
+                if f is not None:  # (`unrewritable` found it open)
+                    f.write(data)
+            elif mode in ("flush", "close"):
+                f = opened.pop(handle, None) if mode == "close" else opened.get(handle)
+                if f is not None:
+                    f.flush() if mode == "flush" else f.close()
+                elif (f := files.still_open(file, None)) is not None:
+                    f.flush()  # (the script's own file object: it closes it itself)
+            else:  # the block opened it
+                if handle in opened:
+                    opened.pop(handle).close()
+                opened[handle] = files.open(file, mode, (), json.loads(r["args"] or "{}"))
+    finally:
+        for f in opened.values():
+            f.close()

@@ -26,7 +26,7 @@ from ..context import PRE, block_context, location, within
 from ..errors import CheckpointCorrupt, FlorReplayError, SegmentDone, StoreError, note
 from ..runinfo import PartInfo
 from ..schema import BLOCKRUNS
-from . import blockstate, ranks
+from . import blockstate, filewrites, ranks
 from .logbook import RecordedFingerprints
 from .loops import Span
 from .policy import Policy
@@ -137,7 +137,7 @@ class Replaying(Policy):
         payload = self._load(key, ctx, occurrence)
         load_s = time.perf_counter() - t0
         if payload is not None:  # what it wrote to files must be written again here
-            why = session.effects.files.unrewritable(self._recorded(
+            why = filewrites.unrewritable(session.effects.files, self._recorded(
                 session, block_context(ctx, key, occurrence), "writes"))
             if why is not None:
                 if key not in self._rewrite_noted:
@@ -223,7 +223,7 @@ class Replaying(Policy):
                 session.capture.emit(row["stream"], row["text"])
         # What it wrote to files, written again (suppressed like the script's
         # own writes where its output is discarded).
-        session.effects.files.rewrite(self._recorded(session, _inside(b), "writes"))
+        filewrites.rewrite(session.effects.files, self._recorded(session, _inside(b), "writes"))
         return out
 
     def _recorded(self, session, inside, what):
