@@ -65,10 +65,12 @@ class Database:
 
     def exists(self) -> bool:
         """Whether the store's database exists (a store path that is a file is
-        a StoreError)."""
+        a StoreError).  An empty file is no store yet: a process killed while
+        it made the store leaves one (SQLite writes the file's header, with
+        its journal mode, when it sets the mode, before any table)."""
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise unusable(self.db_file, NotADirectoryError(20, "Not a directory"))
-        return os.path.isfile(self.db_file)
+        return os.path.isfile(self.db_file) and os.path.getsize(self.db_file) > 0
 
     # -- connection ---------------------------------------------------------
 

@@ -29,6 +29,20 @@ def test_a_new_store_records_its_schema_version(tmp_path):
         "SELECT * FROM flor_schema").fetchall()) == 1
 
 
+def test_an_empty_database_file_is_no_store_yet(tmp_path):
+    # A record killed while it made the store leaves an empty flor.db: the
+    # store lists no runs, and the next record makes it.
+    root = tmp_path / ".flor"
+    root.mkdir()
+    (root / "flor.db").write_bytes(b"")
+    assert not Store(str(root), create=False).exists()
+    with pytest.raises(StoreError, match="no flor run store"):
+        Store(str(root), create=False).runs()
+    st = Store(str(root))
+    assert st.runs() == [] and st.exists()  # (made on first use)
+    assert (root / "flor.db").stat().st_size > 0 and not Store(str(root), create=False).runs()
+
+
 def test_a_database_of_another_program_is_refused_and_left_alone(tmp_path):
     root = tmp_path / ".flor"
     root.mkdir()
