@@ -145,6 +145,9 @@ def cmd_replay(o) -> int:
                         f"store at {store.root} (FLOR_DIR, default ./.flor). Record it first "
                         f"(flor record {o.script}), or point FLOR_DIR at the store that holds "
                         "its record")
+    from . import trust
+
+    trust.signing_key()  # one that others can read is refused here, not in every worker
     if o.parts is not None:
         from .replay.distributed import array_index
 

@@ -414,3 +414,21 @@ def test_header_tags_name_the_run_and_store_names_stay_in_the_run(tmp_path):
     for bad in ("/etc/passwd", "../other/ckpt/x.flor", "..", ".", "", "a/b.flor", None):
         with pytest.raises(StoreError, match="not a file name there"):
             checkpoint_path(ckdir, bad)
+
+
+def test_a_replay_with_a_key_others_can_read_stops_before_it_starts(tmp_path):
+    # Record wrote signed checkpoints; the key's mode changed since.  Replay
+    # says how to fix it (exit 2) instead of failing in its workers (the
+    # script "exited with status 1").
+    d = str(tmp_path)
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    write_script(d, "train.py", RUNS)
+    flor_cli(d, "record", "--no-adaptive", "train.py", "1", env=env)
+    key = tmp_path / "cfg" / "flor" / "key"
+    os.chmod(key, 0o644)
+    rep = flor_cli(d, "replay", "train.py", env=env, check=False)
+    assert rep.returncode == 2, rep.stderr
+    assert f"chmod 600 {key}" in rep.stderr and "exited with status" not in rep.stderr
+    assert rep.stdout == ""
+    os.chmod(key, 0o600)
+    assert flor_cli(d, "replay", "train.py", env=env).stdout == plain(d, "train.py", "1").stdout
