@@ -147,7 +147,11 @@ def cmd_replay(o) -> int:
                         "its record")
     from . import trust
 
-    trust.signing_key()  # one that others can read is refused here, not in every worker
+    try:  # a key that others can read is refused here, not in every worker
+        trust.signing_key()
+    except OSError as e:
+        raise FlorError(f"flor's signing key {trust.key_path()} cannot be read ({e}); fix its "
+                        "permissions, or delete it (checkpoints then load in safe mode)") from None
     if o.parts is not None:
         from .replay.distributed import array_index
 
