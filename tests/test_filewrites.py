@@ -18,6 +18,14 @@ def _files(d, names):
     return out
 
 
+def _decisions(st, run_id):
+    """{block: [(checkpointed, reason) for each execution]} of a record."""
+    out = {}
+    for r in st.rows("decisions", run_id):
+        out.setdefault(r["block"], []).append((r["checkpoint"], r["reason"]))
+    return out
+
+
 TRAINER_FILES = ["out/losses.txt", "out/losses.bin", "out/metrics.csv", "out/steps.log",
                  "out/status.json", "train.log"]
 
@@ -123,10 +131,7 @@ def test_blocks_whose_writes_cannot_be_written_again_run_again(tmp_path):
     record = flor(d, "record", "--no-adaptive", "manual.py")
     assert record.stdout == unedited  # (what the script reads back, as in a plain run)
     st = store(d)
-    record_id = st.runs()[-1]["run_id"]
-    decisions = {}
-    for r in st.rows("decisions", record_id):
-        decisions.setdefault(r["block"], []).append((r["checkpoint"], r["reason"]))
+    decisions = _decisions(st, st.runs()[-1]["run_id"])
     assert [c for c, _ in decisions["steps"]] == [1, 1, 1]
     for block, why in [("status", "it calls seek() on 'status.json'"),
                        ("atomic", "it calls fileno() on 'meta.tmp'"),
@@ -204,10 +209,7 @@ def test_files_named_by_the_run_and_writes_of_other_threads_are_run_again(tmp_pa
     write_script(d, "rundir.py", RUN_DIR)
     flor(d, "record", "--no-adaptive", "rundir.py")
     st = store(d)
-    record_id = st.runs()[-1]["run_id"]
-    decisions = {}
-    for r in st.rows("decisions", record_id):
-        decisions.setdefault(r["block"], []).append((r["checkpoint"], r["reason"]))
+    decisions = _decisions(st, st.runs()[-1]["run_id"])
     assert [c for c, _ in decisions["steps"]] == [1, 1, 1]
     assert [c for c, _ in decisions["threaded"]] == [0, 0, 0]
     assert "another thread writes to 'side.txt'" in decisions["threaded"][0][1]
