@@ -183,12 +183,30 @@ def cmd_replay(o) -> int:
 
         plan = _plan(store, o, o.jobs, part=-1)
         return run_ray(store, plan, describe(plan, store), strict=strict, started=started)
-    plan = _plan(store, o, o.jobs)
-    code = run_local(store, plan, describe(plan, store), strict=strict, started=started)
+    server = _fork_server(o)  # its imports go on while the replay plans
+    try:
+        plan = _plan(store, o, o.jobs)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    code = run_local(store, plan, describe(plan, store), strict=strict, started=started,
+                     server=server)
     hint = _hint_options(o) if code and _failed(store, plan.replay_id) else None
     if hint:
         note(hint)
     return code
+
+
+def _fork_server(o):
+    """The fork server of a local replay's workers (not for the ranks of a
+    data-parallel replay, which torchrun starts)."""
+    from .replay.forkserver import ForkServer
+    from .runtime.ranks import world
+
+    if world() is not None:
+        return None
+    return ForkServer.start(os.path.abspath(o.script), _threads(o))
 
 
 def _failed(store, replay_id) -> bool:
@@ -325,6 +343,11 @@ def main(argv=None) -> int:
     try:
         if argv[:1] == ["_worker"]:
             return cmd_worker(argv[1:])
+        if argv[:1] == ["_forkserver"]:  # SCRIPT FD (started by replay)
+            from .replay.forkserver import serve
+
+            rest = serve(argv[1], int(argv[2]))
+            return 0 if rest is None else cmd_worker(rest[1:])
         parser = build_parser()
         try:
             o = parse(parser, argv)

@@ -41,6 +41,8 @@ ENV_RECORD = ENV_STORE + (
 ENV_REPLAY = ENV_STORE + (
     "  FLOR_REPLAY_CORES    cores the replay workers may use (default: this process's)\n"
     "  FLOR_ALL_JOBS=1      start every worker --jobs allows, even where fewer would do\n"
+    "  FLOR_FORKSERVER=0    start each worker afresh, not forked from a process that\n"
+    "                       imported the script's installed modules once\n"
     "  OMP_NUM_THREADS      as --threads\n"
     "  SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_MIN, JOB_COMPLETION_INDEX  --parts N's index\n"
     "  CUDA_VISIBLE_DEVICES GPUs handed to the workers in turn (one worker sees them all)\n")

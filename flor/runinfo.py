@@ -106,6 +106,7 @@ class ReplayInfo(Info):
     segments: list = field(default_factory=list)
     probed: list = field(default_factory=list)
     restarted: dict = field(default_factory=dict)  # part (a string): why it ran again
+    forked: int | None = None  # local workers forked from the fork server (the rest spawned)
     checks_passed: bool | None = None  # None until the replay concluded
     compared: int | None = None
     mismatches: int | None = None

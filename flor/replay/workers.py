@@ -17,6 +17,7 @@ import time
 
 from ..errors import FlorError, Interrupted, note, say
 from ..store import Store
+from .forkserver import PIPE, ForkServer
 from .plan import Plan, register
 from .progress import Progress
 from .results import conclude
@@ -44,7 +45,7 @@ MAX_ATTEMPTS = 3  # of one segment, before the replay fails
 class _Attempt:
     """One run of a segment by a worker process."""
 
-    def __init__(self, store, plan, part, number, resume, slot, env):
+    def __init__(self, store, plan, part, number, resume, slot, env, server=None):
         self.part, self.number, self.resume, self.slot = part, number, resume, slot
         self.db = store.layout.part_db(plan.replay_id, part, number)
         for stale in (self.db, self.db + "-wal", self.db + "-shm"):
@@ -52,13 +53,24 @@ class _Attempt:
                 os.unlink(stale)
         self.log = open(store.layout.worker_log(plan.replay_id, part, number), "w+")
         r, w = os.pipe()
-        cmd = [sys.executable, "-m", "flor", "_worker", store.layout.plan_path(plan.replay_id),
-               str(part), str(w), "--db", self.db] + ([] if resume else ["--no-resume"])
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
-                                     stderr=self.log, pass_fds=(w,))
+        argv = ["_worker", store.layout.plan_path(plan.replay_id), str(part), PIPE,
+                "--db", self.db] + ([] if resume else ["--no-resume"])
+        self.proc = None  # a Popen, or a Forked that stands for one
+        if server is not None:
+            try:
+                with open(os.devnull, "rb") as null:
+                    self.proc = server.fork(argv, env, null.fileno(), self.log.fileno(),
+                                            self.log.fileno(), w, int(env["OMP_NUM_THREADS"]))
+            except OSError:
+                server = None  # the server is gone: spawned instead
+        if self.proc is None:
+            cmd = [sys.executable, "-m", "flor", *(str(w) if a == PIPE else a for a in argv)]
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=self.log, stderr=self.log, pass_fds=(w,))
         os.close(w)
         self.pipe = os.fdopen(r, "rb", buffering=0)
         self.buf = b""
+        self.forked = server is not None and self.proc is not None
         self.copy = False  # a copy of a slow segment's attempt
         self.started = time.monotonic()
         self.first = None  # when it reported its first iteration
@@ -105,7 +117,7 @@ class _Queue:
     it.  When nothing is left to hand out, a free worker runs a copy of the
     slowest segment if it can finish sooner; the first copy to finish wins."""
 
-    def __init__(self, store, plan, slots):
+    def __init__(self, store, plan, slots, server=None):
         self.store, self.plan, self.slots = store, plan, slots
         self.todo = [(p, True) for p in range(len(plan.segments))]  # (part, resume)
         self.running: list[_Attempt] = []
@@ -117,8 +129,10 @@ class _Queue:
         # One worker sees every GPU, as a plain run would; several get one each, in turn.
         self.gpus = _gpus() if slots > 1 else []
         self.threads = str(plan.threads_per_worker(os.cpu_count() or 1, slots))
+        self.server = server if server is not None and server.usable(int(self.threads)) else None
         self.shown = [0] * len(plan.segments)  # iterations of each segment on the progress bar
         self.restarted: dict[int, str] = {}  # part -> why it ran again from its start
+        self.forked = 0  # attempts forked from the server
 
     def _launch(self, part, resume, copy_of=None):
         used = {a.slot for a in self.running}
@@ -138,8 +152,9 @@ class _Queue:
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot % len(self.gpus)]
         self.running.append(_Attempt(self.store, self.plan, part, self.attempts[part], resume,
-                                     slot, env))
+                                     slot, env, self.server))
         self.running[-1].copy = copy_of is not None
+        self.forked += self.running[-1].forked
         self.attempts[part] += 1
 
     def _length(self, part):
@@ -271,10 +286,12 @@ def _stopped(signum, frame):
     raise Interrupted()
 
 
-def run_local(store: Store, plan: Plan, notes, strict=False, started=None) -> int:
+def run_local(store: Store, plan: Plan, notes, strict=False, started=None,
+              server: ForkServer | None = None) -> int:
     """Replay the plan's segments on the plan's number of local worker
     processes, then assemble; `started`: when the replay command started
-    (time.time(), before planning), which its time counts from."""
+    (time.time(), before planning), which its time counts from; `server`:
+    the fork server to start workers from (closed here), if any."""
     nparts = len(plan.segments)
     slots = max(1, min(plan.workers or nparts, nparts))
     t0 = started or time.time()
@@ -282,19 +299,22 @@ def run_local(store: Store, plan: Plan, notes, strict=False, started=None) -> in
         note(line)
     register(store, plan, "local")
     progress = Progress(sum(e - s for s, e in plan.segments), slots)
-    queue = _Queue(store, plan, slots)
     own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if own:  # torchrun stops the other ranks of a failed one with SIGTERM
         signal.signal(signal.SIGTERM, _stopped)
+    queue = None
     try:
+        queue = _Queue(store, plan, slots, server)
         ok = queue.run(progress)
     finally:
         progress.close()
         if own:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for a in list(queue.running):  # interrupted: no worker outlives replay
+        for a in list(queue.running if queue else []):  # interrupted: no worker outlives replay
             a.stop()
             queue.running.remove(a)
+        if server is not None:
+            server.close()
     for a in [*queue.won.values(), *queue.failed]:
         text = a.text()
         if text.strip():
@@ -312,10 +332,10 @@ def run_local(store: Store, plan: Plan, notes, strict=False, started=None) -> in
         return code if code > 0 else 128 - code if code < 0 else 1  # killed: 128 + signal
     for part in range(nparts):
         store.import_part(queue.won[part].db)
-    if queue.restarted:  # for the checks' report
-        info = store.run(plan.replay_id)["info"]
-        info.restarted = {str(p): why for p, why in queue.restarted.items()}
-        store.update_run(plan.replay_id, info=info)
+    info = store.run(plan.replay_id)["info"]
+    info.forked = queue.forked
+    info.restarted = {str(p): why for p, why in queue.restarted.items()}  # for the checks
+    store.update_run(plan.replay_id, info=info)
     for a in [*queue.won.values(), *queue.lost]:
         for path in (a.db, a.db + "-wal", a.db + "-shm"):
             if os.path.exists(path):

@@ -1,0 +1,367 @@
+"""Cheap replay workers: a process that imports the script's installed
+modules once, then forks each worker from there.
+
+A worker started from scratch pays the interpreter's start and the script's
+imports (torch alone takes seconds) before it runs a line of the script.
+`flor replay` starts the server as it begins, so these imports go on while
+it plans; the workers forked from it run `flor _worker` as a spawned worker
+would, with the modules already in ``sys.modules``.  Nothing of the script
+runs in the server.
+
+The server is used only where a forked worker cannot tell itself from a
+spawned one, and the replay spawns its workers otherwise:
+- it imports only installed modules (of the standard library and
+  site-packages, a virtual environment's included) that the script would
+  not find first in its own directory or the working directory; never the
+  project's own sources (an editable install's included), whose import may
+  do what the script should see;
+- an import that fails, prints anything, starts a Python thread or
+  initialises CUDA makes the server refuse (a native library's thread pool,
+  OpenBLAS's, is fork-safe, as DataLoader's forked workers rely on);
+- it must have started with the workers' thread count (OpenBLAS sizes its
+  threads as numpy is imported; torch's are set in each forked worker).
+
+``FLOR_FORKSERVER=0`` spawns every worker (the tests' seam for that path).
+"""
+from __future__ import annotations
+
+import ast
+import gc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import select
+import signal
+import site
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+__all__ = ["ForkServer", "imports_of", "serve"]
+
+ENV = "FLOR_FORKSERVER"  # "0": spawn every worker
+PIPE = "{pipe}"  # in a fork request's argv: the progress pipe's fd in the child
+_POLL = 0.02  # seconds between the server's checks for ended workers
+
+
+def imports_of(script: str) -> list[str]:
+    """The modules `script` imports at its top level (also in a top-level
+    try or if), in order, that are installed: found in the interpreter's
+    library directories, and not in the script's directory or the working
+    directory, where the script would find its own module first."""
+    try:
+        with open(script, "rb") as f:
+            tree = ast.parse(f.read(), script)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.append(node.module)
+            elif isinstance(node, (ast.Try, ast.If)):
+                for part in (node.body, node.orelse, getattr(node, "finalbody", []),
+                             *[h.body for h in getattr(node, "handlers", [])]):
+                    visit(part)
+
+    visit(tree.body)
+    local = [os.path.dirname(os.path.abspath(script)), os.getcwd()]
+    installed = _library_dirs()
+    out = []
+    for name in dict.fromkeys(names):
+        top = name.partition(".")[0]
+        if top == "__future__" or importlib.machinery.PathFinder.find_spec(top, local):
+            continue  # the project's own module (or one it shadows)
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        where = spec.origin if spec.has_location else None
+        if where is None and spec.submodule_search_locations:
+            where = next(iter(spec.submodule_search_locations), None)
+        if spec.origin not in ("built-in", "frozen") and not (
+                where and any(os.path.realpath(where).startswith(d + os.sep)
+                              for d in installed)):
+            continue  # not installed (the project's sources, an editable install)
+        out.append(name)
+    return out
+
+
+def _library_dirs() -> list[str]:
+    """The interpreter's library directories: the standard library's and
+    site-packages (a virtual environment's too, wherever it lies)."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs.update(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.add(site.getusersitepackages())
+    return sorted({os.path.realpath(d) for d in dirs})
+
+
+# -- the server ----------------------------------------------------------------
+
+def _send(sock, **msg):
+    sock.send(json.dumps(msg).encode())
+
+
+def _refusal(modules) -> str | None:
+    """Import `modules`; why forking workers from here would not do, or None."""
+    out = os.fstat(1).st_size, os.fstat(2).st_size
+    for name in ["flor.runtime.entry", "flor.replay.plan", *modules]:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # noqa: BLE001 -- any failure: spawn instead
+            return f"import {name} failed ({type(e).__name__})"
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    if (os.fstat(1).st_size, os.fstat(2).st_size) != out:
+        return "an import printed"
+    import threading
+
+    if threading.active_count() > 1:
+        return "an import started a thread"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "an import initialised CUDA"
+    return None
+
+
+def _child(sock, req, fds, server) -> list[str]:
+    """In a forked worker: take its files and environment; its argv."""
+    sock.close()
+    _die_with_parent(server)
+    stdin, stdout, stderr, pipe = fds
+    for fd, to in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, to)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    torch = sys.modules.get("torch")
+    if torch is not None and req.get("threads"):
+        torch.set_num_threads(req["threads"])
+    return [str(pipe) if a == PIPE else a for a in req["argv"]]
+
+
+def _die_with_parent(server: int):
+    """SIGKILL this worker if the server (pid `server`) dies (Linux's
+    parent-death signal): a server killed with its replay leaves no worker
+    running."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != server:  # it died before the call
+        os._exit(128 + signal.SIGKILL)
+
+
+def serve(script: str, fd: int) -> list[str] | None:
+    """The server's loop (``flor _forkserver SCRIPT FD``): None when the
+    replay is done with it; in a forked worker, the worker's arguments."""
+    sock = socket.socket(fileno=fd)
+    why = _refusal(imports_of(script))
+    _send(sock, op="ready", refused=why, omp=os.environ.get("OMP_NUM_THREADS"))
+    if why is not None:
+        return None
+    gc.collect()  # what the imports left is freed, not kept by gc.freeze
+    children: set[int] = set()
+    while True:
+        try:
+            ready, _, _ = select.select([sock], [], [], _POLL)
+            if ready:
+                msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+                if not msg:
+                    break  # the replay is done
+                req = json.loads(msg)
+                if req["op"] == "fork":
+                    # The server's objects stay out of the workers' collections,
+                    # which would otherwise write to (and so copy) every page of them.
+                    gc.freeze()
+                    server = os.getpid()
+                    pid = os.fork()
+                    if pid == 0:
+                        return _child(sock, req, fds, server)
+                    for f in fds:
+                        os.close(f)
+                    children.add(pid)
+                    _send(sock, op="pid", pid=pid)
+                elif req["op"] == "kill" and req["pid"] in children:
+                    os.kill(req["pid"], signal.SIGKILL)
+            while children:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                children.discard(pid)
+                _send(sock, op="exit", pid=pid, code=os.waitstatus_to_exitcode(status))
+        except KeyboardInterrupt:  # Ctrl-C reaches the group: the replay stops us
+            continue
+        except OSError:  # the replay is gone
+            break
+    for pid in children:  # none outlives the server
+        os.kill(pid, signal.SIGKILL)
+    for pid in children:
+        os.waitpid(pid, 0)
+    return None
+
+
+# -- the replay's side ---------------------------------------------------------
+
+class Forked:
+    """A worker forked by the server, as much of subprocess.Popen as the
+    replay's queue uses."""
+
+    def __init__(self, server, pid):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.server.pump(block=False)
+        return self.returncode
+
+    def wait(self):
+        while self.returncode is None:
+            self.server.pump(block=True)
+        return self.returncode
+
+    def kill(self):
+        if self.returncode is None:
+            self.server.kill(self.pid)
+
+
+class ForkServer:
+    def __init__(self, proc, sock):
+        self.proc, self.sock = proc, sock
+        self.children: dict[int, Forked] = {}
+        self.state = None  # the ready message, once read
+        self.gone = False
+
+    @classmethod
+    def start(cls, script: str, threads: int | None = None) -> ForkServer | None:
+        """Start the server for `script`, if replay may use one; it imports
+        while the caller goes on.  `threads`: the workers' torch threads, if
+        known now."""
+        if os.environ.get(ENV, "1") == "0" or not hasattr(socket, "send_fds") \
+                or not hasattr(os, "fork"):
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        if threads:
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        try:
+            with open(os.devnull, "rb") as null:
+                # Its output goes to a file, as a worker's does (an import that
+                # prints is found by the file's size).
+                log = tempfile.TemporaryFile()
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "flor", "_forkserver", script, str(theirs.fileno())],
+                    env=env, stdin=null, stdout=log, stderr=log, pass_fds=(theirs.fileno(),))
+                log.close()
+        except OSError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        return cls(proc, ours)
+
+    def usable(self, threads: int) -> bool:
+        """Wait for the server's imports; whether workers of `threads` torch
+        threads may be forked from it (else it is closed)."""
+        while self.state is None and not self.gone:
+            self.pump(block=True)
+        s = self.state
+        # A forked worker's torch threads are set as it starts; a library that
+        # sized its threads at import (OpenBLAS, numpy's) sized them as a
+        # spawned worker's would only if the server had their count.
+        ok = (not self.gone and s is not None and s["refused"] is None
+              and (s["omp"] == str(threads)
+                   or (s["omp"] is None and (os.cpu_count() or 1) == threads)))
+        if not ok:
+            self.close()
+        return ok
+
+    def fork(self, argv, env, stdin, stdout, stderr, pipe, threads) -> Forked:
+        """A worker running ``flor`` `argv` (PIPE standing for the pipe's fd)
+        with `env`, its standard files and `pipe` given as descriptors."""
+        msg = json.dumps({"op": "fork", "argv": argv, "env": env, "threads": threads})
+        socket.send_fds(self.sock, [msg.encode()], [stdin, stdout, stderr, pipe])
+        while True:
+            reply = self._read(block=True)
+            if reply is None:
+                raise OSError("flor's fork server ended")
+            if reply["op"] == "pid":
+                child = self.children[reply["pid"]] = Forked(self, reply["pid"])
+                return child
+
+    def kill(self, pid):
+        try:
+            _send(self.sock, op="kill", pid=pid)
+        except OSError:
+            pass
+
+    def _read(self, block):
+        """One message from the server, handling exits and readiness;
+        None at its end (or, not blocking, when none is waiting)."""
+        while True:
+            if not block and not select.select([self.sock], [], [], 0)[0]:
+                return None
+            try:
+                data = self.sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                self._ended()
+                return None
+            msg = json.loads(data)
+            if msg["op"] == "exit":
+                child = self.children.pop(msg["pid"], None)
+                if child is not None:
+                    child.returncode = msg["code"]
+            elif msg["op"] == "ready":
+                self.state = msg
+                if msg["refused"] is not None:
+                    self.close()
+            else:
+                return msg
+            if block and msg["op"] in ("exit", "ready"):
+                return msg
+
+    def pump(self, block):
+        """Take what the server has said (waiting for one message if `block`)."""
+        if self.gone:
+            return
+        if block:
+            self._read(block=True)
+        else:
+            while not self.gone and self._read(block=False) is not None:
+                pass
+
+    def _ended(self):
+        """The server is gone, and with it the workers it had not reported
+        ended: it killed them as it left, or the kernel did as it died
+        (each worker's parent-death signal); they count as killed."""
+        if self.gone:
+            return
+        self.gone = True
+        self.sock.close()
+        self.proc.wait()
+        for child in self.children.values():
+            child.returncode = -signal.SIGKILL
+        self.children.clear()
+
+    def close(self):
+        """Done: the server kills any worker still running and exits."""
+        if not self.gone:
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._ended()

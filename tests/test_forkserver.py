@@ -1,0 +1,214 @@
+"""Replay workers forked from a server that imported the script's installed
+modules once (flor/replay/forkserver.py): they print what spawned workers
+and a plain run print, the project's own modules are not imported ahead,
+and where the server cannot be used the workers are spawned."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flor.replay.forkserver import imports_of
+
+from conftest import edit, flor, plain, runs, store, write_script
+
+TRAIN = """
+    import os
+    import sys
+
+    import torch
+
+    import helper
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 3)
+    y = x.sum(1, keepdim=True)
+    for epoch in range(6):
+        for step in range(4):
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+        print(epoch, helper.fmt(loss.item()), torch.get_num_threads(), len(sys.argv))
+"""
+
+
+def _project(d):
+    write_script(d, "train.py", TRAIN)
+    write_script(d, "helper.py", """
+        print("helper imported")  # the project's module: imported by the script, not ahead
+
+
+        def fmt(v):
+            return f"{v:.6f}"
+    """)
+
+
+def _forked(d):
+    st = store(d)
+    return st.run(runs(st, "replay")[-1]["run_id"])["info"].forked
+
+
+def _servers_of(script):
+    """Fork servers (and workers forked from them) still running for `script`."""
+    return [p for p, _, a in _processes() if "_forkserver" in a and script in a]
+
+
+@pytest.mark.unit
+def test_the_server_imports_the_script_s_installed_modules_and_not_its_own(tmp_path):
+    d = str(tmp_path)
+    write_script(d, "random.py", "x = 1\n")  # shadows the standard library's
+    write_script(d, "mylib.py", "x = 1\n")
+    os.mkdir(os.path.join(d, "pkg"))
+    write_script(d, "pkg/__init__.py", "")
+    script = write_script(d, "train.py", """
+        from __future__ import annotations
+        import os, json as j
+        import random
+        import mylib
+        from pkg import thing
+        from . import sibling
+        from collections import abc
+        try:
+            import numpy
+        except ImportError:
+            numpy = None
+        if True:
+            import csv
+        import not_a_module_anywhere
+
+
+        def f():
+            import sqlite3
+    """)
+    assert imports_of(script) == ["os", "json", "collections", "numpy", "csv"]
+    assert imports_of(os.path.join(d, "missing.py")) == []
+
+
+def test_forked_workers_print_what_spawned_workers_and_a_plain_run_print(tmp_path, torch):
+    d = str(tmp_path)
+    _project(d)
+    one = {"OMP_NUM_THREADS": "1"}
+    flor(d, "record", "--no-adaptive", "train.py", env=one)
+    edit(os.path.join(d, "train.py"), "opt.step()", "print('loss', helper.fmt(loss.item()))")
+    expected = plain(d, "train.py", env=one).stdout
+    env = dict(one, FLOR_SEGMENTS="0,3")
+    forked = flor(d, "replay", "--jobs", "2", "train.py", env=env)
+    assert _forked(d) == 2, forked.stderr
+    spawned = flor(d, "replay", "--jobs", "2", "train.py", env=dict(env, FLOR_FORKSERVER="0"))
+    assert _forked(d) == 0, spawned.stderr
+    assert forked.stdout == spawned.stdout == expected
+    assert forked.stdout.count("helper imported") == 1
+    assert "checks passed" in forked.stderr and "checks passed" in spawned.stderr
+    assert _servers_of(os.path.join(d, "train.py")) == []
+
+
+def test_a_module_on_the_user_s_path_is_imported_by_each_worker_not_ahead(tmp_path, torch):
+    """A module found through PYTHONPATH (not installed) prints as it is
+    imported: in the workers, where a plain run prints it."""
+    d = str(tmp_path / "project")
+    os.mkdir(d)
+    site = str(tmp_path / "site")
+    os.mkdir(site)
+    write_script(site, "noisy.py", 'print("noisy imported")\n')
+    _project(d)
+    edit(os.path.join(d, "train.py"), "import helper", "import noisy")
+    env = {"PYTHONPATH": site, "OMP_NUM_THREADS": "1"}
+    flor(d, "record", "--no-adaptive", "train.py", env=env)
+    edit(os.path.join(d, "train.py"), "opt.step()", "print('loss', helper.fmt(loss.item()))")
+    rep = flor(d, "replay", "--jobs", "2", "train.py", env=dict(env, FLOR_SEGMENTS="0,3"))
+    assert _forked(d) == 2, rep.stderr
+    assert rep.stdout == plain(d, "train.py", env=env).stdout
+    assert rep.stdout.startswith("helper imported\nnoisy imported\nloss")
+
+
+@pytest.mark.parametrize("module, why", [
+    ('print("imported")', "an import printed"),
+    ('import sys; print("imported", file=sys.stderr)', "an import printed"),
+    ("import threading; threading.Thread(target=threading.Event().wait, daemon=True).start()",
+     "an import started a thread"),
+    ("raise RuntimeError('no')", "import mod failed (RuntimeError)"),
+    ("x = 1", "None"),
+])
+def test_the_server_refuses_imports_that_a_forked_worker_would_not_repeat(tmp_path, module, why):
+    """What an import printed or started stays in the server, and a failed
+    import half-done: the server refuses and the replay spawns its workers."""
+    write_script(str(tmp_path), "mod.py", module + "\n")
+    with open(tmp_path / "out", "w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+             "from flor.replay.forkserver import _refusal; r = _refusal(['mod']); "
+             "open(sys.argv[2], 'w').write(str(r))", str(tmp_path), str(tmp_path / "why")],
+            stdout=out, stderr=out, timeout=120)
+    assert proc.returncode == 0
+    assert (tmp_path / "why").read_text() == why
+
+
+def test_workers_of_another_thread_count_than_the_server_s_are_spawned(tmp_path, torch):
+    """OpenBLAS sizes its threads as numpy is imported: a server that
+    imported it with another thread count than the workers' (here the
+    record's 1, where the server's environment left it at the cores) is
+    not used."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("the server's thread count is the workers' on one core")
+    d = str(tmp_path)
+    _project(d)
+    one = {"OMP_NUM_THREADS": "1"}
+    flor(d, "record", "--no-adaptive", "train.py", env=one)
+    edit(os.path.join(d, "train.py"), "opt.step()", "print('loss', helper.fmt(loss.item()))")
+    rep = flor(d, "replay", "--jobs", "2", "train.py", env={"FLOR_SEGMENTS": "0,3"},
+               drop=("OMP_NUM_THREADS",))
+    assert _forked(d) == 0, rep.stderr
+    assert rep.stdout == plain(d, "train.py", env=one).stdout
+    assert "checks passed" in rep.stderr
+
+
+def _processes():
+    """(pid, parent pid, arguments) of this machine's processes."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        out.append((int(pid), ppid, args))
+    return out
+
+
+def _until(condition, what, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)  # polling a condition, with a deadline
+
+
+def test_a_killed_replay_leaves_no_worker_or_server_behind(tmp_path, torch):
+    """kill -9 of `flor replay`: the server sees its end, kills the workers
+    it forked and exits (spawned workers would run on)."""
+    d = str(tmp_path)
+    _project(d)
+    one = {"OMP_NUM_THREADS": "1"}
+    flor(d, "record", "--no-adaptive", "train.py", env=one)
+    edit(os.path.join(d, "train.py"), "opt.step()",
+         "threading.Event().wait() if os.environ.get('FLOR_REPLAY_WORKER') else None")
+    edit(os.path.join(d, "train.py"), "import os", "import threading")
+    env = dict(os.environ, FLOR_DIR=os.path.join(d, ".flor"), FLOR_SEGMENTS="0,3", **one)
+    proc = subprocess.Popen([sys.executable, "-m", "flor", "replay", "--jobs", "2", "train.py"],
+                            cwd=d, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    script = os.path.join(d, "train.py")
+    try:
+        _until(lambda: len(_servers_of(script)) == 3, "a server and its two workers")
+        proc.kill()
+        proc.wait()
+        _until(lambda: not _servers_of(script), "no server or worker after the replay was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
