@@ -183,7 +183,7 @@ def cmd_replay(o) -> int:
 
         plan = _plan(store, o, o.jobs, part=-1)
         return run_ray(store, plan, describe(plan, store), strict=strict, started=started)
-    server = _fork_server(o)  # its imports go on while the replay plans
+    server = _fork_server(o, store)  # its imports go on while the replay plans
     try:
         plan = _plan(store, o, o.jobs)
     except BaseException:
@@ -198,15 +198,22 @@ def cmd_replay(o) -> int:
     return code
 
 
-def _fork_server(o):
+def _fork_server(o, store):
     """The fork server of a local replay's workers (not for the ranks of a
-    data-parallel replay, which torchrun starts)."""
+    data-parallel replay, which torchrun starts), with the thread count the
+    workers will have: as told, else the record's."""
     from .replay.forkserver import ForkServer
     from .runtime.ranks import world
 
     if world() is not None:
         return None
-    return ForkServer.start(os.path.abspath(o.script), _threads(o))
+    threads = _threads(o)
+    if threads is None:
+        rec = store.run(o.run) if o.run is not None else store.latest_record(o.script)
+        if rec is None or rec["kind"] != "record":
+            return None  # planning says why
+        threads = rec["info"].threads
+    return ForkServer.start(os.path.abspath(o.script), threads)
 
 
 def _failed(store, replay_id) -> bool:

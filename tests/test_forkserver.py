@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from flor.replay.forkserver import imports_of
+from flor.replay.forkserver import ForkServer, imports_of
 
 from conftest import edit, flor, plain, runs, store, write_script
 
 TRAIN = """
+    import logging
     import os
     import sys
 
@@ -33,6 +34,7 @@ TRAIN = """
             loss.backward()
             opt.step()
         print(epoch, helper.fmt(loss.item()), torch.get_num_threads(), len(sys.argv))
+        logging.getLogger("torch").warning("torch says %d", epoch)  # torch's own handler
 """
 
 
@@ -59,12 +61,16 @@ def _servers_of(script):
 
 @pytest.mark.unit
 def test_the_server_imports_the_script_s_installed_modules_and_not_its_own(tmp_path):
+    """Only the leading imports: a statement before an import (sys.path or
+    os.environ set) can change what it imports, and an import under an if
+    (TYPE_CHECKING) or a try may not run at all."""
     d = str(tmp_path)
     write_script(d, "random.py", "x = 1\n")  # shadows the standard library's
     write_script(d, "mylib.py", "x = 1\n")
     os.mkdir(os.path.join(d, "pkg"))
     write_script(d, "pkg/__init__.py", "")
     script = write_script(d, "train.py", """
+        \"\"\"A training script.\"\"\"
         from __future__ import annotations
         import os, json as j
         import random
@@ -72,20 +78,24 @@ def test_the_server_imports_the_script_s_installed_modules_and_not_its_own(tmp_p
         from pkg import thing
         from . import sibling
         from collections import abc
-        try:
-            import numpy
-        except ImportError:
-            numpy = None
-        if True:
-            import csv
         import not_a_module_anywhere
-
-
-        def f():
+        import csv
+        if False:
+            import numpy
+        try:
             import sqlite3
+        except ImportError:
+            pass
+        import wave
     """)
-    assert imports_of(script) == ["os", "json", "collections", "numpy", "csv"]
+    assert imports_of(script) == ["os", "json", "collections", "csv"]
     assert imports_of(os.path.join(d, "missing.py")) == []
+    sys_path_first = write_script(d, "other.py", """
+        import sys
+        sys.path.insert(0, "vendor")
+        import csv
+    """)
+    assert imports_of(sys_path_first) == ["sys"]
 
 
 def test_forked_workers_print_what_spawned_workers_and_a_plain_run_print(tmp_path, torch):
@@ -101,6 +111,15 @@ def test_forked_workers_print_what_spawned_workers_and_a_plain_run_print(tmp_pat
     spawned = flor(d, "replay", "--jobs", "2", "train.py", env=dict(env, FLOR_FORKSERVER="0"))
     assert _forked(d) == 0, spawned.stderr
     assert forked.stdout == spawned.stdout == expected
+    # torch's log handler, made as the server imported torch, writes where
+    # a started worker's would: to the captured stderr, in order.
+    said = [l[l.index("torch says"):] for l in plain(d, "train.py", env=one).stderr.splitlines()
+            if "torch says" in l]
+    assert said == [f"torch says {e}" for e in range(6)]
+    for rep in (forked, spawned):
+        assert [l[l.index("torch says"):] for l in rep.stderr.splitlines()
+                if "torch says" in l] == said, rep.stderr
+        assert "--- replay worker" not in rep.stderr
     assert forked.stdout.count("helper imported") == 1
     assert "checks passed" in forked.stderr and "checks passed" in spawned.stderr
     assert _servers_of(os.path.join(d, "train.py")) == []
@@ -147,23 +166,20 @@ def test_the_server_refuses_imports_that_a_forked_worker_would_not_repeat(tmp_pa
     assert (tmp_path / "why").read_text() == why
 
 
-def test_workers_of_another_thread_count_than_the_server_s_are_spawned(tmp_path, torch):
-    """OpenBLAS sizes its threads as numpy is imported: a server that
-    imported it with another thread count than the workers' (here the
-    record's 1, where the server's environment left it at the cores) is
-    not used."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("the server's thread count is the workers' on one core")
+def test_a_server_of_another_thread_count_than_the_workers_is_not_waited_for(tmp_path, torch):
+    """OpenBLAS sizes its threads as numpy is imported: a server started
+    with another thread count than the workers' is killed at once, not
+    waited for, and the workers are spawned."""
     d = str(tmp_path)
     _project(d)
-    one = {"OMP_NUM_THREADS": "1"}
-    flor(d, "record", "--no-adaptive", "train.py", env=one)
-    edit(os.path.join(d, "train.py"), "opt.step()", "print('loss', helper.fmt(loss.item()))")
-    rep = flor(d, "replay", "--jobs", "2", "train.py", env={"FLOR_SEGMENTS": "0,3"},
-               drop=("OMP_NUM_THREADS",))
-    assert _forked(d) == 0, rep.stderr
-    assert rep.stdout == plain(d, "train.py", env=one).stdout
-    assert "checks passed" in rep.stderr
+    server = ForkServer.start(os.path.join(d, "train.py"), threads=1)
+    assert server is not None
+    assert not server.usable(2)
+    assert server.gone and server.proc.poll() is not None
+    other = ForkServer.start(os.path.join(d, "train.py"), threads=1)
+    assert other.usable(1) and other.state["refused"] is None
+    other.close()
+    assert other.proc.poll() == 0
 
 
 def _processes():

@@ -8,13 +8,21 @@ it plans; the workers forked from it run `flor _worker` as a spawned worker
 would, with the modules already in ``sys.modules``.  Nothing of the script
 runs in the server.
 
-The server is used only where a forked worker cannot tell itself from a
-spawned one, and the replay spawns its workers otherwise:
-- it imports only installed modules (of the standard library and
-  site-packages, a virtual environment's included) that the script would
-  not find first in its own directory or the working directory; never the
-  project's own sources (an editable install's included), whose import may
-  do what the script should see;
+The server is used only where a forked worker behaves as a spawned one
+would, and the replay spawns its workers otherwise (what a forked worker
+can still tell: its parent process is the server, gc.get_freeze_count() is
+not 0, and the modules it imported hold the server's import-time state,
+such as logging's start time):
+- it imports only the script's leading imports (those before its first
+  other statement, which might set sys.path or the environment they read),
+  of installed modules (of the standard library and site-packages, a
+  virtual environment's included) that the script would not find first in
+  its own directory or the working directory; never the project's own
+  sources (an editable install's included), whose import may do what the
+  script should see;
+- what the imports keep of sys.stdout and sys.stderr (a logging handler's
+  stream) writes where a worker's session captures them
+  (flor/runtime/capture.py, `Relay`);
 - an import that fails, prints anything, starts a Python thread or
   initialises CUDA makes the server refuse (a native library's thread pool,
   OpenBLAS's, is fork-safe, as DataLoader's forked workers rely on);
@@ -40,6 +48,8 @@ import sys
 import sysconfig
 import tempfile
 
+from ..runtime.capture import relay, unrelay
+
 __all__ = ["ForkServer", "imports_of", "serve"]
 
 ENV = "FLOR_FORKSERVER"  # "0": spawn every worker
@@ -48,29 +58,28 @@ _POLL = 0.02  # seconds between the server's checks for ended workers
 
 
 def imports_of(script: str) -> list[str]:
-    """The modules `script` imports at its top level (also in a top-level
-    try or if), in order, that are installed: found in the interpreter's
-    library directories, and not in the script's directory or the working
-    directory, where the script would find its own module first."""
+    """The modules `script` imports before its first statement that is not
+    an import (its docstring aside), in order, that are installed: found in
+    the interpreter's library directories, and not in the script's
+    directory or the working directory, where the script would find its
+    own module first.  Imports after a statement (sys.path or os.environ
+    set, say), or under an if or a try, are left to the script."""
     try:
         with open(script, "rb") as f:
             tree = ast.parse(f.read(), script)
     except (OSError, SyntaxError, ValueError):
         return []
     names: list[str] = []
-
-    def visit(body):
-        for node in body:
-            if isinstance(node, ast.Import):
-                names.extend(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+    for i, node in enumerate(tree.body):
+        if isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if not node.level and node.module:  # (a relative import is the project's)
                 names.append(node.module)
-            elif isinstance(node, (ast.Try, ast.If)):
-                for part in (node.body, node.orelse, getattr(node, "finalbody", []),
-                             *[h.body for h in getattr(node, "handlers", [])]):
-                    visit(part)
-
-    visit(tree.body)
+        elif not (i == 0 and isinstance(node, ast.Expr)
+                  and isinstance(node.value, ast.Constant)
+                  and isinstance(node.value.value, str)):
+            break
     local = [os.path.dirname(os.path.abspath(script)), os.getcwd()]
     installed = _library_dirs()
     out = []
@@ -114,6 +123,7 @@ def _send(sock, **msg):
 
 def _refusal(modules) -> str | None:
     """Import `modules`; why forking workers from here would not do, or None."""
+    relay()  # what the imports keep of sys.stdout and sys.stderr
     out = os.fstat(1).st_size, os.fstat(2).st_size
     for name in ["flor.runtime.entry", "flor.replay.plan", *modules]:
         try:
@@ -128,26 +138,42 @@ def _refusal(modules) -> str | None:
 
     if threading.active_count() > 1:
         return "an import started a thread"
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    if _cuda_loaded():
         return "an import initialised CUDA"
     return None
 
 
-def _child(sock, req, fds, server) -> list[str]:
+def _cuda_loaded() -> bool:
+    """Whether CUDA's driver library is loaded here (torch.cuda.is_available()
+    loads it, and torch.cuda.is_initialized() does not tell)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any(os.path.basename(line.split()[-1]).startswith("libcuda.so")
+                       for line in f if "/" in line)
+    except OSError:
+        torch = sys.modules.get("torch")
+        return torch is not None and torch.cuda.is_initialized()
+
+
+def _child(sock, req, fds, server, interrupt) -> list[str]:
     """In a forked worker: take its files and environment; its argv."""
     sock.close()
     _die_with_parent(server)
+    if interrupt is not None:  # (None: a handler not set from Python, kept)
+        signal.signal(signal.SIGINT, interrupt)
     stdin, stdout, stderr, pipe = fds
     for fd, to in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, to)
         os.close(fd)
+    unrelay()
     os.environ.clear()
     os.environ.update(req["env"])
     torch = sys.modules.get("torch")
     if torch is not None and req.get("threads"):
         torch.set_num_threads(req["threads"])
-    return [str(pipe) if a == PIPE else a for a in req["argv"]]
+    argv = [str(pipe) if a == PIPE else a for a in req["argv"]]
+    sys.orig_argv[:] = [sys.executable, "-m", "flor", *argv]  # as a started worker's
+    return argv
 
 
 def _die_with_parent(server: int):
@@ -168,8 +194,11 @@ def serve(script: str, fd: int) -> list[str] | None:
     """The server's loop (``flor _forkserver SCRIPT FD``): None when the
     replay is done with it; in a forked worker, the worker's arguments."""
     sock = socket.socket(fileno=fd)
+    # Ctrl-C reaches the process group: the replay stops the server, and
+    # each worker gets back the handler it would have started with.
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     why = _refusal(imports_of(script))
-    _send(sock, op="ready", refused=why, omp=os.environ.get("OMP_NUM_THREADS"))
+    _send(sock, op="ready", refused=why)
     if why is not None:
         return None
     gc.collect()  # what the imports left is freed, not kept by gc.freeze
@@ -189,7 +218,7 @@ def serve(script: str, fd: int) -> list[str] | None:
                     server = os.getpid()
                     pid = os.fork()
                     if pid == 0:
-                        return _child(sock, req, fds, server)
+                        return _child(sock, req, fds, server, interrupt)
                     for f in fds:
                         os.close(f)
                     children.add(pid)
@@ -202,8 +231,6 @@ def serve(script: str, fd: int) -> list[str] | None:
                     break
                 children.discard(pid)
                 _send(sock, op="exit", pid=pid, code=os.waitstatus_to_exitcode(status))
-        except KeyboardInterrupt:  # Ctrl-C reaches the group: the replay stops us
-            continue
         except OSError:  # the replay is gone
             break
     for pid in children:  # none outlives the server
@@ -238,8 +265,9 @@ class Forked:
 
 
 class ForkServer:
-    def __init__(self, proc, sock):
+    def __init__(self, proc, sock, omp):
         self.proc, self.sock = proc, sock
+        self.omp = omp  # the server's OMP_NUM_THREADS
         self.children: dict[int, Forked] = {}
         self.state = None  # the ready message, once read
         self.gone = False
@@ -270,20 +298,18 @@ class ForkServer:
             return None
         finally:
             theirs.close()
-        return cls(proc, ours)
+        return cls(proc, ours, env.get("OMP_NUM_THREADS"))
 
     def usable(self, threads: int) -> bool:
         """Wait for the server's imports; whether workers of `threads` torch
         threads may be forked from it (else it is closed)."""
-        while self.state is None and not self.gone:
-            self.pump(block=True)
-        s = self.state
         # A forked worker's torch threads are set as it starts; a library that
         # sized its threads at import (OpenBLAS, numpy's) sized them as a
-        # spawned worker's would only if the server had their count.
-        ok = (not self.gone and s is not None and s["refused"] is None
-              and (s["omp"] == str(threads)
-                   or (s["omp"] is None and (os.cpu_count() or 1) == threads)))
+        # started worker's would only if the server had their count.
+        ok = self.omp == str(threads) or (self.omp is None and (os.cpu_count() or 1) == threads)
+        while ok and self.state is None and not self.gone:
+            self.pump(block=True)
+        ok = ok and not self.gone and self.state is not None and self.state["refused"] is None
         if not ok:
             self.close()
         return ok
@@ -358,7 +384,10 @@ class ForkServer:
         self.children.clear()
 
     def close(self):
-        """Done: the server kills any worker still running and exits."""
+        """Done: the server kills any worker still running and exits (one
+        still importing is killed)."""
+        if not self.gone and self.state is None:
+            self.proc.kill()
         if not self.gone:
             try:
                 self.sock.shutdown(socket.SHUT_WR)

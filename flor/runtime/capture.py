@@ -6,6 +6,12 @@ on to the real stream when it tees, and journals it in the session's
 `Journal`, attributed to the statement of the user's program that wrote it.
 `Capture` installs them and an excepthook that notes the exception ending
 the run; `restore()` puts back exactly what it replaced, and only that.
+
+A replay worker forked from the fork server (flor/replay/forkserver.py)
+runs with modules the server imported before any session: what they kept of
+sys.stdout or sys.stderr (a logging handler's stream) is a `Relay`, which
+writes where the stream goes once `Capture` installs its `Output`, as it
+would have had the module been imported under the session.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import sys
 
 from .. import _core
 
-__all__ = ["Capture", "Output", "STREAMS"]
+__all__ = ["Capture", "Output", "Relay", "STREAMS", "relay", "unrelay"]
 
 STREAMS = ("stdout", "stderr")  # the journal's stream numbers
 
@@ -87,6 +93,41 @@ class Output(io.TextIOBase):
         return getattr(self._real, name)
 
 
+class Relay:
+    """sys.stdout or sys.stderr of a process whose session has not begun,
+    for what keeps the stream it found: writes go to `target`, the real
+    stream until a `Capture` points it to its `Output`."""
+
+    def __init__(self, real):
+        self.real = self.target = real
+
+    def write(self, text):
+        return self.target.write(text)
+
+    def flush(self):
+        return self.target.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+RELAYS: dict[str, Relay] = {}  # stream name -> its relay, in a fork server and its workers
+
+
+def relay():
+    """Make sys.stdout and sys.stderr relays (a fork server, before it imports)."""
+    for name in STREAMS:
+        RELAYS[name] = Relay(getattr(sys, name))
+        setattr(sys, name, RELAYS[name])
+
+
+def unrelay():
+    """Put the real streams back as sys.stdout and sys.stderr (a forked
+    worker, as a started one has them); the relays stay with what kept them."""
+    for name, r in RELAYS.items():
+        setattr(sys, name, r.real)
+
+
 class Capture:
     """Journal sys.stdout (teed when `stdout_tee`) and optionally sys.stderr
     (not teed) into `journal`, and optionally note the uncaught exception in
@@ -102,6 +143,8 @@ class Capture:
             out = Output(journal, real, name, tee)
             self._installed[name] = (out, real)
             setattr(sys, name, out)
+            if name in RELAYS and RELAYS[name].target is real:
+                RELAYS[name].target = out
         self._hook = None
         if watch_exceptions:
             previous = sys.excepthook
