@@ -326,9 +326,9 @@ def cmd_export(o) -> int:
     return 0
 
 
-def cmd_worker(rest) -> int:
+def cmd_worker(rest, forked=False) -> int:
     """A local replay worker: PLAN PART [PROGRESS_FD] [--db FILE] [--no-resume]
-    (started by run_local)."""
+    (started by run_local, or `forked` from the fork server)."""
     from .replay.plan import Plan
     from .runtime.entry import run_part
 
@@ -337,7 +337,7 @@ def cmd_worker(rest) -> int:
     progress_fd = int(words[2]) if len(words) > 2 else None
     db = rest[rest.index("--db") + 1] if "--db" in rest else False
     return run_part(Plan.load(rest[0]), int(rest[1]), progress_fd=progress_fd, own_db=db,
-                    resume="--no-resume" not in rest)
+                    resume="--no-resume" not in rest, forked=forked)
 
 
 COMMANDS = {"record": cmd_record, "replay": cmd_replay, "merge": cmd_merge, "runs": cmd_runs,
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
             from .replay.forkserver import serve
 
             rest = serve(argv[1], int(argv[2]))
-            return 0 if rest is None else cmd_worker(rest[1:])
+            return 0 if rest is None else cmd_worker(rest[1:], forked=True)
         parser = build_parser()
         try:
             o = parse(parser, argv)

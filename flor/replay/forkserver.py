@@ -9,31 +9,38 @@ would, with the modules already in ``sys.modules``.  Nothing of the script
 runs in the server.
 
 The server is used only where a forked worker behaves as a spawned one
-would, and the replay spawns its workers otherwise (what a forked worker
-can still tell: its parent process is the server, gc.get_freeze_count() is
-not 0, and the modules it imported hold the server's import-time state,
-such as logging's start time):
-- it imports only the script's leading imports (those before its first
-  other statement, which might set sys.path or the environment they read),
-  of installed modules (of the standard library and site-packages, a
-  virtual environment's included) that the script would not find first in
-  its own directory or the working directory; never the project's own
-  sources (an editable install's included), whose import may do what the
-  script should see;
+would, and the replay spawns its workers otherwise:
+- it imports, as the script's ``__main__`` would (a warning is shown where
+  the script would show it), only the script's leading imports (those
+  before its first other statement, which might set sys.path or the
+  environment they read), of installed modules (the standard library's and
+  site-packages', a virtual environment's included) that the script would
+  not find first in its own directory or the working directory; never the
+  project's own sources (an editable install's included), whose import may
+  do what the script should see;
 - what the imports keep of sys.stdout and sys.stderr (a logging handler's
   stream) writes where a worker's session captures them
   (flor/runtime/capture.py, `Relay`);
-- an import that fails, prints anything, starts a Python thread or
-  initialises CUDA makes the server refuse (a native library's thread pool,
-  OpenBLAS's, is fork-safe, as DataLoader's forked workers rely on);
+- an import that fails, prints anything (a warning included), replaces
+  sys.stdout or sys.stderr, starts a Python thread or loads CUDA's driver
+  makes the server refuse (a native library's thread pool, OpenBLAS's, is
+  fork-safe, as DataLoader's forked workers rely on);
 - it must have started with the workers' thread count (OpenBLAS sizes its
   threads as numpy is imported; torch's are set in each forked worker).
+
+What a forked worker can still tell: its parent process is the server;
+gc.get_freeze_count() is not 0; the modules imported ahead hold the
+server's import-time state (logging's start time, say, or an environment
+variable read as they were imported: FLOR_REPLAY_WORKER and a worker's own
+CUDA_VISIBLE_DEVICES are set in the worker only); what they kept of
+sys.stdout is a `Relay`.
 
 ``FLOR_FORKSERVER=0`` spawns every worker (the tests' seam for that path).
 """
 from __future__ import annotations
 
 import ast
+import builtins
 import gc
 import importlib.machinery
 import importlib.util
@@ -48,7 +55,7 @@ import sys
 import sysconfig
 import tempfile
 
-from ..runtime.capture import relay, unrelay
+from ..runtime.capture import relay, relayed, unrelay
 
 __all__ = ["ForkServer", "imports_of", "serve"]
 
@@ -58,7 +65,12 @@ _POLL = 0.02  # seconds between the server's checks for ended workers
 
 
 def imports_of(script: str) -> list[str]:
-    """The modules `script` imports before its first statement that is not
+    """The modules `script` imports ahead in a fork server (`_imports`)."""
+    return [name for name, _ in _imports(script)]
+
+
+def _imports(script: str) -> list[tuple[str, int]]:
+    """(module, line) for the modules `script` imports before its first statement that is not
     an import (its docstring aside), in order, that are installed: found in
     the interpreter's library directories, and not in the script's
     directory or the working directory, where the script would find its
@@ -69,13 +81,14 @@ def imports_of(script: str) -> list[str]:
             tree = ast.parse(f.read(), script)
     except (OSError, SyntaxError, ValueError):
         return []
-    names: list[str] = []
+    names: dict[str, int] = {}
     for i, node in enumerate(tree.body):
         if isinstance(node, ast.Import):
-            names.extend(a.name for a in node.names)
+            for a in node.names:
+                names.setdefault(a.name, node.lineno)
         elif isinstance(node, ast.ImportFrom):
             if not node.level and node.module:  # (a relative import is the project's)
-                names.append(node.module)
+                names.setdefault(node.module, node.lineno)
         elif not (i == 0 and isinstance(node, ast.Expr)
                   and isinstance(node.value, ast.Constant)
                   and isinstance(node.value.value, str)):
@@ -83,7 +96,7 @@ def imports_of(script: str) -> list[str]:
     local = [os.path.dirname(os.path.abspath(script)), os.getcwd()]
     installed = _library_dirs()
     out = []
-    for name in dict.fromkeys(names):
+    for name, line in names.items():
         top = name.partition(".")[0]
         if top == "__future__" or importlib.machinery.PathFinder.find_spec(top, local):
             continue  # the project's own module (or one it shadows)
@@ -100,7 +113,7 @@ def imports_of(script: str) -> list[str]:
                 where and any(os.path.realpath(where).startswith(d + os.sep)
                               for d in installed)):
             continue  # not installed (the project's sources, an editable install)
-        out.append(name)
+        out.append((name, line))
     return out
 
 
@@ -121,19 +134,32 @@ def _send(sock, **msg):
     sock.send(json.dumps(msg).encode())
 
 
-def _refusal(modules) -> str | None:
-    """Import `modules`; why forking workers from here would not do, or None."""
-    relay()  # what the imports keep of sys.stdout and sys.stderr
+def _refusal(script, imports) -> str | None:
+    """Import what the script imports ahead, as its ``__main__`` would (so
+    that a warning is shown, or not, as it would be there); why forking
+    workers from here would not do, or None."""
+    # What the worker has when its script imports: sys.path[0] the
+    # script's directory (an import may put a path before it), and the
+    # streams that its session will capture.
+    sys.path[0] = os.path.dirname(script)
+    relay()
     out = os.fstat(1).st_size, os.fstat(2).st_size
-    for name in ["flor.runtime.entry", "flor.replay.plan", *modules]:
-        try:
-            importlib.import_module(name)
-        except BaseException as e:  # noqa: BLE001 -- any failure: spawn instead
-            return f"import {name} failed ({type(e).__name__})"
+    for name in ["flor.runtime.entry", "flor.replay.plan"]:
+        importlib.import_module(name)
+    code = ast.Module(body=[ast.Import(names=[ast.alias(name)], lineno=line, col_offset=0,
+                                       end_lineno=line, end_col_offset=0)
+                            for name, line in imports], type_ignores=[])
+    try:
+        exec(compile(ast.fix_missing_locations(code), script, "exec"),
+             {"__name__": "__main__", "__file__": script, "__builtins__": builtins})
+    except BaseException as e:  # noqa: BLE001 -- any failure: spawn instead
+        return f"an import failed ({type(e).__name__})"
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     if (os.fstat(1).st_size, os.fstat(2).st_size) != out:
         return "an import printed"
+    if not relayed():
+        return "an import replaced sys.stdout or sys.stderr"
     import threading
 
     if threading.active_count() > 1:
@@ -194,13 +220,13 @@ def serve(script: str, fd: int) -> list[str] | None:
     """The server's loop (``flor _forkserver SCRIPT FD``): None when the
     replay is done with it; in a forked worker, the worker's arguments."""
     sock = socket.socket(fileno=fd)
-    # Ctrl-C reaches the process group: the replay stops the server, and
-    # each worker gets back the handler it would have started with.
-    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    why = _refusal(imports_of(script))
+    why = _refusal(script, _imports(script))
     _send(sock, op="ready", refused=why)
     if why is not None:
         return None
+    # Ctrl-C reaches the process group: the replay stops the server, and
+    # each worker gets back the handler the imports left.
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     gc.collect()  # what the imports left is freed, not kept by gc.freeze
     children: set[int] = set()
     while True:

@@ -20,7 +20,7 @@ import sys
 
 from .. import _core
 
-__all__ = ["Capture", "Output", "Relay", "STREAMS", "relay", "unrelay"]
+__all__ = ["Capture", "Output", "Relay", "STREAMS", "relay", "relayed", "unrelay"]
 
 STREAMS = ("stdout", "stderr")  # the journal's stream numbers
 
@@ -93,10 +93,10 @@ class Output(io.TextIOBase):
         return getattr(self._real, name)
 
 
-class Relay:
+class Relay(io.TextIOBase):
     """sys.stdout or sys.stderr of a process whose session has not begun,
-    for what keeps the stream it found: writes go to `target`, the real
-    stream until a `Capture` points it to its `Output`."""
+    for what keeps the stream it found: everything goes to `target`, the
+    real stream until a `Capture` points it to its `Output`."""
 
     def __init__(self, real):
         self.real = self.target = real
@@ -104,11 +104,53 @@ class Relay:
     def write(self, text):
         return self.target.write(text)
 
+    def writelines(self, lines):
+        for line in lines:
+            self.target.write(line)
+
     def flush(self):
         return self.target.flush()
 
+    def fileno(self):
+        return self.target.fileno()
+
+    def isatty(self):
+        return self.target.isatty()
+
+    def writable(self):
+        return True
+
+    @property
+    def buffer(self):
+        return _RelayBinary(self)
+
+    @property
+    def encoding(self):
+        return self.target.encoding
+
+    @property
+    def errors(self):
+        return self.target.errors
+
     def __getattr__(self, name):
         return getattr(self.target, name)
+
+
+class _RelayBinary:
+    """A relay's buffer: bytes go to its target's buffer as they are
+    written (a captured stream's journals them)."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def write(self, b):
+        return self._owner.target.buffer.write(b)
+
+    def flush(self):
+        self._owner.target.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._owner.target.buffer, name)
 
 
 RELAYS: dict[str, Relay] = {}  # stream name -> its relay, in a fork server and its workers
@@ -121,9 +163,15 @@ def relay():
         setattr(sys, name, RELAYS[name])
 
 
+def relayed() -> bool:
+    """Whether sys.stdout and sys.stderr are still the relays."""
+    return all(getattr(sys, name) is r for name, r in RELAYS.items())
+
+
 def unrelay():
     """Put the real streams back as sys.stdout and sys.stderr (a forked
-    worker, as a started one has them); the relays stay with what kept them."""
+    worker, as a started one has them); the relays stay with what kept
+    them."""
     for name, r in RELAYS.items():
         setattr(sys, name, r.real)
 

@@ -137,12 +137,14 @@ def never_checkpointed(decisions):
 
 
 def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
-             resume=True) -> int:
+             resume=True, forked=False) -> int:
     """Run segment `part` of the plan in this process (a worker, or --part):
     `tee` also shows the script's stdout, `own_db` stores into the part's
     own database (or into the database file it names), `progress_fd`
     reports each replayed iteration, `resume` starts from an iteration
-    checkpoint where the plan has one."""
+    checkpoint where the plan has one; a worker `forked` from the fork
+    server has the script's directory on sys.path already (set before its
+    imports, which may have put paths before it)."""
     store = Store(plan.store)
     if own_db:
         db = own_db if isinstance(own_db, str) else store.layout.part_db(plan.replay_id, part)
@@ -153,7 +155,8 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
                              resume=resume)
     script = plan.script
     sys.argv = list(plan.argv)
-    sys.path[0] = os.path.dirname(script)
+    if not forked:
+        sys.path[0] = os.path.dirname(script)
     instrumented = plan.code()
     error, code = None, 0
     try:
