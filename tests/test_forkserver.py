@@ -3,6 +3,7 @@ modules once (flor/replay/forkserver.py): they print what spawned workers
 and a plain run print, the project's own modules are not imported ahead,
 and where the server cannot be used the workers are spawned."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -235,3 +236,9 @@ def test_a_killed_replay_leaves_no_worker_or_server_behind(tmp_path, torch):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid, _, args in _processes():  # whatever this test's replay left, if it failed
+            if d in args:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
