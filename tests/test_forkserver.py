@@ -97,6 +97,7 @@ def test_the_server_imports_the_script_s_installed_modules_and_not_its_own(tmp_p
         import csv
     """)
     assert imports_of(sys_path_first) == ["sys"]
+    assert ForkServer.start(sys_path_first) is None  # nothing dear to import ahead
 
 
 def test_forked_workers_print_what_spawned_workers_and_a_plain_run_print(tmp_path, torch):

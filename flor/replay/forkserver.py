@@ -35,7 +35,9 @@ variable read as they were imported: FLOR_REPLAY_WORKER and a worker's own
 CUDA_VISIBLE_DEVICES are set in the worker only); what they kept of
 sys.stdout is a `Relay`.
 
-``FLOR_FORKSERVER=0`` spawns every worker (the tests' seam for that path).
+No server is started for a script whose leading imports are all of the
+standard library (there is little to save), and ``FLOR_FORKSERVER=0``
+spawns every worker (the tests' seam for that path).
 """
 from __future__ import annotations
 
@@ -306,6 +308,8 @@ class ForkServer:
         if os.environ.get(ENV, "1") == "0" or not hasattr(socket, "send_fds") \
                 or not hasattr(os, "fork"):
             return None
+        if all(name.partition(".")[0] in sys.stdlib_module_names for name in imports_of(script)):
+            return None  # nothing dear to import ahead: not worth a process
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         if threads:
