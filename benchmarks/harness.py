@@ -44,6 +44,29 @@ def machine(torch=None) -> dict:
     return out
 
 
+def load_average() -> list:
+    """The 1, 5 and 15 minute load averages, as /proc/loadavg words."""
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
+def report_header(script, rounds) -> dict:
+    """A report's opening fields: the command that ran it (`script`, a
+    file of benchmarks/, with this process's arguments), the machine, its
+    load before, and the rounds.  The benchmark adds `load_after`."""
+    return {"command": (f"python benchmarks/{script} " + " ".join(sys.argv[1:])).strip(),
+            "machine": machine(), "machine_line": machine_line(),
+            "load_before": load_average(), "rounds": rounds}
+
+
+def header_line(report) -> str:
+    """The markdown report's opening: the machine, the load before and after,
+    the command and its rounds (the benchmark goes on with what it took)."""
+    return (f"Machine: {report['machine_line']}; one torch thread per process; load average "
+            f"{' '.join(report['load_before'])} before, {' '.join(report['load_after'])} "
+            f"after.  Command: `{report['command']}`; {report['rounds']} interleaved round(s)")
+
+
 def median(xs):
     """The median, NaNs left out (NaN when nothing is left)."""
     xs = [x for x in xs if x == x]

@@ -23,7 +23,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import ROOT, add_line, machine, machine_line, median, timed, write_report  # noqa: E402
+from harness import (ROOT, add_line, load_average, machine, machine_line, median,  # noqa: E402
+                     timed, write_report)
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "workloads", "makemore_steps.py")
 PROBE = ("optimizer.step()", 'print(f"  loss {loss.item():.6f}")')
@@ -51,8 +52,7 @@ def main():
 
     rec_env = dict(env, FLOR_DIR=os.path.join(work, ".flor-rounds"))
 
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
+    load = load_average()
     kinds = ("plain", "record", "plain_edited", "replay")
     raw = {(kind, n): [] for kind in kinds for n in (short, long_)}
     same = True
@@ -86,8 +86,7 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
     med = {k: median(v) for k, v in raw.items()}
     grow = {kind: med[(kind, long_)] - med[(kind, short)] for kind in kinds}
-    with open("/proc/loadavg") as f:
-        load_after = f.read().split()[:3]
+    load_after = load_average()
     report = {"command": ("python benchmarks/replay_steps.py " + " ".join(sys.argv[1:])).strip(),
               "machine": machine(), "machine_line": machine_line(), "rounds": args.rounds,
               "load_before": load, "load_after": load_after, "steps": [short, long_],

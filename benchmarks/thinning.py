@@ -24,8 +24,8 @@ import tempfile
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (ROOT, add_line, machine, machine_line, median, script_env,  # noqa: E402
-                     timed, write_report)
+from harness import (ROOT, add_line, header_line, load_average, median, report_header,  # noqa: E402
+                     script_env, timed, write_report)
 
 WORKLOADS = os.path.join(ROOT, "benchmarks", "workloads")
 GNORM = ('print(f"  gnorm {sum(p.grad.norm() ** 2 for p in model.parameters() '
@@ -137,11 +137,7 @@ def main():
     args = ap.parse_args()
     rng = random.Random(0)
     work = tempfile.mkdtemp(prefix="flor-thinning-")
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
-    report = {"command": ("python benchmarks/thinning.py " + " ".join(sys.argv[1:])).strip(),
-              "machine": machine(), "machine_line": machine_line(), "load_before": load,
-              "rounds": args.rounds, "scripts": {}}
+    report = dict(report_header("thinning.py", args.rounds), scripts={})
     try:
         for name in args.only.split(","):
             report["scripts"][name] = r = bench(name, args.rounds, work, rng)
@@ -150,19 +146,16 @@ def main():
                 f"(peak {r[b]['peak_mib']:.1f})" for b in BOUNDS), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    with open("/proc/loadavg") as f:
-        report["load_after"] = f.read().split()[:3]
+    report["load_after"] = load_average()
     write_report(report, args.out, render)
 
 
 def render(report):
-    lines = [f"Machine: {report['machine_line']}; one torch thread per process; load average "
-             f"{' '.join(report['load_before'])} before, {' '.join(report['load_after'])} "
-             f"after.  Command: `{report['command']}`; {report['rounds']} interleaved "
-             "round(s), medians.  Disk: the run's checkpoint directory, at its peak during "
-             "the record (sampled every 200 ms) and at its end.  Replay: a statement in the "
-             "training step, `--jobs 2`; speed-up = a plain run of the edited script / the "
-             "replay.", "",
+    lines = [header_line(report) + (
+                 ", medians.  Disk: the run's checkpoint directory, at its peak during the "
+                 "record (sampled every 200 ms) and at its end.  Replay: a statement in the "
+                 "training step, `--jobs 2`; speed-up = a plain run of the edited script / "
+                 "the replay."), "",
              "| script | bound | record (s) | iteration checkpoints kept | disk at end (MiB) | "
              "peak (MiB) | replay speed-up | segments | output = plain, checks |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -21,8 +21,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (ROOT, add_line, machine, machine_line, median, open_store,  # noqa: E402
-                     script_env, timed, write_report)
+from harness import (ROOT, add_line, header_line, load_average, median, open_store,  # noqa: E402
+                     report_header, script_env, timed, write_report)
 
 WORKLOADS = os.path.join(ROOT, "benchmarks", "workloads")
 WNORM = 'print(f"  wnorm {sum(p.norm() ** 2 for p in %s.parameters()).item() ** 0.5:.6f}")'
@@ -87,27 +87,20 @@ def main():
     args = ap.parse_args()
     rng = random.Random(0)
     work = tempfile.mkdtemp(prefix="flor-start-")
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
-    report = {"command": ("python benchmarks/worker_start.py " + " ".join(sys.argv[1:])).strip(),
-              "machine": machine(), "machine_line": machine_line(), "load_before": load,
-              "rounds": args.rounds, "scripts": {}}
+    report = dict(report_header("worker_start.py", args.rounds), scripts={})
     try:
         for name in args.only.split(","):
             report["scripts"][name] = bench(name, args.rounds, work, rng)
             print(f"{name} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    with open("/proc/loadavg") as f:
-        report["load_after"] = f.read().split()[:3]
+    report["load_after"] = load_average()
     write_report(report, args.out, render)
 
 
 def render(report):
-    lines = [f"Machine: {report['machine_line']}; one torch thread per process; load average "
-             f"{' '.join(report['load_before'])} before, {' '.join(report['load_after'])} "
-             f"after.  Command: `{report['command']}`; {report['rounds']} interleaved "
-             "round(s), medians of an epoch-loop probe's replay, from the command's start.", "",
+    lines = [header_line(report) + (
+                 ", medians of an epoch-loop probe's replay, from the command's start."), "",
              "| script | arguments | replay | spawned (s) | forked (s) | saved (s) | "
              "workers forked |",
              "|---|---|---|---|---|---|---|"]
