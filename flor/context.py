@@ -62,9 +62,24 @@ def decode(text: str) -> list:
     return json.loads(text)
 
 
+@functools.lru_cache(maxsize=4096)
 def top_key(loop, run) -> str:
     """The encoded main-loop run ``[loop, run]`` (the ``top`` column)."""
     return encode([loop, run])
+
+
+@functools.lru_cache(maxsize=4096)
+def _head(kind, key, n) -> str:
+    """A frame's encoding up to its loop index: ``["L","train.py:40",0``
+    (a block frame's, less its closing bracket)."""
+    return encode([kind, key, n])[:-1]
+
+
+def _frame_text(frame) -> str:
+    """encode(frame) of a loop or block frame, from its cached head: a
+    session encodes its context at every iteration of every tracked loop."""
+    head = _head(frame[0], frame[1], frame[2])
+    return f"{head},{int(frame[3])}]" if len(frame) == 4 else head + "]"
 
 
 def is_outermost(ctx: str) -> bool:
@@ -179,7 +194,8 @@ class Context:
         return [f for f in self.frames if f is not PLAIN]
 
     def encode(self) -> str:
-        return encode(self._identity())
+        """encode(self._identity()), frame by frame."""
+        return "[" + ",".join([_frame_text(f) for f in self.frames if f is not PLAIN]) + "]"
 
     def next(self, kind: str, key, ctx: str) -> int:
         """Number the next `kind` ("L" loop run, "B" block occurrence, "S"
@@ -213,7 +229,7 @@ class Context:
         """(encoded [loop, run], index) of the outermost loop, or (None, None)."""
         frames = self._identity()
         if frames and frames[0][0] == LOOP:
-            return encode(frames[0][1:3]), frames[0][3]
+            return top_key(frames[0][1], frames[0][2]), frames[0][3]
         return None, None
 
     # -- the stack --------------------------------------------------------
@@ -321,8 +337,9 @@ def _indices(ctx):
 
 def iter_column(indices) -> str:
     """The `iter` column of logs and decisions: the JSON list of the
-    indices of a context's loops, outermost first."""
-    return json.dumps(list(indices))
+    indices of a context's loops, outermost first (json.dumps of the
+    list, spelt out: it is made for every decision)."""
+    return "[" + ", ".join([str(int(i)) for i in indices]) + "]"
 
 
 class Where(NamedTuple):
