@@ -211,6 +211,12 @@ def test_the_charge_is_what_training_pays_per_checkpoint():
     c.charged("train", 0.1)  # a warm one measured: it replaces the model
     assert c.cost("train", 1000, 1000.0, 2.0) == pytest.approx(
         (1.9 + 0.1 + 0.3 + 0.1 + 0.15) / 3)
+    c.paid("train", 0.5)  # its fingerprint, after the submit: the cheapest is now the cold one
+    assert c.cost("train", 1000, 1000.0, 2.0) == pytest.approx(
+        (1.9 + 0.6 + 0.3 + 0.6 + 0.15) / 3)
+    c.charged("train", 0.4)
+    assert c.cost("train", 1000, 1000.0, 2.0) == pytest.approx(
+        (1.9 + 0.6 + 0.4 + 0.3 + 0.4 + 0.1) / 4)
     # A cold checkpoint cheaper than the model caps it.
     d = charge.Charges()
     d._share = 0.25

@@ -67,17 +67,31 @@ DEVICE_COPY_BPS = 1e11
 
 
 class _Block:
-    __slots__ = ("blocking", "slowdown", "clean_s", "clean_n", "nested")
+    __slots__ = ("blocking", "total", "least", "slowdown", "clean_s", "clean_n", "nested")
 
     def __init__(self):
         self.blocking: list[float] = []  # per checkpoint
+        # sum(blocking) and min(blocking), kept as it changes: the rule reads
+        # them at every execution, and a step loop has thousands of checkpoints
+        self.total, self.least = 0.0, math.inf
         self.slowdown = 0.0  # total, over overlapped executions
         self.clean_s, self.clean_n = 0.0, 0  # own compute of executions with no write going on
         self.nested = 0.0  # what checkpoints of blocks nested in its executions blocked
 
+    def charge(self, blocking: float):
+        """A checkpoint blocked `blocking` seconds."""
+        self.blocking.append(blocking)
+        self.total += blocking
+        self.least = min(self.least, blocking)
+
+    def pay_last(self, seconds: float):
+        """The last checkpoint cost `seconds` more."""
+        self.blocking[-1] += seconds
+        self.total, self.least = sum(self.blocking), min(self.blocking)
+
     @property
     def spent(self) -> float:
-        return sum(self.blocking) + self.slowdown
+        return self.total + self.slowdown
 
 
 class _Frame:
@@ -115,13 +129,19 @@ class Charges:
         self._open: list[_Frame] = []
         self._share = None
 
+    def _block(self, key) -> _Block:
+        b = self._blocks.get(key)
+        if b is None:
+            b = self._blocks[key] = _Block()
+        return b
+
     def started(self, key, writing):
         """A block execution starts."""
         self._open.append(_Frame(key, writing))
 
     def ended(self, key, seconds: float, writing):
         """A block execution ended after `seconds` (nested blocks included)."""
-        b = self._blocks.setdefault(key, _Block())
+        b = self._block(key)
         frame, lost = None, 0.0
         while self._open:  # executions left open by an exception end with this one
             f = self._open.pop()
@@ -146,7 +166,7 @@ class Charges:
             if frame.cpu is not None and writing.cpu is not None:
                 extra = min(extra, writing.cpu - frame.cpu - frame.granted)
             if extra > 0:
-                self._blocks.setdefault(overlapped, _Block()).slowdown += extra
+                self._block(overlapped).slowdown += extra
         if parent is not None:
             parent.granted += frame.granted + max(extra, 0.0)
 
@@ -155,7 +175,7 @@ class Charges:
         """M for the rule: the block's training overhead after one more
         checkpoint of `nbytes`, a fraction `on_device` of them in CUDA
         tensors, per checkpoint."""
-        b = self._blocks.setdefault(key, _Block())
+        b = self._block(key)
         k = len(b.blocking)
         if self._share is None:
             self._share = _share()
@@ -170,20 +190,20 @@ class Charges:
             # warm one, capped by what the cold one cost.
             marginal = min(prior, b.blocking[0]) + b.slowdown
         else:
-            marginal = min(b.blocking) + b.slowdown / k
+            marginal = b.least + b.slowdown / k
         return (b.spent + b.nested + marginal) / (k + 1)
 
     def paid(self, key, seconds: float):
         """Training paid `seconds` more for the checkpoint of the block just
         charged (its state fingerprint, taken after the submit)."""
-        b = self._blocks.setdefault(key, _Block())
+        b = self._block(key)
         if b.blocking:
-            b.blocking[-1] += seconds
+            b.pay_last(seconds)
         self._nested(key, seconds)
 
     def charged(self, key, blocking: float):
         """A checkpoint of the block was submitted; it blocked `blocking` s."""
-        self._blocks.setdefault(key, _Block()).blocking.append(blocking)
+        self._block(key).charge(blocking)
         self._nested(key, blocking)
 
     def abandoned(self, key):
@@ -206,7 +226,7 @@ class Charges:
         if self._open:
             self._open[-1].inner += seconds
         for outer in {f.key for f in self._open} - {key}:
-            self._blocks.setdefault(outer, _Block()).nested += seconds
+            self._block(outer).nested += seconds
 
 
 def reason(machine, nbytes: int, write_s: float, decided) -> str:
