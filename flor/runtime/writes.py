@@ -69,7 +69,7 @@ class Writes:
         self._mat = None
         self._speeds = None  # calibrated
         self._idle = None  # the materializer's counters, while it has nothing to write
-        self._measured = (None, None)  # (counters, the speeds they gave)
+        self._measured = (None, None)  # (write counters, the speeds they gave)
 
     def materializer(self) -> Materializer:
         if self._mat is None:
@@ -126,9 +126,9 @@ class Writes:
         if self._mat is None:
             return self._speeds
         st = self._stats()
-        if self._measured[0] is not st:
-            self._measured = st, self._speeds.measured(st["written"], st["write_seconds"],
-                                                       st["bytes_written"])
+        counts = st["written"], st["write_seconds"], st["bytes_written"]
+        if self._measured[0] != counts:  # (a write pending: new counters at each call)
+            self._measured = counts, self._speeds.measured(*counts)
         return self._measured[1]
 
     def thin(self, thinning, final=False):
