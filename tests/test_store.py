@@ -197,3 +197,26 @@ def test_a_replay_part_database_commits_without_waiting_for_the_disk_until_it_fi
         part.add_output([row(1)])
         part.add_output([row(2)])
     assert [r["ord"] for r in part.rows("output", "r")] == [1, 2]
+
+
+def test_a_records_notable_decisions_leave_out_its_step_loops_ordinary_ones(tmp_path):
+    # A record's summary reads these, not the decision of every step.
+    from flor.schema import DECISIONS
+
+    st = Store(str(tmp_path / ".flor"))
+    cols = dict.fromkeys(DECISIONS.names)
+
+    def row(block, checkpoint=0, reason="no checkpoint: M/C = 2 >= 1", run="r1"):
+        return DECISIONS.Row(**dict(cols, run_id=run, block=block, checkpoint=checkpoint,
+                                    reason=reason))
+
+    it, other = "train.py:9 (iteration)", "train.py:30 (iteration)"
+    rows = [row("train.py:12"), row(it), row(it, 1, "checkpoint: M/C = 0.1 < 1"), row(it),
+            row(it, reason="no checkpoint: none holds x (whose position no checkpoint holds)"),
+            row(it, reason="no checkpoint: none holds x (whose position no checkpoint holds)"),
+            row(other, reason="no checkpoint: its state cannot be checkpointed: TypeError"),
+            row(it), row("train.py:12", reason=None), row(it, 1, run="r2")]
+    st.add_decisions(rows)
+    got = st.notable_decisions("r1", "cannot be checkpointed", "whose position no checkpoint")
+    assert [(d["block"], d["checkpoint"], d["reason"]) for d in got] == [
+        (r.block, r.checkpoint, r.reason) for r in (rows[0], rows[2], rows[4], rows[6], rows[8])]

@@ -86,7 +86,7 @@ def summary(store, run_id) -> list[str]:
         return [f"run {run_id} of {run['script_name']} ended before any loop of flor's ran "
                 f"(a --help run, or an exit before the main loop): replay never picks it; "
                 f"`flor rm {run_id}` deletes it"]
-    decisions = store.rows("decisions", run_id, "ORDER BY rowid")
+    decisions = store.notable_decisions(run_id, UNCAPTURED, blockstate.UNHELD)
     ckpt_dir = store.layout.ckpt_dir(run_id)
     def size(rows):
         return sum(os.path.getsize(os.path.join(ckpt_dir, d["file"])) for d in rows
