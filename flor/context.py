@@ -62,24 +62,35 @@ def decode(text: str) -> list:
     return json.loads(text)
 
 
-@functools.lru_cache(maxsize=4096)
 def top_key(loop, run) -> str:
     """The encoded main-loop run ``[loop, run]`` (the ``top`` column)."""
+    if type(loop) is str and type(run) is int:
+        return _top_key(loop, run)
     return encode([loop, run])
 
 
 @functools.lru_cache(maxsize=4096)
-def _head(kind, key, n) -> str:
+def _top_key(loop: str, run: int) -> str:
+    return encode([loop, run])
+
+
+@functools.lru_cache(maxsize=4096)
+def _head(kind: str, key: str, n: int) -> str:
     """A frame's encoding up to its loop index: ``["L","train.py:40",0``
     (a block frame's, less its closing bracket)."""
     return encode([kind, key, n])[:-1]
 
 
 def _frame_text(frame) -> str:
-    """encode(frame) of a loop or block frame, from its cached head: a
-    session encodes its context at every iteration of every tracked loop."""
-    head = _head(frame[0], frame[1], frame[2])
-    return f"{head},{int(frame[3])}]" if len(frame) == 4 else head + "]"
+    """encode(frame) of a loop or block frame, from its cached head when its
+    key is a str and its number an int (1, 1.0 and True are one key to a
+    cache): a session encodes its context at every iteration of every
+    tracked loop."""
+    if type(frame[1]) is str and type(frame[2]) is int and \
+            (len(frame) == 3 or type(frame[3]) is int):
+        head = _head(frame[0], frame[1], frame[2])
+        return f"{head},{frame[3]}]" if len(frame) == 4 else head + "]"
+    return encode(list(frame))
 
 
 def is_outermost(ctx: str) -> bool:
@@ -338,8 +349,11 @@ def _indices(ctx):
 def iter_column(indices) -> str:
     """The `iter` column of logs and decisions: the JSON list of the
     indices of a context's loops, outermost first (json.dumps of the
-    list, spelt out: it is made for every decision)."""
-    return "[" + ", ".join([str(int(i)) for i in indices]) + "]"
+    list, spelt out for ints: it is made for every decision)."""
+    indices = list(indices)
+    if all(type(i) is int for i in indices):
+        return "[" + ", ".join(map(str, indices)) + "]"
+    return json.dumps(indices)
 
 
 class Where(NamedTuple):

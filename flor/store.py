@@ -127,14 +127,15 @@ class Store(Database):
         """A record's decisions in order, less most of its main loop's:
         every block decision, every iteration checkpoint taken, every
         iteration decision whose reason holds `always`, and of those whose
-        reason holds `first`, the first of each loop.  A step loop makes a
+        reason holds `first` and not `always`, the first of each loop.  A step loop makes a
         decision at each of its many iterations, and a record's closing
         summary wants none of the rest."""
         return [dict(r) for r in self.db.execute(
             "SELECT * FROM decisions WHERE run_id = ?1 AND (block NOT GLOB '* (iteration)' "
             "OR checkpoint = 1 OR instr(reason, ?2) > 0 OR rowid IN (SELECT min(rowid) "
             "FROM decisions WHERE run_id = ?1 AND block GLOB '* (iteration)' AND "
-            "instr(reason, ?3) > 0 GROUP BY block)) ORDER BY rowid", (run_id, always, first))]
+            "instr(reason, ?3) > 0 AND instr(reason, ?2) = 0 GROUP BY block)) ORDER BY rowid",
+            (run_id, always, first))]
 
     def checkpoints_removed(self, run_id, files, why):
         """The checkpoint `files` of a record were removed (thinned): their

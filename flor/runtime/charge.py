@@ -71,8 +71,9 @@ class _Block:
 
     def __init__(self):
         self.blocking: list[float] = []  # per checkpoint
-        # sum(blocking) and min(blocking), kept as it changes: the rule reads
-        # them at every execution, and a step loop has thousands of checkpoints
+        # sum(blocking) and min(blocking), made again as it changes (the
+        # builtin sum, as the rule always summed): the rule reads them at
+        # every execution, and a step loop has thousands of checkpoints
         self.total, self.least = 0.0, math.inf
         self.slowdown = 0.0  # total, over overlapped executions
         self.clean_s, self.clean_n = 0.0, 0  # own compute of executions with no write going on
@@ -81,8 +82,7 @@ class _Block:
     def charge(self, blocking: float):
         """A checkpoint blocked `blocking` seconds."""
         self.blocking.append(blocking)
-        self.total += blocking
-        self.least = min(self.least, blocking)
+        self.total, self.least = sum(self.blocking), min(self.least, blocking)
 
     def pay_last(self, seconds: float):
         """The last checkpoint cost `seconds` more."""
