@@ -36,6 +36,51 @@ def test_a_name_the_header_binds_and_the_body_rebinds_is_not_put_back(tmp_path):
     assert {"score", "opt"} <= set(names) and not {"x", "y", "b"} & set(names), carried
 
 
+TWO_PARAM_GROUPS = """
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1))
+decay = [p for p in model.parameters() if p.dim() >= 2]
+no_decay = [p for p in model.parameters() if p.dim() < 2]
+# nanoGPT's configure_optimizers: both groups share the default betas tuple
+optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+X, Y = torch.randn(64, 8), torch.randn(64, 1)
+step = 0
+while True:
+    for g in optimizer.param_groups:
+        g["lr"] = 1e-2 / (1 + step)
+    loss = torch.nn.functional.mse_loss(model(X), Y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    print("step", step, round(loss.item(), 6))
+    step += 1
+    if step >= 8:
+        break
+"""
+
+
+def test_an_optimizer_whose_param_groups_share_a_tuple_is_verified_after_a_restore(tmp_path):
+    """Two param groups (with and without weight decay) share AdamW's
+    default betas tuple; a restore makes one tuple per group.  The restored
+    optimizer was digested differently from the record's, so every worker
+    that started from an iteration checkpoint ran its segment again from the
+    start (right values, no speed-up)."""
+    d = str(tmp_path)
+    write_script(d, "train.py", TWO_PARAM_GROUPS)
+    flor(d, "record", "--no-adaptive", "train.py")
+    edit(f"{d}/train.py", "loss.backward()",
+         'print("gnorm", round(sum(p.grad.norm() ** 2 for p in model.parameters()).item(), 6))')
+    rep = flor(d, "replay", "--jobs", "2", "train.py", env={"FLOR_SEGMENTS": "4"})
+    assert rep.stdout == plain(d, "train.py").stdout
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    assert "ran again from its start" not in rep.stderr, rep.stderr
+    resumed = _resumed(store(d))
+    assert resumed[0] is None and resumed[1] is not None  # the second one did restore
+
+
 def test_a_main_loop_that_runs_several_times_is_not_split(tmp_path):
     """The training loop lives in a library trainer, which calls the
     script back: the loop flor takes for the main loop runs once per epoch.

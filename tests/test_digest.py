@@ -156,3 +156,70 @@ def test_a_restore_verifies_every_carried_object_or_says_what_it_could_not():
                        r"of iteration 4: state\[0\] \(a dict\) \("):
         carry.restore(wrong, carry.Carried(({"calls": 0}, [])), "train.py:3", 0, 4, None,
                       "iteration checkpoint f")
+
+
+@pytest.mark.unit
+def test_a_tuple_counts_by_its_value_wherever_it_is_met():
+    """Version 2: two param groups sharing AdamW's default betas tuple (as
+    nanoGPT's configure_optimizers makes them) digest as their restored
+    copy, which has a tuple per group; version 1, which old records hold,
+    told them apart."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    groups = [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    m(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert opt.param_groups[0]["betas"] is opt.param_groups[1]["betas"]
+    skip = covered([m, opt])
+    recorded = {v: digest(opt, skip, v) for v in (1, 2)}
+    copy = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=1.0)
+    copy.load_state_dict(_round_trip(opt.state_dict()))
+    assert copy.param_groups[0]["betas"] is not copy.param_groups[1]["betas"]
+    skip = covered([m, copy])
+    assert digest(copy, skip, 2) == recorded[2] and digest(copy, skip) == recorded[2]
+    assert digest(copy, skip, 1) != recorded[1]
+    pair, other = (1, 2), tuple([1, 2])
+    assert pair is not other and digest([pair, pair]) == digest([pair, other])
+    assert digest([pair, pair], version=1) != digest([pair, other], version=1)
+    inner = [1]  # a list shared through tuples is still shared
+    assert digest([(inner,), (inner,)]) != digest([(inner,), ([1],)])
+    with pytest.raises(ValueError, match="no digest version 3"):
+        digest(pair, version=3)
+
+
+def _round_trip(obj):
+    """`obj` saved to a checkpoint file and loaded back."""
+    import os
+    import tempfile
+
+    from flor import checkpoint
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint.save(obj, os.path.join(d, "x.flor"))
+        return checkpoint.load(os.path.join(d, "x.flor"), trusted=True)
+
+
+@pytest.mark.unit
+def test_a_restore_compares_digests_of_the_version_the_record_took():
+    from flor.errors import FlorReplayError
+    from flor.runtime import carry
+    pair = (0.9, 0.95)
+    state = [{"betas": pair}, {"betas": pair}]  # one tuple, twice
+    restored = [{"betas": tuple(list(pair))} for _ in range(2)]  # (a literal is one constant)
+    saved, _ = _saved((state,), carry.digests((state,), None))
+    assert saved["carried_version"] == 2
+    values, unverified = carry.restore(saved, carry.Carried(([],)), "train.py:3", 0, 4, None,
+                                       "iteration checkpoint f")
+    assert unverified == []
+    # A record made before version 2, whose checkpoint holds a tuple per dict.
+    old, _ = _saved((restored,), carry.digests((state,), None, version=1))
+    del old["carried_version"]
+    with pytest.raises(FlorReplayError, match="differs from what the record had"):
+        carry.restore(old, carry.Carried(([],)), "train.py:3", 0, 4, None,
+                      "iteration checkpoint f")
+    future, _ = _saved((state,), carry.digests((state,), None))
+    future["carried_version"] = 9
+    _, unverified = carry.restore(future, carry.Carried(([],)), "train.py:3", 0, 4, None,
+                                  "iteration checkpoint f")
+    assert unverified == ["state[0] (a list) (the record's digests are of version 9, which "
+                          "this flor does not make)"]

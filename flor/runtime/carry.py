@@ -19,6 +19,7 @@ of the block ``iteration_key(loop)`` at the context of the iteration, plus
     {"fingerprint": ...,  # of the modules and optimizers in the loop's scope
      "carried": [...],    # the digest of each carried object (flor/runtime/digest.py),
                           # None where it has none
+     "carried_version": v,  # of those digests (absent: version 1)
      "ord": n,            # the run's order counter at the end of the iteration
      "iteration": i}
 
@@ -69,7 +70,7 @@ def _covered(scope) -> set:
     return digest.covered(blockstate.state_owners([], scope) if scope is not None else [])
 
 
-def digests(objs, scope) -> list:
+def digests(objs, scope, version=digest.VERSION) -> list:
     """The digest of each of `objs` (None where it has none); the tensors of
     the modules and optimizers in scope count by shape only, as their
     fingerprint covers them."""
@@ -77,22 +78,25 @@ def digests(objs, scope) -> list:
     out = []
     for o in objs:
         try:
-            out.append(digest.digest(o, skip))
+            out.append(digest.digest(o, skip, version))
         except digest.Opaque:
             out.append(None)
     return out
 
 
-def _unverified(objs, scope, sig, recorded) -> tuple[list, list]:
-    """(labels whose restored state differs from the record's, labels
-    that could not be verified, with why)."""
+def _unverified(objs, scope, sig, recorded, version) -> tuple[list, list]:
+    """(labels whose restored state differs from the record's digests of
+    `version`, labels that could not be verified, with why)."""
     if recorded is None:
         return [], [f"{label} (the record took no digest of it)" for label in sig]
+    if version not in digest.VERSIONS:
+        return [], [f"{label} (the record's digests are of version {version}, which this "
+                     "flor does not make)" for label in sig]
     skip = _covered(scope)
     differ, unverified = [], []
     for label, o, want in zip(sig, objs, recorded):
         try:
-            got = digest.digest(o, skip)
+            got = digest.digest(o, skip, version)
         except digest.Opaque as e:
             unverified.append(f"{label} ({e}: flor cannot digest it)")
             continue
@@ -115,7 +119,8 @@ def tag(loop: str, run: int, i: int) -> bytes:
 
 def payload(loop, run, i, objs, sig, fp, ord_, carried) -> dict:
     out = blockstate.payload(iteration_key(loop), ctx_of(loop, run, i), 0, sig, objs)
-    out.update(fingerprint=fp, carried=carried, ord=ord_, iteration=i)
+    out.update(fingerprint=fp, carried=carried, carried_version=digest.VERSION, ord=ord_,
+               iteration=i)
     return out
 
 
@@ -141,7 +146,8 @@ def restore(saved, carrier, loop, run, i, scope, where):
             f"{where}: the state restored from it does not have the fingerprint the record "
             f"computed at the end of iteration {i} (the loop carries state flor did not "
             "capture); it cannot be used")
-    differ, unverified = _unverified(objs, scope, carrier.labels(sig), saved.get("carried"))
+    differ, unverified = _unverified(objs, scope, carrier.labels(sig), saved.get("carried"),
+                                     saved.get("carried_version", 1))
     if differ:
         raise FlorReplayError(
             f"{where}: what it put back differs from what the record had at the end of "

@@ -12,8 +12,9 @@ misses a part of the state is found before an iteration runs on it.
 The digest is canonical across processes: sets and dicts are digested in
 an order of their elements or keys (string hashes differ between
 processes, and a restore in place keeps the live dict's key order),
-attributes in name order (``__dict__`` and ``__slots__`` alike), shared
-and cyclic references by the order they are first met.  Modules are
+attributes in name order (``__dict__`` and ``__slots__`` alike), tuples
+by value wherever they are met, other shared and cyclic references by the
+order they are first met.  Modules are
 digested by their state dict, their training flag and the other
 attributes that do not start with an underscore (which load_state_dict
 does not restore), less the tensors they keep (a cached batch), for every
@@ -42,10 +43,16 @@ import types
 
 from .. import _core
 
-__all__ = ["digest", "covered", "Opaque", "VERSION"]
+__all__ = ["digest", "covered", "Opaque", "VERSION", "VERSIONS"]
 
-#: The version of these digests that an iteration checkpoint records.
-VERSION = 1
+#: The version of these digests that an iteration checkpoint records
+#: (``carried_version``; a checkpoint without one has version 1).  Version 2
+#: digests a tuple by its value wherever it is met; version 1 counted a
+#: tuple met twice as a shared reference, which no restore keeps: an
+#: optimizer whose param groups share the default `betas` tuple (two groups,
+#: with and without weight decay) never matched its restored self.
+VERSION = 2
+VERSIONS = (1, 2)
 #: The state fingerprint version a digest reads tensors with: whole
 #: storages, as a checkpoint holds and restores them (and as the records of
 #: every earlier version of flor digested them).
@@ -93,10 +100,13 @@ def covered(owners) -> set:
     return ids
 
 
-def digest(obj, skip=frozenset()) -> int:
+def digest(obj, skip=frozenset(), version=VERSION) -> int:
     """The 64-bit digest of `obj`'s state; tensors whose id is in `skip`
-    count by dtype and shape only.  Raises Opaque."""
-    d = _Digest(skip)
+    count by dtype and shape only (`version`: one of VERSIONS).  Raises
+    Opaque."""
+    if version not in VERSIONS:
+        raise ValueError(f"no digest version {version!r}: this flor makes {VERSIONS}")
+    d = _Digest(skip, version)
     try:
         d.add(obj)
         if d.tensors:
@@ -111,9 +121,9 @@ def digest(obj, skip=frozenset()) -> int:
 
 
 class _Digest:
-    def __init__(self, skip):
+    def __init__(self, skip, version):
         self.h = hashlib.blake2b(digest_size=8)
-        self.skip = skip
+        self.skip, self.version = skip, version
         self.memo: dict[int, int] = {}
         self.keep = []  # what the memo's ids name stays alive while digesting
         self.tensors = []  # read by the C walk at the end, in the order met
@@ -135,6 +145,8 @@ class _Digest:
             return self.tag(b"s", obj.encode("utf-8", "surrogatepass"))
         if t is bytes:
             return self.tag(b"b", obj)
+        if t is tuple and self.version >= 2:  # immutable: what it holds is what counts
+            return self._sequence(b"t", obj)
         ref = self.memo.get(id(obj))
         if ref is not None:  # shared or cyclic: where it was first met
             return self.tag(b"r", str(ref).encode())
@@ -189,7 +201,7 @@ class _Digest:
             return self._sequence(b"v", values)
         parts = []
         for k in keys:
-            sub = _Digest(self.skip)
+            sub = _Digest(self.skip, self.version)
             sub.add(k)
             parts.append((sub.h.digest(), k))
         for _, k in sorted(parts, key=lambda p: p[0]):
@@ -209,7 +221,7 @@ class _Digest:
             return self._sequence(b"s", sorted(obj))
         parts = []
         for x in obj:
-            sub = _Digest(self.skip)
+            sub = _Digest(self.skip, self.version)
             sub.add(x)
             if sub.tensors:
                 sub.h.update(struct.pack("<Q", _core.fingerprint(sub.tensors, TENSORS)))
