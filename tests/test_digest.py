@@ -223,3 +223,42 @@ def test_a_restore_compares_digests_of_the_version_the_record_took():
                                   "iteration checkpoint f")
     assert unverified == ["state[0] (a list) (the record's digests are of version 9, which "
                           "this flor does not make)"]
+
+
+@pytest.mark.unit
+def test_tuple_subclasses_count_by_value_and_a_tuple_met_on_many_paths_is_walked_once(monkeypatch):
+    """A namedtuple or torch.Size shared in two places is two tuples once
+    restored in place; `x = (x, x)` twenty times over is met on a million
+    paths, and the record digests it at every checkpoint."""
+    from flor.runtime import digest as digest_module
+    from flor.runtime import carry
+    Best = collections.namedtuple("Best", "loss step")
+    best, size = Best(1.5, 1000), torch.Size([4, 4])
+    state = {"best": best, "last": best, "q": size, "k": size}
+    live = {"best": Best(0.25, 20), "last": None, "q": torch.Size([1]), "k": None}
+    saved, _ = _saved((state,), carry.digests((state,), None))
+    _, unverified = carry.restore(saved, carry.Carried((live,)), "train.py:3", 0, 4, None,
+                                  "iteration checkpoint f")
+    assert unverified == [] and live == state and live["best"] is not live["last"]
+    assert digest(Best(1.5, 1000)) != digest((1.5, 1000))  # the type counts
+
+    x = (1,)
+    for _ in range(20):
+        x = (x, x)
+    calls = []
+    add = digest_module._Digest.add
+    monkeypatch.setattr(digest_module._Digest, "add",
+                        lambda self, obj: calls.append(1) or add(self, obj))
+    digest([x, x])
+    assert len(calls) < 200, len(calls)
+    calls.clear()
+    digest(x, version=1)
+    assert len(calls) < 200, len(calls)
+
+
+@pytest.mark.unit
+def test_digests_of_two_versions_never_equal():
+    """An older flor compares version 1 digests: it must refuse a newer
+    record's version 2 digest, never take it for a match."""
+    for obj in ([1, 2], {"a": (1, 2)}, "text", 3.5, None):
+        assert digest(obj, version=1) != digest(obj, version=2)

@@ -117,9 +117,11 @@ def tag(loop: str, run: int, i: int) -> bytes:
     return blockstate.tag(iteration_key(loop), ctx_of(loop, run, i), 0)
 
 
-def payload(loop, run, i, objs, sig, fp, ord_, carried) -> dict:
+def payload(loop, run, i, objs, sig, fp, ord_, carried, version=digest.VERSION) -> dict:
+    """The iteration checkpoint of iteration i (`carried`: the digests of
+    `objs`, of `version`)."""
     out = blockstate.payload(iteration_key(loop), ctx_of(loop, run, i), 0, sig, objs)
-    out.update(fingerprint=fp, carried=carried, carried_version=digest.VERSION, ord=ord_,
+    out.update(fingerprint=fp, carried=carried, carried_version=version, ord=ord_,
                iteration=i)
     return out
 

@@ -79,6 +79,13 @@ def _cache(name, value) -> bool:
     return any(isinstance(v, torch.Tensor) for v in items)
 
 
+def _by_value(obj, t) -> bool:
+    """A tuple, or a tuple subclass that holds nothing but its items (a
+    namedtuple, torch.Size, a struct sequence: no __dict__, and Python
+    allows a tuple subclass no slots of its own)."""
+    return t is tuple or (isinstance(obj, tuple) and not hasattr(obj, "__dict__"))
+
+
 class Opaque(Exception):
     """An object whose state the digest cannot read (its message: what it is)."""
 
@@ -110,7 +117,7 @@ def digest(obj, skip=frozenset(), version=VERSION) -> int:
     try:
         d.add(obj)
         if d.tensors:
-            d.h.update(struct.pack("<Q", _core.fingerprint(d.tensors, TENSORS)))
+            d.write(struct.pack("<Q", _core.fingerprint(d.tensors, TENSORS)))
     except Opaque:
         raise
     except RecursionError:
@@ -122,14 +129,53 @@ def digest(obj, skip=frozenset(), version=VERSION) -> int:
 
 class _Digest:
     def __init__(self, skip, version):
-        self.h = hashlib.blake2b(digest_size=8)
+        # Version 2 and later hash in their own space: no digest of one
+        # version equals a digest of another (an older flor, which compares
+        # version 1, refuses a newer record's restore instead of misreading it).
+        self.h = hashlib.blake2b(digest_size=8, person=b"" if version == 1 else
+                                 f"flor-digest-{version}".encode())
         self.skip, self.version = skip, version
+        self.walked: dict[int, object] = {}  # tuples walked to their end (kept alive)
+        self.again: dict[int, bytes] = {}  # what a walked tuple adds when met again
         self.memo: dict[int, int] = {}
         self.keep = []  # what the memo's ids name stays alive while digesting
         self.tensors = []  # read by the C walk at the end, in the order met
 
+    def write(self, b: bytes):
+        self.h.update(b)
+
     def tag(self, kind: bytes, data: bytes = b""):
-        self.h.update(kind + struct.pack("<Q", len(data)) + data)
+        self.write(kind + struct.pack("<Q", len(data)) + data)
+
+    def _tuple(self, obj, t):
+        """By value, as the hash of what it holds: once walked to its end,
+        everything it reaches is in the memo, so that hash is fixed and is
+        reused when it is met again (a tuple met on many paths is neither
+        walked nor hashed once per path).  A tuple that holds no tuple is
+        digested in line: met again, it costs its length."""
+        if not any(isinstance(x, tuple) for x in obj):
+            return self._tuple_walk(obj, t)
+        cached = self.again.get(id(obj))
+        if cached is None:
+            walked = id(obj) in self.walked  # to its end, before this meeting
+            outer, self.h = self.h, hashlib.blake2b(digest_size=16)
+            try:
+                self._tuple_walk(obj, t)
+                part = self.h.digest()
+            finally:
+                self.h = outer
+            if walked:
+                self.again[id(obj)] = part
+            else:
+                self.walked[id(obj)] = obj
+            cached = part
+        self.tag(b"u", cached)
+
+    def _tuple_walk(self, obj, t):
+        if t is tuple:
+            return self._sequence(b"t", obj)
+        self.tag(b"o", f"{t.__module__}.{t.__qualname__}".encode())
+        return self._sequence(b"l", obj)
 
     def add(self, obj):
         t = type(obj)
@@ -145,8 +191,8 @@ class _Digest:
             return self.tag(b"s", obj.encode("utf-8", "surrogatepass"))
         if t is bytes:
             return self.tag(b"b", obj)
-        if t is tuple and self.version >= 2:  # immutable: what it holds is what counts
-            return self._sequence(b"t", obj)
+        if self.version >= 2 and _by_value(obj, t):  # immutable: what it holds is what counts
+            return self._tuple(obj, t)
         ref = self.memo.get(id(obj))
         if ref is not None:  # shared or cyclic: where it was first met
             return self.tag(b"r", str(ref).encode())
@@ -227,7 +273,7 @@ class _Digest:
                 sub.h.update(struct.pack("<Q", _core.fingerprint(sub.tensors, TENSORS)))
             parts.append(sub.h.digest())
         for p in sorted(parts):
-            self.h.update(p)
+            self.write(p)
 
     def _attributes(self, obj, module=False):
         state = getattr(obj, "__dict__", None)
