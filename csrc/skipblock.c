@@ -415,32 +415,52 @@ sm_restored(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(sm_stats_doc,
-             "stats($self, /)\n--\n\n"
+             "stats($self, handle=None, /)\n--\n\n"
              "Per-block counters: key, n, k, compute_s, materialize_s (estimated),\n"
-             "restore_s, restores, skips, steps, nbytes.");
+             "restore_s, restores, skips, steps, nbytes; a list of them by handle, or\n"
+             "one block's when `handle` is given (a step loop asks at every iteration).");
 
 static PyObject *
-sm_stats(FlorSkipMachine *m, PyObject *Py_UNUSED(ignored))
+block_stats(const sb_block *b)
 {
-    PyObject *l = PyList_New(m->nblocks);
+    return Py_BuildValue("{s:O,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K}", "key", b->key, "n",
+                         (unsigned long long)b->n, "k", (unsigned long long)b->k, "compute_s",
+                         b->compute, "materialize_s", b->materialize, "restore_s", b->restore,
+                         "restores", (unsigned long long)b->restores, "skips",
+                         (unsigned long long)b->skips, "steps", (unsigned long long)b->steps,
+                         "nbytes", (unsigned long long)b->nbytes);
+}
+
+static PyObject *
+sm_stats(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *l = NULL;
     Py_ssize_t i;
+
+    if (flor_check_nargs("stats", nargs, 0, 1) < 0) {
+        goto done;
+    }
+    if (nargs == 1 && args[0] != Py_None) {
+        i = PyLong_AsSsize_t(args[0]);
+        if ((i == -1 && PyErr_Occurred()) || check_handle(m, i) < 0) {
+            goto done;
+        }
+        l = block_stats(&m->blocks[i]);
+        goto done;
+    }
+    l = PyList_New(m->nblocks);
     if (l == NULL) {
-        return NULL;
+        goto done;
     }
     for (i = 0; i < m->nblocks; i++) {
-        sb_block *b = &m->blocks[i];
-        PyObject *d = Py_BuildValue(
-            "{s:O,s:K,s:K,s:d,s:d,s:d,s:K,s:K,s:K,s:K}", "key", b->key, "n",
-            (unsigned long long)b->n, "k", (unsigned long long)b->k, "compute_s", b->compute,
-            "materialize_s", b->materialize, "restore_s", b->restore, "restores",
-            (unsigned long long)b->restores, "skips", (unsigned long long)b->skips, "steps",
-            (unsigned long long)b->steps, "nbytes", (unsigned long long)b->nbytes);
+        PyObject *d = block_stats(&m->blocks[i]);
         if (d == NULL) {
-            Py_DECREF(l);
-            return NULL;
+            Py_CLEAR(l);
+            goto done;
         }
         PyList_SET_ITEM(l, i, d);
     }
+done:
     return l;
 }
 
@@ -585,7 +605,7 @@ static PyMethodDef sm_methods[] = {
     {"decide", FLOR_CFUNC(sm_decide), METH_FASTCALL, sm_decide_doc},
     {"overruled", FLOR_CFUNC(sm_overruled), METH_FASTCALL, sm_overruled_doc},
     {"restored", FLOR_CFUNC(sm_restored), METH_FASTCALL, sm_restored_doc},
-    {"stats", FLOR_CFUNC(sm_stats), METH_NOARGS, sm_stats_doc},
+    {"stats", FLOR_CFUNC(sm_stats), METH_FASTCALL, sm_stats_doc},
     {NULL, NULL, 0, NULL},
 };
 

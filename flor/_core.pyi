@@ -1,6 +1,6 @@
 """Type stub of the C extension flor._core (csrc/).  tests/test_core_stub.py
 checks that it lists exactly what the module holds."""
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, overload
 
 # SkipMachine modes, phases and block states (csrc/skipblock.c).
 RECORD: int
@@ -59,7 +59,10 @@ class SkipMachine:
     def overruled(self, handle: int, checkpoint: bool, write_s: float, nbytes: int,
                   /) -> None: ...
     def restored(self, handle: int, seconds: float, /) -> None: ...
-    def stats(self, /) -> list[dict[str, Any]]: ...
+    @overload
+    def stats(self, handle: None = None, /) -> list[dict[str, Any]]: ...
+    @overload
+    def stats(self, handle: int, /) -> dict[str, Any]: ...
 
 class Journal:
     info: Any

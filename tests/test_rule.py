@@ -57,6 +57,9 @@ def test_counters_and_nesting():
     stats = {s["key"]: s for s in m.stats()}
     assert stats["outer"]["steps"] == 1 and stats["inner"]["skips"] == 1
     assert stats["inner"]["restores"] == 1 and stats["inner"]["restore_s"] == 0.25
+    assert m.stats(inner) == stats["inner"] and m.stats(None) == m.stats()  # one block's
+    with pytest.raises(IndexError, match="handle 2"):
+        m.stats(2)
 
 
 def test_rule_formula():

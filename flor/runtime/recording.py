@@ -316,7 +316,7 @@ class Recording(Policy):
             except Exception as e:  # noqa: BLE001 -- copying it for flor must not end the script
                 ok, reason, fname = False, f"no checkpoint: {self._uncaptured(key, named, e)}", None
                 self.machine.overruled(handle, False, write_s, nbytes)
-        st = self.machine.stats()[handle]
+        st = self.machine.stats(handle)
         session.logbook.decisions.append(DECISIONS.Row(
             run_id=self.run_id, block=key, ctx=ctx, occurrence=occurrence,
             iter=iter_column(indices), top=top, top_iter=top_iter, n=st["n"], k=st["k"],
