@@ -161,7 +161,7 @@ typedef struct {
     uint32_t n_entries, cap_entries, n_blobs, cap_blobs;
     int any_cuda;
     int not_tree; /* an object may appear twice in the skeleton */
-    int foreign;  /* holds a result of a class's own __deepcopy__ */
+    int foreign;  /* holds a copy.deepcopy result (a class's own, or deepcopy_instead) */
     int spans;    /* find the bytes each storage's tensors view (fingerprints) */
 } walker;
 
@@ -1055,6 +1055,40 @@ tree_safe(flor_state *st, PyTypeObject *tp)
     return PyType_IsSubtype(tp, &PyTuple_Type) && PyObject_HasAttrString((PyObject *)tp, "_fields");
 }
 
+/* The state of `o` could not be applied to its copy (`res`, dropped here):
+ * a class's own __setstate__ may read the arrays of its state, and the
+ * copy's state holds the skeleton's placeholders for them (numpy's bit
+ * generators: RandomState, Generator(MT19937)).  `o` is copied whole by
+ * copy.deepcopy instead, as a class that copies itself is (K_DEEPCOPY), and
+ * the walk's memo and error path are put back; if that fails too, the first
+ * error is the one raised. */
+static PyObject *
+deepcopy_instead(walker *w, PyObject *o, PyObject *res, int shared, Py_ssize_t path_len)
+{
+    PyObject *type, *value, *tb, *copy = NULL;
+
+    PyErr_Fetch(&type, &value, &tb);
+    Py_DECREF(res);
+    copy = PyObject_CallOneArg(w->st->deepcopy, o);
+    if (copy == NULL || (shared && memo_put(w, o, copy) < 0)) {
+        Py_CLEAR(copy);
+        PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        goto cleanup;
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (PyList_SetSlice(w->path, path_len, PyList_GET_SIZE(w->path), NULL) < 0) {
+        Py_CLEAR(copy);
+        goto cleanup;
+    }
+    w->not_tree = 1;
+    w->foreign = 1;
+cleanup:
+    return copy;
+}
+
 /* copy._reconstruct, with every component copied by this walk. */
 static PyObject *
 walk_reduce(walker *w, PyObject *o, int shared)
@@ -1063,7 +1097,7 @@ walk_reduce(walker *w, PyObject *o, int shared)
     PyObject *reductor, *rv = NULL, *res = NULL, *cargs = NULL, *it = NULL, *item = NULL;
     PyObject *callable, *args, *state = Py_None, *listitems = Py_None, *dictitems = Py_None;
     PyObject *setstate = Py_None;
-    Py_ssize_t n;
+    Py_ssize_t n, path_len = PyList_GET_SIZE(w->path);
 
     switch (tree_safe(st, Py_TYPE(o))) {
     case -1:
@@ -1119,7 +1153,8 @@ walk_reduce(walker *w, PyObject *o, int shared)
         goto cleanup;
     }
     if (state != Py_None && apply_state(w, res, state, setstate) < 0) {
-        Py_CLEAR(res);
+        /* its deep copy holds its list and dict items too */
+        res = deepcopy_instead(w, o, res, shared, path_len);
         goto cleanup;
     }
     if (listitems != Py_None) {

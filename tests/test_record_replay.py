@@ -290,6 +290,20 @@ def test_nested_blocks_and_random_state(tmp_path):
     assert block_stats(st, r, "inner")["skips"] + block_stats(st, r, "inner")["steps"] == 0
 
 
+def test_generators_passed_to_end_are_restored_in_place(tmp_path):
+    # numpy's RandomState and MT19937 read the array of their state in their
+    # own __setstate__: the checkpoint's copy of them must still be made
+    d = _script(tmp_path, "generators.py")
+    rec = flor(d, "record", "--no-adaptive", "generators.py")
+    assert rec.stdout == plain(d, "generators.py").stdout
+    assert "could not" not in rec.stderr and "cannot be checkpointed" not in rec.stderr
+    rep = flor(d, "replay", "generators.py")
+    assert rep.stdout == rec.stdout and "deferred checks passed" in rep.stderr
+    st = store(d)
+    r = runs(st, "replay")[0]["run_id"]
+    assert block_stats(st, r, "draws")["skips"] == 4
+
+
 def test_unnamed_block_keeps_its_identity_when_lines_move(tmp_path):
     d = _script(tmp_path, "nested.py")
     rec = flor(d, "record", "--no-adaptive", "nested.py")
