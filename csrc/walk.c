@@ -162,6 +162,7 @@ typedef struct {
     int any_cuda;
     int not_tree; /* an object may appear twice in the skeleton */
     int foreign;  /* holds a copy.deepcopy result (a class's own, or deepcopy_instead) */
+    PyObject *deep_memo; /* copy.deepcopy's memo, shared by deepcopy_instead's calls */
     int spans;    /* find the bytes each storage's tensors view (fingerprints) */
 } walker;
 
@@ -981,8 +982,10 @@ error:
     return NULL;
 }
 
+/* Give the copy `y` its walked state; *own is set where the class's own
+ * setstate (or __setstate__) raised. */
 static int
-apply_state(walker *w, PyObject *y, PyObject *state, PyObject *setstate)
+apply_state(walker *w, PyObject *y, PyObject *state, PyObject *setstate, int *own)
 {
     int rc = -1;
     PyObject *cstate = NULL, *meth = NULL, *r = NULL, *dict = NULL, *slots = NULL;
@@ -996,12 +999,14 @@ apply_state(walker *w, PyObject *y, PyObject *state, PyObject *setstate)
     if (setstate != Py_None) {
         r = PyObject_CallFunctionObjArgs(setstate, y, cstate, NULL);
         rc = r == NULL ? -1 : 0;
+        *own = r == NULL;
         goto cleanup;
     }
     meth = PyObject_GetAttr(y, w->st->s_setstate);
     if (meth != NULL) {
         r = PyObject_CallOneArg(meth, cstate);
         rc = r == NULL ? -1 : 0;
+        *own = r == NULL;
         goto cleanup;
     }
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
@@ -1055,21 +1060,43 @@ tree_safe(flor_state *st, PyTypeObject *tp)
     return PyType_IsSubtype(tp, &PyTuple_Type) && PyObject_HasAttrString((PyObject *)tp, "_fields");
 }
 
-/* The state of `o` could not be applied to its copy (`res`, dropped here):
- * a class's own __setstate__ may read the arrays of its state, and the
- * copy's state holds the skeleton's placeholders for them (numpy's bit
- * generators: RandomState, Generator(MT19937)).  `o` is copied whole by
- * copy.deepcopy instead, as a class that copies itself is (K_DEEPCOPY), and
- * the walk's memo and error path are put back; if that fails too, the first
- * error is the one raised. */
+/* The class's own __setstate__ raised on the walked state of `o`, given
+ * to its copy `res`: it may read the arrays of its state, which the copy
+ * holds as the skeleton's placeholders (numpy's bit generators:
+ * RandomState, Generator(MT19937)).  Where that raised an Exception, the
+ * class is an extension type's (C or Cython code, as numpy's; a Python
+ * class whose __setstate__ refuses the copy keeps refusing, as it did
+ * before: its state may share objects with the rest of the snapshot, which
+ * a copy of its own would split) and nothing else holds `res` (no object of
+ * its state refers back to it), `o` is copied whole by copy.deepcopy
+ * instead, as a class that copies itself is (K_DEEPCOPY), with one memo for
+ * the walk's such copies (a bit generator and the RandomState around it
+ * stay one), and the walk's memo and error path are put back.  The arrays
+ * its state walk met stay in the snapshot, unused.  Otherwise, or if the
+ * deep copy fails too, the first error is raised.  Steals `res`. */
 static PyObject *
 deepcopy_instead(walker *w, PyObject *o, PyObject *res, int shared, Py_ssize_t path_len)
 {
     PyObject *type, *value, *tb, *copy = NULL;
 
+    if (!PyErr_ExceptionMatches(PyExc_Exception) ||
+        PyType_HasFeature(Py_TYPE(o), Py_TPFLAGS_HEAPTYPE)) {
+        Py_DECREF(res);
+        goto cleanup;
+    }
     PyErr_Fetch(&type, &value, &tb);
+    if (Py_REFCNT(res) != 1 + shared) {
+        Py_DECREF(res);
+        PyErr_Restore(type, value, tb);
+        goto cleanup;
+    }
     Py_DECREF(res);
-    copy = PyObject_CallOneArg(w->st->deepcopy, o);
+    if (w->deep_memo == NULL) {
+        w->deep_memo = PyDict_New();
+    }
+    if (w->deep_memo != NULL) {
+        copy = PyObject_CallFunctionObjArgs(w->st->deepcopy, o, w->deep_memo, NULL);
+    }
     if (copy == NULL || (shared && memo_put(w, o, copy) < 0)) {
         Py_CLEAR(copy);
         PyErr_Clear();
@@ -1098,6 +1125,7 @@ walk_reduce(walker *w, PyObject *o, int shared)
     PyObject *callable, *args, *state = Py_None, *listitems = Py_None, *dictitems = Py_None;
     PyObject *setstate = Py_None;
     Py_ssize_t n, path_len = PyList_GET_SIZE(w->path);
+    int own = 0;
 
     switch (tree_safe(st, Py_TYPE(o))) {
     case -1:
@@ -1152,9 +1180,13 @@ walk_reduce(walker *w, PyObject *o, int shared)
         Py_CLEAR(res);
         goto cleanup;
     }
-    if (state != Py_None && apply_state(w, res, state, setstate) < 0) {
-        /* its deep copy holds its list and dict items too */
-        res = deepcopy_instead(w, o, res, shared, path_len);
+    if (state != Py_None && apply_state(w, res, state, setstate, &own) < 0) {
+        if (own) { /* (a deep copy holds its list and dict items too) */
+            res = deepcopy_instead(w, o, res, shared, path_len);
+        }
+        else {
+            Py_CLEAR(res);
+        }
         goto cleanup;
     }
     if (listitems != Py_None) {
@@ -1747,6 +1779,7 @@ walk_object(flor_state *st, PyObject *obj, walker *w, int spans)
     pmap_free(&w->storages);
     Py_CLEAR(w->keep);
     Py_CLEAR(w->path);
+    Py_CLEAR(w->deep_memo);
     return s;
 error:
     Py_XDECREF(skeleton);
@@ -1757,6 +1790,7 @@ error:
     pmap_free(&w->storages);
     Py_XDECREF(w->keep);
     Py_XDECREF(w->path);
+    Py_CLEAR(w->deep_memo);
     return NULL;
 }
 
