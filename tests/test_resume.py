@@ -75,23 +75,30 @@ def _stored(d):
     return run, lines, states
 
 
-@pytest.mark.parametrize("how", ["kill", "term", "kill-fork"])
+SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT}
+STATUS = {"term": 143, "int": 130}  # what a shell's python exits with
+
+
+@pytest.mark.parametrize("how", ["kill", "term", "int", "kill-fork"])
 def test_a_killed_record_resumes_to_the_uninterrupted_result(tmp_path, torch, how):
-    """kill-fork: the fork materializer writes each checkpoint in a child of
-    its own as it is taken, so a killed record keeps them."""
+    """int: Ctrl-C.  kill-fork: the fork materializer writes each checkpoint
+    in a child of its own as it is taken, so a killed record keeps them."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for d in (whole, cut):
         d.mkdir()
         write_script(str(d), "train.py", HANDS_FREE)
     _record(str(whole), "train.py", "6")
-    stop = {"STOP_AT": "3", "STOP_WITH": str(int(signal.SIGTERM if how == "term"
-                                                 else signal.SIGKILL))}
+    stop = {"STOP_AT": "3", "STOP_WITH": str(int(SIGNALS.get(how, signal.SIGKILL)))}
     if how == "kill-fork":
         stop["FLOR_MATERIALIZER"] = "fork"
     proc = _record(str(cut), "train.py", "6", env=stop, check=False)
-    assert proc.returncode == (143 if how == "term" else -9), proc.stderr
-    if how == "term":  # the eviction notice: flushed, and says how to go on
+    assert proc.returncode == STATUS.get(how, -9), proc.stderr
+    if how in SIGNALS:  # flushed, and says how to go on
         assert "record --resume train.py 6" in proc.stderr
+    if how == "int":  # the traceback python prints, from the script's own frames
+        tb = proc.stderr.split("Traceback (most recent call last):\n", 1)[1].splitlines()
+        assert tb[0].startswith('  File "') and "train.py" in tb[0], proc.stderr
+        assert "KeyboardInterrupt" in proc.stderr and "/flor/" not in proc.stderr
     st = store(str(cut))
     (run,) = st.runs()
     assert st.status(run) == "interrupted"
@@ -283,6 +290,30 @@ def test_a_replay_worker_that_dies_has_its_segment_run_again(tmp_path, torch):
     serial = flor(d, "replay", "train.py", "6")
     assert rep.stdout == serial.stdout
     assert rep.stdout.count("norm ") == 6
+
+
+def test_a_replay_stopped_by_ctrl_c_is_left_interrupted(tmp_path, torch):
+    d = str(tmp_path)
+    write_script(d, "train.py", HANDS_FREE)
+    _record(d, "train.py", "6", env={"OMP_NUM_THREADS": "1"})
+    path = os.path.join(d, "train.py")
+    src = read(path).replace(  # a worker (spawned: the replay's child) presses Ctrl-C
+        "        best = max(best, acc)\n",
+        "        best = max(best, acc)\n"
+        "        print('norm', round(net[0].weight.norm().item(), 4))\n"
+        "        if epoch == 4:\n"
+        "            os.kill(os.getppid(), signal.SIGINT)\n"
+        "            signal.pause()  # until the replay stops it\n")
+    src = src.replace("import sys\n", "import signal\nimport sys\n", 1)
+    with open(path, "w") as f:
+        f.write(src)
+    rep = flor(d, "replay", "--jobs", "2", "train.py", "6", env={"FLOR_FORKSERVER": "0"},
+               check=False)
+    assert rep.returncode == 130, rep.stderr
+    assert "flor: interrupted" in rep.stderr
+    (replay,) = [r for r in store(d).runs() if r["kind"] == "replay"]
+    assert replay["status"] == "interrupted" and replay["finished"]
+    assert "interrupted" in flor(d, "runs", "--status", "interrupted").stdout
 
 
 def test_parts_take_their_index_from_the_scheduler_array(tmp_path, torch):

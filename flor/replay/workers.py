@@ -292,12 +292,20 @@ def run_local(store: Store, plan: Plan, notes, strict=False, started=None,
     processes, then assemble; `started`: when the replay command started
     (time.time(), before planning), which its time counts from; `server`:
     the fork server to start workers from (closed here), if any."""
-    nparts = len(plan.segments)
-    slots = max(1, min(plan.workers or nparts, nparts))
-    t0 = started or time.time()
     for line in notes:
         note(line)
     register(store, plan, "local")
+    try:
+        return _run_local(store, plan, strict, started or time.time(), server)
+    except (Interrupted, KeyboardInterrupt):  # SIGTERM or Ctrl-C: its workers were stopped
+        store.update_run(plan.replay_id, finished=time.time(), status="interrupted")
+        raise
+
+
+def _run_local(store, plan, strict, t0, server) -> int:
+    """run_local's work once the replay is registered (`t0`: its start)."""
+    nparts = len(plan.segments)
+    slots = max(1, min(plan.workers or nparts, nparts))
     progress = Progress(sum(e - s for s, e in plan.segments), slots)
     own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if own:  # torchrun stops the other ranks of a failed one with SIGTERM

@@ -39,7 +39,8 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     (`force`: even if the script or its arguments changed).  `keep`: the
     iteration checkpoints kept of each loop (runtime/thinning.py).  While the
     script runs, SIGTERM (when the script's process has no handler of its
-    own) ends it as Interrupted.  Returns the script's exit status."""
+    own) ends it as Interrupted; that and Ctrl-C leave the run interrupted,
+    to continue with ``record --resume``.  Returns the script's exit status."""
     with open(script) as f:
         source = f.read()
     inst = None
@@ -72,7 +73,7 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     if isinstance(error, FlorError):
         note(str(error))
         return 2
-    if session.policy.restored and not isinstance(error, Interrupted):
+    if session.policy.restored and not isinstance(error, (Interrupted, KeyboardInterrupt)):
         for line in summary(session.store, session.run_id):
             note(line)
     return code

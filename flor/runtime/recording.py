@@ -346,9 +346,9 @@ class Recording(Policy):
         return failures
 
     def finish(self, session, error, failures):
-        if isinstance(error, Interrupted) or not self.restored:
-            # SIGTERM, or a resume that did not get to its main loop: the
-            # run stays interrupted, as far as it committed.
+        if isinstance(error, (Interrupted, KeyboardInterrupt)) or not self.restored:
+            # SIGTERM or Ctrl-C, or a resume that did not get to its main
+            # loop: the run stays interrupted, as far as it committed.
             self.row.interrupted()
             return
         self.row.finish(session, self.machine, self.point, error, failures)

@@ -33,11 +33,27 @@ def run_instrumented(path: str, code):
     exec(code, main.__dict__)
 
 
+_FLOR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _users_frames(tb):
+    """The traceback `tb` from the first frame that is not flor's or
+    runpy's: what ``python script.py`` would show above the script's own."""
+    first = tb
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith(_FLOR + os.sep) or "runpy" in os.path.basename(name)):
+            return tb
+        tb = tb.tb_next
+    return first
+
+
 def run_main(script, stderr, instrumented=None):
     """Run `script` as ``__main__`` (its `instrumented` code in hands-free
     mode), and return (exit status, the exception that ended it or None).
-    A traceback, or the message of ``sys.exit("...")``, goes to `stderr` as
-    Python would print it."""
+    A traceback (from the script's own frames), or the message of
+    ``sys.exit("...")``, goes to `stderr` as Python would print it; Ctrl-C
+    (KeyboardInterrupt) exits 130, as it does a shell's python."""
     try:
         if instrumented is not None:
             run_instrumented(script, instrumented)
@@ -53,6 +69,6 @@ def run_main(script, stderr, instrumented=None):
             code = 1
         return code, (e if code else None)
     except BaseException as e:  # the script failed: report it as Python would
-        traceback.print_exc(file=stderr)
-        return 1, e
+        traceback.print_exception(type(e), e, _users_frames(e.__traceback__), file=stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1, e
     return 0, None
