@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the latest interrupted record of SCRIPT")
     p.add_argument("--force", action="store_true",
-                   help="with --resume: even if SCRIPT or ARGS changed")
+                   help="with --resume: even if SCRIPT or ARGS changed, or continue the "
+                   "latest record if it failed (once SCRIPT is fixed)")
     _script_args(p)
 
     p = _command(subs, "replay", "replay a record with the edited script",

@@ -123,6 +123,37 @@ def test_a_killed_record_resumes_to_the_uninterrupted_result(tmp_path, torch, ho
     assert "deferred checks passed" in rep.stderr, rep.stderr
 
 
+def test_a_failed_record_resumes_with_force_once_its_script_is_fixed(tmp_path, torch):
+    """A bug at epoch 3 (STOP_AT: the script raises there) fails the record;
+    run without it, `record --resume --force` goes on from the checkpoint of
+    epoch 2 to the uninterrupted result."""
+    kill = '            os.kill(os.getpid(), int(os.environ["STOP_WITH"]))\n'
+    failing = HANDS_FREE.replace(kill, '            raise RuntimeError(f"a bug at epoch {epoch}")\n')
+    assert failing != HANDS_FREE
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for d in (whole, cut):
+        d.mkdir()
+        write_script(str(d), "train.py", failing)
+    _record(str(whole), "train.py", "6")
+    proc = _record(str(cut), "train.py", "6", env={"STOP_AT": "3"}, check=False)
+    assert proc.returncode == 1 and "RuntimeError: a bug at epoch 3" in proc.stderr
+    (run,) = store(str(cut)).runs()
+    assert run["status"] == "failed"
+
+    refused = _record(str(cut), "--resume", "train.py", "6", check=False)
+    assert refused.returncode == 2
+    assert f"run {run['run_id']}, failed (RuntimeError('a bug at epoch 3'))" in refused.stderr
+    assert "record --resume --force" in refused.stderr
+    res = _record(str(cut), "--resume", "--force", "train.py", "6")
+    assert f"resuming run {run['run_id']} at iteration 3" in res.stderr, res.stderr
+    (after,) = store(str(cut)).runs()
+    assert after["status"] == "finished" and after["iterations"] == 6
+    assert after["info"].resumed == [3] and after["info"].error is None
+    assert _same_model(whole / "final.pt", cut / "final.pt")
+    w, c = _stored(str(whole)), _stored(str(cut))
+    assert c[1] == w[1] and c[2] == w[2]
+
+
 def test_a_record_killed_before_its_main_loop_resumes_from_its_start(tmp_path, torch):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for d in (whole, cut):

@@ -1,6 +1,7 @@
-"""``python -m flor record --resume``: continue an interrupted record.
+"""``python -m flor record --resume``: continue an interrupted record (or,
+with ``--force``, a failed one once its script is fixed).
 
-A record that was killed (or evicted: SIGTERM) stays in the store as an
+A record that was killed (or evicted: SIGTERM, Ctrl-C) stays in the store as an
 interrupted run, with everything committed up to its last finished
 main-loop iteration.  Resuming runs the script again in the same run: the
 code before the main loop runs without storing anything (it was stored),
@@ -43,10 +44,22 @@ def _differs(old: str, new: str) -> str:
 
 def find(store, script, args, force=False) -> ResumePoint:
     """The resume point of the latest interrupted record of `script`, after
-    checking that the script and its arguments are the ones it recorded."""
+    checking that the script and its arguments are the ones it recorded;
+    with `force`, of its latest record if that one failed (the script
+    raised: it goes on from its last iteration checkpoint before the failure,
+    once the script is fixed)."""
     name = os.path.basename(script)
-    runs = [r for r in store.records(script) if store.status(r) == "interrupted"] \
-        if store.exists() else []
+    records = store.records(script) if store.exists() else []
+    runs = [r for r in records if store.status(r) == "interrupted"]
+    if not runs and records and store.status(records[0]) == "failed":
+        rid = records[0]["run_id"]
+        if not force:
+            raise FlorError(
+                f"the latest record of {name}, run {rid}, failed ({records[0]['info'].error}); "
+                f"once the script is fixed, `flor record --resume --force {script}` continues it "
+                "from its last iteration checkpoint before the failure")
+        note(f"run {rid} failed ({records[0]['info'].error}); resuming it (--force)")
+        runs = records[:1]
     if not runs:
         raise FlorError(f"no interrupted record of {name} in {store.root} (`flor runs` "
                         f"lists the runs); start one with: flor record {script}")
