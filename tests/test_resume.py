@@ -128,7 +128,8 @@ def test_a_failed_record_resumes_with_force_once_its_script_is_fixed(tmp_path, t
     run without it, `record --resume --force` goes on from the checkpoint of
     epoch 2 to the uninterrupted result."""
     kill = '            os.kill(os.getpid(), int(os.environ["STOP_WITH"]))\n'
-    failing = HANDS_FREE.replace(kill, '            raise RuntimeError(f"a bug at epoch {epoch}")\n')
+    failing = HANDS_FREE.replace(kill,
+                                 '            raise RuntimeError(f"a bug at epoch {epoch}")\n')
     assert failing != HANDS_FREE
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for d in (whole, cut):

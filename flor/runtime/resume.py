@@ -56,8 +56,8 @@ def find(store, script, args, force=False) -> ResumePoint:
         if not force:
             raise FlorError(
                 f"the latest record of {name}, run {rid}, failed ({records[0]['info'].error}); "
-                f"once the script is fixed, `flor record --resume --force {script}` continues it "
-                "from its last iteration checkpoint before the failure")
+                f"once the script is fixed, `python -m flor record --resume --force {script}` "
+                "continues it from its last iteration checkpoint before the failure")
         note(f"run {rid} failed ({records[0]['info'].error}); resuming it (--force)")
         runs = records[:1]
     if not runs:
