@@ -192,6 +192,10 @@ def test_the_scripts_exit_message_and_status_come_through(tmp_path):
     # the traceback python prints: the script's frames, none of flor's above them
     tb = proc.stderr.split("Traceback (most recent call last):\n", 1)[1].splitlines()
     assert tb[0].startswith('  File "') and 'quit.py", line 6' in tb[0], proc.stderr
+    os.rename(os.path.join(d, "quit.py"), os.path.join(d, "runpy_quit.py"))  # not runpy's
+    proc = flor(d, "record", "runpy_quit.py", "--fail", check=False)
+    tb = proc.stderr.split("Traceback (most recent call last):\n", 1)[1].splitlines()
+    assert 'runpy_quit.py", line 6' in tb[0], proc.stderr
 
 
 def test_replay_without_a_record_is_a_clear_error(tmp_path):

@@ -348,6 +348,22 @@ def test_a_replay_stopped_by_ctrl_c_is_left_interrupted(tmp_path, torch):
     assert "interrupted" in flor(d, "runs", "--status", "interrupted").stdout
 
 
+def test_a_signal_that_comes_while_a_worker_starts_waits_until_it_is_tracked():
+    from flor.replay.workers import _held
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as python starts
+    tracked = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _held():
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C while the worker starts
+                tracked.append("worker")
+        assert tracked == ["worker"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_parts_take_their_index_from_the_scheduler_array(tmp_path, torch):
     """A SLURM array of 1-based indices (--array=1-2) runs the two parts;
     merge assembles them into the serial replay's output."""

@@ -7,12 +7,14 @@ iteration on a pipe, which drives the progress bar.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from ..errors import FlorError, Interrupted, note, say
@@ -40,6 +42,27 @@ def _gpus():
 
 
 MAX_ATTEMPTS = 3  # of one segment, before the replay fails
+
+
+@contextlib.contextmanager
+def _held():
+    """Ctrl-C, and SIGTERM where replay handles it (`_stopped`), wait while
+    a worker starts: the process it makes is tracked (and stopped if replay
+    is) before either ends replay.  A signal held is raised again after."""
+    ours = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _stopped}
+    before = {n: signal.getsignal(n) for n in ours}
+    main = threading.current_thread() is threading.main_thread()  # (handlers live there)
+    held = [n for n, h in ours.items() if main and before[n] is h]
+    got = []
+    for n in held:
+        signal.signal(n, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for n in held:
+            signal.signal(n, before[n])
+        for n in dict.fromkeys(got):
+            signal.raise_signal(n)
 
 
 class _Attempt:
@@ -151,8 +174,9 @@ class _Queue:
                        TORCHELASTIC_USE_AGENT_STORE="False")
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot % len(self.gpus)]
-        self.running.append(_Attempt(self.store, self.plan, part, self.attempts[part], resume,
-                                     slot, env, self.server))
+        with _held():
+            self.running.append(_Attempt(self.store, self.plan, part, self.attempts[part],
+                                         resume, slot, env, self.server))
         self.running[-1].copy = copy_of is not None
         self.forked += self.running[-1].forked
         self.attempts[part] += 1

@@ -34,6 +34,7 @@ def run_instrumented(path: str, code):
 
 
 _FLOR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUNPY = {runpy.__file__, "<frozen runpy>"}
 
 
 def _users_frames(tb):
@@ -42,7 +43,7 @@ def _users_frames(tb):
     first = tb
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
-        if not (name.startswith(_FLOR + os.sep) or "runpy" in os.path.basename(name)):
+        if not (name.startswith(_FLOR + os.sep) or name in _RUNPY):
             return tb
         tb = tb.tb_next
     return first
