@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -94,15 +95,23 @@ def torch():
 
 # --- record and replay across processes ----------------------------------
 
-def flor(cwd, *argv, env=None, check=True, drop=()):
+def _ctrl_c():
+    """In the child, before it runs python: Ctrl-C as a shell leaves it
+    (pytest-xdist's workers ignore SIGINT, and a child inherits that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def flor(cwd, *argv, env=None, check=True, drop=(), ctrl_c=False):
     """Run `python -m flor ARGV` in `cwd` with its own store; `drop` names
-    variables of this environment to leave out."""
+    variables of this environment to leave out; `ctrl_c`: SIGINT works in
+    it as in a shell's python (a test that sends it)."""
     full_env = dict(os.environ, FLOR_DIR=os.path.join(cwd, ".flor"))
     for name in ("FLOR_MODE", *drop):
         full_env.pop(name, None)
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", "flor", *argv], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=_ctrl_c if ctrl_c else None)
     if check and proc.returncode != 0:
         pytest.fail(f"flor {' '.join(argv)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -48,7 +48,7 @@ HANDS_FREE = _stoppable(read(os.path.join(ROOT, "tests", "scripts", "handsfree",
 
 def _record(d, *args, env=None, check=True):
     return flor(d, "record", *args, env=dict({"FLOR_ADAPTIVE": "0"}, **(env or {})),
-                check=check)
+                check=check, ctrl_c=True)
 
 
 def _tensors(path):
@@ -340,7 +340,7 @@ def test_a_replay_stopped_by_ctrl_c_is_left_interrupted(tmp_path, torch):
     with open(path, "w") as f:
         f.write(src)
     rep = flor(d, "replay", "--jobs", "2", "train.py", "6", env={"FLOR_FORKSERVER": "0"},
-               check=False)
+               check=False, ctrl_c=True)
     assert rep.returncode == 130, rep.stderr
     assert "flor: interrupted" in rep.stderr
     (replay,) = [r for r in store(d).runs() if r["kind"] == "replay"]
