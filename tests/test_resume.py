@@ -334,8 +334,10 @@ def test_a_replay_stopped_by_ctrl_c_is_left_interrupted(tmp_path, torch):
         "        best = max(best, acc)\n"
         "        print('norm', round(net[0].weight.norm().item(), 4))\n"
         "        if epoch == 4:\n"
-        "            os.kill(os.getppid(), signal.SIGINT)\n"
-        "            signal.pause()  # until the replay stops it\n")
+        "            parent = os.getppid()\n"
+        "            os.kill(parent, signal.SIGINT)\n"
+        "            while os.getppid() == parent:  # until the replay stops it, or is gone\n"
+        "                time.sleep(0.05)\n")
     src = src.replace("import sys\n", "import signal\nimport sys\n", 1)
     with open(path, "w") as f:
         f.write(src)
