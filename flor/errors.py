@@ -5,8 +5,8 @@ import errno as _errno
 import os
 import sys
 
-__all__ = ["CheckpointCorrupt", "CheckpointWriteError", "FlorReplayError", "FlorError",
-           "StoreError", "SegmentDone", "note", "unusable"]
+__all__ = ["INTERRUPTIONS", "CheckpointCorrupt", "CheckpointWriteError", "FlorReplayError",
+           "FlorError", "StoreError", "SegmentDone", "note", "unusable"]
 
 
 def note(message: str) -> None:
@@ -108,6 +108,10 @@ class Interrupted(SystemExit):
 
     def __init__(self):
         super().__init__(143)
+
+
+#: What ends a run as interrupted, not failed: SIGTERM, and Ctrl-C.
+INTERRUPTIONS = (Interrupted, KeyboardInterrupt)
 
 
 def unusable(db_file, error) -> StoreError:

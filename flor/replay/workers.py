@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from ..errors import FlorError, Interrupted, note, say
+from ..errors import INTERRUPTIONS, FlorError, Interrupted, note, say
 from ..store import Store
 from .forkserver import PIPE, ForkServer
 from .plan import Plan, register
@@ -321,7 +321,7 @@ def run_local(store: Store, plan: Plan, notes, strict=False, started=None,
     register(store, plan, "local")
     try:
         return _run_local(store, plan, strict, started or time.time(), server)
-    except (Interrupted, KeyboardInterrupt):  # SIGTERM or Ctrl-C: its workers were stopped
+    except INTERRUPTIONS:  # SIGTERM or Ctrl-C: its workers were stopped
         store.update_run(plan.replay_id, finished=time.time(), status="interrupted")
         raise
 

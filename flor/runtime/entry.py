@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from ..context import is_iteration, is_outermost, location
-from ..errors import FlorError, Interrupted, note
+from ..errors import INTERRUPTIONS, FlorError, Interrupted, note
 from ..program.instrument import instrument, uses_flor
 from ..replay.plan import Plan
 from ..store import Store
@@ -73,7 +73,7 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     if isinstance(error, FlorError):
         note(str(error))
         return 2
-    if session.policy.restored and not isinstance(error, (Interrupted, KeyboardInterrupt)):
+    if session.policy.restored and not isinstance(error, INTERRUPTIONS):
         for line in summary(session.store, session.run_id):
             note(line)
     return code

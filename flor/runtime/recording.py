@@ -18,7 +18,7 @@ import time
 
 from .. import _core
 from ..context import checkpoint_name, is_iteration, iter_column, iteration_key
-from ..errors import CheckpointWriteError, FlorError, Interrupted, note
+from ..errors import INTERRUPTIONS, CheckpointWriteError, FlorError, note
 from ..layout import checkpoint_path
 from ..program.gradients import manual_gradients
 from ..schema import DECISIONS
@@ -346,7 +346,7 @@ class Recording(Policy):
         return failures
 
     def finish(self, session, error, failures):
-        if isinstance(error, (Interrupted, KeyboardInterrupt)) or not self.restored:
+        if isinstance(error, INTERRUPTIONS) or not self.restored:
             # SIGTERM or Ctrl-C, or a resume that did not get to its main
             # loop: the run stays interrupted, as far as it committed.
             self.row.interrupted()
