@@ -25,9 +25,11 @@ demo: setup
 PYTEST_JOBS := -n auto --maxprocesses=2
 
 # Ray (the optional extra for replay --backend ray) is installed for its test,
-# which starts a local Ray cluster.
+# which starts a local Ray cluster; Lightning for tests/test_lightning.py, with
+# torch pinned in the same command.
 test: setup
 	$(BIN)/$(PIP) 'ray>=2.9'
+	$(BIN)/$(PIP) $(TORCH) 'lightning==2.6.6'
 	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
 
 # The edit-test loop's first step: the unit tier, the tests that run in the

@@ -114,6 +114,16 @@ def is_iteration(block: str) -> bool:
     return block.endswith(" (iteration)")
 
 
+def epoch_key(loop: str) -> str:
+    """The key of the block a training library's epoch is (flor/lightning.py)
+    in the main loop `loop`."""
+    return f"{loop} (epoch)"
+
+
+def is_epoch(block: str) -> bool:
+    return block.endswith(" (epoch)")
+
+
 def block_context(ctx: str, key: str, occurrence: int) -> str:
     """The context inside a block execution that runs in `ctx`."""
     return encode(decode(ctx) + [[BLOCK, key, occurrence]])

@@ -70,6 +70,9 @@ class Comparison:
     probed: set[str] = field(default_factory=set)  # block keys to step into
     changed_end: set[str] = field(default_factory=set)  # blocks whose end() changed
     added: set[str] = field(default_factory=set)  # blocks new in the current source
+    # changed functions that a library's training epoch may run (not only
+    # its epoch-end hooks: flor/program/frameworks.py)
+    training_changed: set[str] = field(default_factory=set)
 
 
 def is_flor_call(node, attr):
@@ -168,9 +171,9 @@ def map_files(old: dict[str, str], new: dict[str, str]) -> dict[str, FileMap]:
     return files
 
 
-def changed_functions(old: dict[str, str], new: dict[str, str]) -> set[str]:
-    """Simple names of the functions whose definition changed, and of every
-    function that calls one of them."""
+def _changes(old: dict[str, str], new: dict[str, str]) -> tuple[set[str], dict]:
+    """(simple names of the functions whose definition changed, {simple
+    name: the simple names it calls}) over the current files."""
     changed, calls = set(), {}
     for _, text, cur in _pairs(old, new):
         before = {k: ast.dump(v) for k, v in functions(ast.parse(text)).items()}
@@ -179,7 +182,31 @@ def changed_functions(old: dict[str, str], new: dict[str, str]) -> set[str]:
             calls.setdefault(simple, set()).update(called_names(node.body))
             if before.get(qual) != ast.dump(node):
                 changed.add(simple)
-    return callers_closure(changed, calls)
+    return changed, calls
+
+
+def changed_functions(old: dict[str, str], new: dict[str, str]) -> set[str]:
+    """Simple names of the functions whose definition changed, and of every
+    function that calls one of them."""
+    return callers_closure(*_changes(old, new))
+
+
+def changed_outside(old: dict[str, str], new: dict[str, str], hooks) -> set[str]:
+    """The changed functions that may run other than through the functions
+    named in `hooks` (a library's hooks, which it calls at known points):
+    those not in `hooks` that a function other than these, or nothing in
+    the program, calls.  A new helper that only a hook calls is not one."""
+    changed, calls = _changes(old, new)
+    only_hooks = set(hooks)  # functions called only from these, directly or not
+    grew = True
+    while grew:
+        grew = False
+        for name in set(calls) - only_hooks:
+            callers = {f for f, called in calls.items() if name in called and f != name}
+            if callers and callers <= only_hooks:
+                only_hooks.add(name)
+                grew = True
+    return changed - only_hooks
 
 
 def manual_blocks(old: dict[str, str], new: dict[str, str], files: dict[str, FileMap],

@@ -22,11 +22,13 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from ..context import is_iteration, is_outermost, location, top_key
+from ..context import is_epoch, is_iteration, is_outermost, location, top_key
 from ..errors import FlorError, note
 from ..program.instrument import instrument
 from ..program.probe import detect
-from ..program.source import Comparison, FileMap, changed_functions, manual_blocks, map_files
+from ..program.frameworks import LIGHTNING_EPOCH_END
+from ..program.source import (Comparison, FileMap, changed_functions, changed_outside,
+                              manual_blocks, map_files)
 from ..runinfo import ReplayInfo
 from ..runtime import ranks as ranking
 from ..store import Store, new_run_id
@@ -252,7 +254,8 @@ def _compare(store, script, rec):
         if os.path.isfile(path):
             with open(path) as f:
                 new[rel] = f.read()
-    cmp = Comparison(files=map_files(old, new), changed_functions=changed_functions(old, new))
+    cmp = Comparison(files=map_files(old, new), changed_functions=changed_functions(old, new),
+                     training_changed=changed_outside(old, new, LIGHTNING_EPOCH_END))
     hands_free = code = None
     if rec["info"].hands_free:
         # What to step into: the blocks that hold (or reach) a change.
@@ -316,6 +319,9 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     notes += _interrupted(store, rec)
     cmp, hands_free, code, new = _compare(store, script, rec)
     recorded = store.rows("decisions", rec["run_id"])
+    epochs = {d["block"] for d in recorded if is_epoch(d["block"])}
+    if epochs and cmp.training_changed:  # code that runs in the epochs' training changed
+        cmp.probed = set(cmp.probed) | epochs
     # A data-parallel replay skips an execution on every rank or on none.
     dropped = ranking.unusable(store, group) if group is not None else {}
     for (block, ctx, occurrence), why in dropped.items():
@@ -418,7 +424,8 @@ def describe(plan: Plan, store: Store) -> list[str]:
     """What replay is about to do, as notes."""
     notes = []
     hf = plan.hands_free
-    if hf is not None and not hf["blocks"]:
+    epochs = any(is_epoch(key) for key, _, _ in plan.checkpoints)
+    if hf is not None and not hf["blocks"] and not epochs:
         notes.append("the script has no SkipBlock (no loop nested in a loop, no call of a "
                      "looping function of the script): replay re-executes all of it")
     elif plan.probed:

@@ -1,0 +1,396 @@
+"""PyTorch Lightning: the epochs of ``Trainer.fit`` as flor's main loop.
+
+Lightning runs the training loop itself, so flor follows it through a
+callback, through Lightning's public hooks:
+
+- each epoch is an iteration of a main loop (keyed by the line of the
+  script that called ``fit``); at its end the record may checkpoint what
+  Lightning itself saves to resume (module, optimizers, LR schedulers,
+  loop progress, callbacks' state, precision plugin) with the random
+  state, and a replay worker whose segment starts at epoch a restores the
+  checkpoint of epoch a - 1 through Lightning's own resume;
+- an epoch's training and validation is a block: a replay that does not
+  need them (no code that runs in them was changed) skips the epoch's
+  batches (``on_train_batch_start`` returning -1, as Lightning documents)
+  and restores the block's checkpoint before the epoch-end hooks run, so
+  that a probe in ``on_train_epoch_end`` sees the trained state.
+
+In a hands-free record or replay (``python -m flor record train.py``) the
+callback is added to every Trainer through Lightning's entry point for
+external callbacks; ``callbacks=[flor.lightning.Flor()]`` adds it
+explicitly (the manual API: ``python train.py`` records).  Outside a flor
+record or replay it does nothing.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from .context import epoch_key
+from .errors import FlorReplayError
+from .runtime.session import Inert, Session
+
+__all__ = ["Flor", "callbacks"]
+
+
+def _session():
+    """The flor session of this process, if one is recording or replaying
+    (never starts one)."""
+    s = Session._current
+    if s is None or isinstance(s, Inert) or s.pid != os.getpid():
+        return None
+    return s
+
+
+class _Epochs:
+    """The main loop's iterable: epoch numbers until the fit ends."""
+
+    def __init__(self):
+        self.n, self.done = 0, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.done:
+            raise StopIteration
+        self.n += 1
+        return self.n - 1
+
+
+class _FitState:
+    """The carrier of the main loop (flor/runtime/carry.py): the module,
+    and Lightning's checkpoint of the rest, with the loops' progress as it
+    was at the end of the epoch (Lightning resumes from that point)."""
+
+    def __init__(self, fit):
+        self.fit = fit
+
+    def capture(self, scope):
+        fit = self.fit
+        rest = fit.connector.dump_checkpoint(weights_only=False)
+        rest.pop("state_dict", None)
+        if fit.loops_at_end is not None:
+            rest["loops"] = dict(rest["loops"], fit_loop=fit.loops_at_end)
+        rest["flor_module_attrs"] = _module_attrs(fit.module)
+        objs = [fit.module, rest]
+        return objs, _signature(objs), [False, False]
+
+    def labels(self, sig):
+        return ["the LightningModule", "Lightning's checkpoint of the trainer"]
+
+    def apply(self, saved, scope):
+        from .runtime.blockstate import apply
+
+        fit = self.fit
+        live = {}
+        out = apply(saved, [fit.module, live], None, scope)
+        checkpoint = dict(out[1])
+        _set_module_attrs(fit.module, checkpoint.pop("flor_module_attrs", {}))
+        checkpoint["state_dict"] = fit.module.state_dict()
+        fit.connector._loaded_checkpoint = checkpoint  # Lightning restores it next
+        return None, out
+
+
+def _signature(objs):
+    from .runtime.blockstate import signature
+
+    return signature(objs)
+
+
+class _Fit:
+    """One ``Trainer.fit``: its main loop, and the epoch block in it."""
+
+    def __init__(self, s, trainer, module, frame):
+        self.s, self.trainer, self.module = s, trainer, module
+        self.connector = trainer._checkpoint_connector
+        self.epochs = _Epochs()
+        self.loops_at_end = None
+        self.where = s.site(frame, structural=True)
+        self.block = epoch_key(self.where)
+        self.frame = frame
+        self.loop = s.loop(self.epochs, self.where, frame, _FitState(self))
+        self.epoch = None  # the iteration flor is in
+        self.resumed_at = None  # a replay segment's first epoch, restored
+        self.discarded = False
+        self.in_block = False
+        self.skipping = False
+
+    def first(self):
+        """Enter the main loop: at iteration 0, or, for a replay segment
+        that starts later, at its first iteration after restoring the
+        iteration checkpoint before it (Lightning resumes from it)."""
+        self.epoch = self._next()
+        if self.epoch is not None and self.epoch > 0:
+            # Until that epoch starts, what runs is not this process's work.
+            self.resumed_at, self.s.discard = self.epoch, True
+
+    def _next(self):
+        try:
+            return next(self.loop)
+        except StopIteration:
+            return None
+
+    def epoch_start(self, epoch):
+        s = self.s
+        if self.epoch is not None and epoch < self.epoch:
+            return  # (a resume's set-up, before the restored epoch)
+        if self.epoch is None or epoch > self.epoch:
+            self.epoch = self._next()
+        if self.epoch != epoch:  # (a replay of more epochs than the record ran)
+            raise FlorReplayError(f"Lightning started epoch {epoch}, and the main loop of the "
+                                  f"fit at {self.where} is at iteration {self.epoch}")
+        if epoch == self.resumed_at:
+            s.discard = False
+        self.in_block = True
+        if not s.step_into(self.block, False, self.frame):
+            # What the epoch's hooks print until the block's end is the
+            # record's, which replay shows from the store.
+            self.skipping, self.discarded, s.discard = True, s.discard, True
+            self.module.on_train_batch_start = _skip_rest_of_epoch
+
+    def epoch_end(self):
+        """Our on_train_epoch_end, before the module's and the others':
+        close the block, restoring it if it was skipped."""
+        self.loops_at_end = self.trainer.fit_loop.state_dict()
+        if not self.in_block:
+            return
+        self.in_block = False
+        skipped = self.skipping
+        if skipped:
+            self._unskip()
+        trainer = self.trainer
+        # A skipped epoch's restore fills a fresh dict: the live one shares
+        # tensors with what Lightning holds (a callback's best score is a
+        # logged metric), which a restore in place would overwrite.
+        extra = {} if skipped else _extra(trainer)
+        objs = [self.module, *trainer.optimizers, *_schedulers(trainer), extra]
+        out = self.s.end(objs, self.frame, as_list=True)
+        if skipped:
+            _apply_extra(trainer, out[-1])
+        self.loops_at_end = self.trainer.fit_loop.state_dict()
+
+    def _unskip(self):
+        self.skipping = False
+        self.s.discard = self.discarded
+        self.module.__dict__.pop("on_train_batch_start", None)
+
+    def end(self):
+        """The fit ended: the last iteration ends, and the main loop with it."""
+        self._leave_block()
+        self.epochs.done = True
+        while self._next() is not None:
+            pass
+
+    def abandon(self):
+        """The fit raised: the block and the loop end without checkpoints."""
+        self._leave_block()
+        self.loop.close()
+
+    def _leave_block(self):
+        if self.in_block:
+            self.in_block = False
+            if self.skipping:
+                self._unskip()
+            self.s.abandon()
+
+
+def _skip_rest_of_epoch(batch, batch_idx):
+    return -1
+
+
+def _schedulers(trainer):
+    return [config.scheduler for config in trainer.lr_scheduler_configs]
+
+
+_PLAIN = (list, dict, tuple, set, int, float, bool, str, bytes, type(None))
+
+
+def _module_attrs(module) -> dict:
+    """The LightningModule's own attributes that its state dict leaves out
+    and training may change: plain values and containers (the outputs a
+    ``training_step`` gathers for ``on_train_epoch_end``) and tensors."""
+    import torch
+
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training"
+            and (type(v) in _PLAIN or isinstance(v, torch.Tensor))}
+
+
+def _set_module_attrs(module, attrs):
+    for k, v in attrs.items():
+        setattr(module, k, v)
+
+
+def _extra(trainer) -> dict:
+    """What an epoch changes besides the module, optimizers and schedulers:
+    the module's own attributes, the loops' progress, the callbacks' state,
+    the metrics logged so far, and whether a callback asked training to
+    stop."""
+    conn = trainer._logger_connector
+    return {"module_attrs": _module_attrs(trainer.lightning_module),
+            "loops": trainer.fit_loop.state_dict(),
+            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks
+                          if cb.state_dict()},
+            "callback_metrics": dict(trainer.callback_metrics),
+            "logged_metrics": dict(conn.logged_metrics),
+            "progress_bar_metrics": dict(conn.progress_bar_metrics),
+            "should_stop": trainer.should_stop,
+            "epoch_log": trainer._results.metrics(False)["log"] if trainer._results else {}}
+
+
+def _apply_extra(trainer, extra):
+    _set_module_attrs(trainer.lightning_module, extra["module_attrs"])
+    loop = trainer.fit_loop
+    loop.load_state_dict(extra["loops"])
+    loop.restarting = False  # (loading marks a restart; this is the epoch it was in)
+    states = extra["callbacks"]
+    _move_callbacks(trainer, states)
+    for cb in trainer.callbacks:
+        if cb.state_key in states:
+            cb.load_state_dict(states[cb.state_key])
+    conn = trainer._logger_connector
+    for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
+        live = getattr(conn, "_" + name)
+        live.clear()
+        live.update(extra[name])
+    trainer.should_stop = extra["should_stop"]
+    # What the epoch logged with on_epoch=True, which Lightning hands its
+    # loggers after the epoch-end hooks (at the step before, as it does):
+    # the skipped batches logged nothing for it to hand them.
+    if extra["epoch_log"]:
+        loop.epoch_loop._batches_that_stepped -= 1
+        try:
+            conn.log_metrics(dict(extra["epoch_log"]))
+        finally:
+            loop.epoch_loop._batches_that_stepped += 1
+
+
+def _move_callbacks(trainer, states):
+    for cb in trainer.callbacks:
+        if cb.state_key in states:
+            states[cb.state_key] = _moved(states[cb.state_key], getattr(cb, "dirpath", None))
+
+
+def _moved(state, dirpath):
+    """A callback's state from the record, with the paths under the
+    directory it wrote to (a ModelCheckpoint's, in the record's logger
+    version) moved to the directory it writes to now (this run's)."""
+    old = state.get("dirpath") if isinstance(state, dict) else None
+    if not (isinstance(old, str) and isinstance(dirpath, str)) or old == dirpath:
+        return state
+
+    def move(v):
+        if isinstance(v, str) and (v == old or v.startswith(old + os.sep)):
+            return dirpath + v[len(old):]
+        if isinstance(v, dict):
+            return {move(k): move(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(move(x) for x in v)
+        return v
+
+    return move(state)
+
+
+def _script_frame(s):
+    """The frame of the script's line that called fit (else this one)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if s.script is not None and os.path.abspath(f.f_code.co_filename) == s.script:
+            return f
+        f = f.f_back
+    return sys._getframe(1)
+
+
+def _make(base):
+    class Flor(base):
+        """Flor's callback: epochs as the main loop, each epoch's training a
+        block (see flor.lightning)."""
+
+        def __init__(self):
+            super().__init__()
+            self._fit = None
+            self._added = False  # by the entry point, not by the script
+
+        def setup(self, trainer, pl_module, stage):
+            if stage != "fit" or self._fit is not None:
+                return
+            # The script's own Flor() records as the manual API does (a
+            # plain `python train.py`); the one flor adds never starts a record.
+            s = _session() if self._added else Session.get()
+            if s is None or isinstance(s, Inert):
+                return
+            if any(isinstance(cb, Flor) and cb is not self and cb._fit is not None
+                   for cb in trainer.callbacks):
+                return  # (the script's, and the one flor added)
+            cbs = trainer.callbacks
+            cbs.remove(self)
+            cbs.insert(0, self)  # our epoch-end hook runs before any other
+            self._fit = _Fit(s, trainer, pl_module, _script_frame(s))
+            self._fit.first()
+
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            # Lightning resumes from flor's iteration checkpoint: the
+            # callbacks' paths are moved to where they write now.
+            if self._fit is not None:
+                _move_callbacks(trainer, checkpoint.get("callbacks", {}))
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if self._fit is not None:
+                self._fit.epoch_start(trainer.current_epoch)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            if self._fit is not None:
+                self._fit.epoch_end()
+
+        def on_train_end(self, trainer, pl_module):
+            if self._fit is not None:
+                fit, self._fit = self._fit, None
+                fit.end()
+
+        def on_exception(self, trainer, pl_module, exception):
+            if self._fit is not None:
+                fit, self._fit = self._fit, None
+                fit.abandon()
+
+    Flor.__qualname__ = Flor.__name__ = "Flor"
+    Flor.__module__ = __name__
+    return Flor
+
+
+_classes: dict = {}
+
+
+def _flor_class(package: str):
+    """Flor's callback class for `package` (lightning.pytorch or
+    pytorch_lightning: each Trainer takes only its own package's callbacks)."""
+    if package not in _classes:
+        import importlib
+
+        _classes[package] = _make(importlib.import_module(package).Callback)
+    return _classes[package]
+
+
+def __getattr__(name):
+    if name == "Flor":
+        return _flor_class("lightning.pytorch")
+    raise AttributeError(name)
+
+
+def _callbacks_for(package):
+    if _session() is None:
+        return []
+    cb = _flor_class(package)()
+    cb._added = True
+    return [cb]
+
+
+def callbacks():
+    """Lightning's entry point for external callbacks: Flor's, in a flor
+    record or replay; none otherwise."""
+    return _callbacks_for("lightning.pytorch")
+
+
+def pytorch_lightning_callbacks():
+    """The same for the ``pytorch_lightning`` package."""
+    return _callbacks_for("pytorch_lightning")

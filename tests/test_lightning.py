@@ -1,0 +1,116 @@
+"""PyTorch Lightning scripts, recorded and replayed with the real library:
+each epoch of Trainer.fit is an iteration of flor's main loop and its
+training a block.  An epoch-level probe (in on_train_epoch_end) restores
+every epoch's training; a probe in training_step runs it again, split
+among two workers, the second starting from an iteration checkpoint
+through Lightning's own resume.  Every replay prints exactly what a plain
+run of the edited script prints, and its deferred checks pass."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, flor, plain, read, runs, store, write_script
+
+pytest.importorskip("lightning")
+
+WORKLOAD = os.path.join(ROOT, "benchmarks", "workloads", "lightning_digits.py")
+ARGS = ["--epochs", "4", "--width", "32", "--patience", "2"]
+
+EPOCH_PROBE = ("        self.step_losses.clear()\n",
+               "        self.step_losses.clear()\n"
+               "        wnorm = sum(p.norm() ** 2 for p in self.parameters()) ** 0.5\n"
+               '        print(f"  wnorm {wnorm:.6f} lr {self.lr_schedulers().get_last_lr()[0]}")\n')
+INNER_PROBE = ("        self.step_losses.append(loss.detach())\n",
+               "        self.step_losses.append(loss.detach())\n"
+               "        if batch_idx % 10 == 0:\n"
+               '            print(f"  step {self.global_step} loss {loss.item():.6f}")\n')
+
+
+def _probe(path, original, probe):
+    anchor, text = probe
+    assert anchor in original
+    with open(path, "w") as f:
+        f.write(original.replace(anchor, text, 1))
+
+
+def _states(st, replay_id):
+    return {b["state"] for b in st.rows("blockruns", replay_id)}
+
+
+def _segments(stderr):
+    return re.search(r"iterations in segments (.*)", stderr).group(1)
+
+
+def _replays(d, name, probe, original, *argv):
+    """Replay `name` with `probe` added: (the replay's run row, its stderr),
+    after checking its output against a plain run of the edited script."""
+    path = os.path.join(d, name)
+    _probe(path, original, probe)
+    want = plain(d, name, *ARGS).stdout
+    rep = flor(d, "replay", *argv, name, *ARGS)
+    assert rep.stdout == want, (rep.stdout, want)
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    st = store(d)
+    return st, runs(st, "replay")[-1], rep.stderr
+
+
+def test_handsfree_lightning_epochs_are_the_main_loop(tmp_path):
+    d = str(tmp_path)
+    name = "lightning_digits.py"
+    shutil.copy(WORKLOAD, os.path.join(d, name))
+    original = read(os.path.join(d, name))
+    rec = flor(d, "record", "--no-adaptive", name, *ARGS)
+    assert rec.stdout == plain(d, name, *ARGS).stdout
+    assert "4 iterations of the main loop" in rec.stderr, rec.stderr
+
+    # The epoch-level probe: no epoch's training runs again.
+    st, replay, err = _replays(d, name, EPOCH_PROBE, original)
+    assert _states(st, replay["run_id"]) == {"skip"}, err
+    assert "every block is skipped" in err
+
+    # The probe in training_step: the epochs run again, on two workers.
+    st, replay, err = _replays(d, name, INNER_PROBE, original, "--jobs", "2")
+    assert _states(st, replay["run_id"]) == {"step_into"}, err
+    assert _segments(err) == "[0, 2), [2, 4)", err
+    parts = st.parts(replay["run_id"])
+    assert [p["info"].resumed_from is not None for p in parts] == [False, True], parts
+
+
+def test_pytorch_lightning_package_on_two_workers(tmp_path):
+    """The same Trainer imported as pytorch_lightning (its own callback
+    class and entry point); every epoch restored, on two workers."""
+    pytest.importorskip("pytorch_lightning")
+    d = str(tmp_path)
+    name = "pl_digits.py"
+    text = read(WORKLOAD).replace("import lightning as L\n", "import pytorch_lightning as L\n")
+    text = text.replace("from lightning.pytorch.callbacks", "from pytorch_lightning.callbacks")
+    write_script(d, name, text)
+    flor(d, "record", "--no-adaptive", name, *ARGS)
+    st, replay, err = _replays(d, name, EPOCH_PROBE, text, "--jobs", "2")
+    assert _states(st, replay["run_id"]) == {"skip"}, err
+    parts = st.parts(replay["run_id"])
+    assert [p["info"].resumed_from is not None for p in parts] == [False, True], parts
+
+
+def test_the_scripts_own_callback_records_under_python(tmp_path):
+    """callbacks=[flor.lightning.Flor()]: `python train.py` records (the
+    manual API), and the replay restores every epoch's training."""
+    d = str(tmp_path)
+    name = "own_callback.py"
+    text = read(WORKLOAD).replace("import torch\n", "import torch\n\nimport flor.lightning\n", 1)
+    text = text.replace('ModelCheckpoint(monitor="val_acc", mode="max")]',
+                        'ModelCheckpoint(monitor="val_acc", mode="max"), '
+                        "flor.lightning.Flor()]")
+    write_script(d, name, text)
+    env = dict(os.environ, FLOR_DIR=os.path.join(d, ".flor"), FLOR_ADAPTIVE="0")
+    env.pop("FLOR_MODE", None)
+    proc = subprocess.run([sys.executable, name, *ARGS], cwd=d, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == plain(d, name, *ARGS).stdout
+    st, replay, err = _replays(d, name, EPOCH_PROBE, text)
+    assert _states(st, replay["run_id"]) == {"skip"}, err
