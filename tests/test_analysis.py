@@ -10,7 +10,8 @@ import pytest
 from flor.program.analysis import Script, block_effects
 from flor.program.instrument import instrument, uses_flor
 from flor.program.probe import detect, is_log_like
-from flor.program.source import changed_functions
+from flor.program.frameworks import LIGHTNING_EPOCH_END, unfollowed
+from flor.program.source import changed_functions, changed_outside
 from flor.replay.checks import equal
 
 pytestmark = pytest.mark.unit  # in-process: `make check` runs these
@@ -695,3 +696,43 @@ def test_a_helper_function_that_changes_its_arguments_is_not_a_probe(helper, rea
         "        total += float(q.grad.norm()) ** 2\n    return total ** 0.5\nfor epoch")).replace(
         "    print(epoch)\n", "    print(epoch)\n    print(gnorm(model))\n")
     assert _shapes(_LOOP, fine)[1] == []
+
+
+LIGHTNING_MODULE = """
+import torch
+
+def norm(model):
+    return sum(p.norm() for p in model.parameters())
+
+class Net:
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        return loss
+
+    def on_train_epoch_end(self):
+        print(self.current_epoch)
+"""
+
+
+def test_changes_only_lightning_epoch_end_hooks_call_are_not_training():
+    """A library's epoch-end hook, and a helper only it calls, changed: no
+    code that runs in an epoch's training changed.  A change in
+    training_step, or in a helper it calls, is one."""
+    old = {"s.py": LIGHTNING_MODULE}
+    at_end = LIGHTNING_MODULE.replace(
+        "        print(self.current_epoch)",
+        "        print(self.current_epoch)\n        print(norm(self), extra(self))") + \
+        "\ndef extra(m):\n    return norm(m) * 2\n"
+    assert changed_outside(old, {"s.py": at_end}, LIGHTNING_EPOCH_END) == set()
+    in_step = LIGHTNING_MODULE.replace("        return loss", "        print(loss)\n        return loss")
+    assert changed_outside(old, {"s.py": in_step}, LIGHTNING_EPOCH_END) == {"training_step"}
+    helper = LIGHTNING_MODULE.replace("        loss = self.loss(batch)",
+                                      "        loss = self.loss(batch)\n        norm(self)")
+    helper = helper.replace("    return sum(", "    print(1)\n    return sum(")
+    assert changed_outside(old, {"s.py": helper}, LIGHTNING_EPOCH_END) == {"norm", "training_step"}
+
+
+def test_training_libraries_flor_does_not_follow_are_named():
+    assert unfollowed({"torch": None, "transformers.trainer": None}) == \
+        ["the Hugging Face Trainer (transformers)"]
+    assert unfollowed({"torch", "lightning.pytorch", "transformers"}) == []

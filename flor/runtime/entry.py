@@ -14,6 +14,7 @@ import traceback
 
 from ..context import is_iteration, is_outermost, location
 from ..errors import INTERRUPTIONS, FlorError, Interrupted, note
+from ..program.frameworks import unfollowed
 from ..program.instrument import instrument, uses_flor
 from ..replay.plan import Plan
 from ..store import Store
@@ -84,6 +85,13 @@ def summary(store, run_id) -> list[str]:
     a note for each outermost block the adaptive rule never checkpointed."""
     run = store.run(run_id)
     if run["status"] == "empty":
+        libraries = unfollowed(sys.modules)
+        if libraries:
+            return [f"run {run_id} of {run['script_name']} ran no loop of flor's: its training "
+                    f"ran inside {' and '.join(libraries)}, whose loop flor does not follow yet "
+                    "(it follows loops written in the script and PyTorch Lightning's "
+                    "Trainer.fit: docs/hands-free.md, docs/lightning.md). Replay never picks "
+                    f"this run; `flor rm {run_id}` deletes it"]
         return [f"run {run_id} of {run['script_name']} ended before any loop of flor's ran "
                 f"(a --help run, or an exit before the main loop): replay never picks it; "
                 f"`flor rm {run_id}` deletes it"]
