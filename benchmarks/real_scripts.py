@@ -53,6 +53,12 @@ CASES = {
     "lbfgs_sine.py": (["--steps", "6"],
                       ('print("test loss:"', WNORM % "seq"),
                       ("loss.backward()", GNORM % "seq")),
+    # Lightning: the outer probe in on_train_epoch_end, the inner one in
+    # training_step (the gradients of the step before)
+    "lightning_digits.py": (["--epochs", "12", "--repeat", "4", "--width", "256",
+                             "--patience", "20"],
+                            ("self.step_losses.clear()", WNORM % "self"),
+                            ("self.step_losses.append(loss.detach())", GNORM % "self")),
 }
 CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s)")
 

@@ -23,11 +23,15 @@ record or replay it does nothing.
 """
 from __future__ import annotations
 
+import collections
+import numbers
 import os
+import shutil
 import sys
 
 from .context import epoch_key
 from .errors import FlorReplayError
+from .runtime.blockstate import UNHELD
 from .runtime.session import Inert, Session
 
 __all__ = ["Flor", "callbacks"]
@@ -73,8 +77,13 @@ class _FitState:
         if fit.loops_at_end is not None:
             rest["loops"] = dict(rest["loops"], fit_loop=fit.loops_at_end)
         rest["flor_module_attrs"] = _module_attrs(fit.module)
+        rest["flor_callback_values"] = _callback_values(fit.trainer)
         objs = [fit.module, rest]
-        return objs, _signature(objs), [False, False]
+        sig = _signature(objs)
+        why = _not_resumable(fit.trainer)
+        if why:  # never checkpointed: replay workers pseudoresume the epochs before theirs
+            sig.append(f"{why}, {UNHELD}")
+        return objs, sig, [False, False]
 
     def labels(self, sig):
         return ["the LightningModule", "Lightning's checkpoint of the trainer"]
@@ -86,10 +95,39 @@ class _FitState:
         live = {}
         out = apply(saved, [fit.module, live], None, scope)
         checkpoint = dict(out[1])
-        _set_module_attrs(fit.module, checkpoint.pop("flor_module_attrs", {}))
+        fit.attrs = (checkpoint.pop("flor_module_attrs"), checkpoint.pop("flor_callback_values"))
+        fit.put_back()  # (and again once the sanity check ran)
         checkpoint["state_dict"] = fit.module.state_dict()
         fit.connector._loaded_checkpoint = checkpoint  # Lightning restores it next
         return None, out
+
+
+def _not_resumable(trainer) -> str | None:
+    """Why Lightning's resume from an epoch's end would not continue as the
+    record did, if it would not: a fit by max_steps resumes with one more
+    batch of the finished epoch; persistent DataLoader workers keep a
+    random state of their own across epochs."""
+    if trainer.max_steps != -1:
+        return "Lightning's progress in a fit by max_steps"
+    if _persistent_workers(trainer):
+        return "the random state of the DataLoader's persistent workers"
+    return None
+
+
+def _persistent_workers(trainer) -> bool:
+    """Whether the training DataLoader's worker processes live across
+    epochs: their random state (a random augmentation's) is in no
+    checkpoint, and an epoch restored instead of run leaves it behind."""
+    return any(getattr(loader, "persistent_workers", False) and loader.num_workers > 0
+               for loader in _loaders(trainer.train_dataloader))
+
+
+def _loaders(value):
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _loaders(v)]
+    return [] if value is None else [value]
 
 
 def _signature(objs):
@@ -110,11 +148,19 @@ class _Fit:
         self.block = epoch_key(self.where)
         self.frame = frame
         self.loop = s.loop(self.epochs, self.where, frame, _FitState(self))
+        self.attrs = None  # the module's attributes a resume put back
         self.epoch = None  # the iteration flor is in
         self.resumed_at = None  # a replay segment's first epoch, restored
         self.discarded = False
         self.in_block = False
         self.skipping = False
+
+    def put_back(self):
+        """The attributes of the module and of the script's callbacks that
+        a resume restores besides Lightning's own checkpoint."""
+        if self.attrs is not None:
+            _set_module_attrs(self.module, self.attrs[0])
+            _set_callback_values(self.trainer, self.attrs[1])
 
     def first(self):
         """Enter the main loop: at iteration 0, or, for a replay segment
@@ -165,7 +211,10 @@ class _Fit:
         # logged metric), which a restore in place would overwrite.
         extra = {} if skipped else _extra(trainer)
         objs = [self.module, *trainer.optimizers, *_schedulers(trainer), extra]
-        out = self.s.end(objs, self.frame, as_list=True)
+        sig = _signature(objs)
+        if _persistent_workers(trainer):  # an epoch's restore would not reach them
+            sig.append(f"the random state of the DataLoader's persistent workers, {UNHELD}")
+        out = self.s.end(objs, self.frame, sig=sig, as_list=True)
         if skipped:
             _apply_extra(trainer, out[-1])
         self.loops_at_end = self.trainer.fit_loop.state_dict()
@@ -203,23 +252,59 @@ def _schedulers(trainer):
     return [config.scheduler for config in trainer.lr_scheduler_configs]
 
 
-_PLAIN = (list, dict, tuple, set, int, float, bool, str, bytes, type(None))
+_PLAIN = (list, dict, tuple, set, collections.deque, numbers.Number, str, bytes, type(None))
+
+
+def _values(obj) -> dict:
+    """An object's own attributes that hold values: numbers, strings,
+    containers (the outputs a ``training_step`` gathers for
+    ``on_train_epoch_end``, a defaultdict of histories), tensors, arrays."""
+    import torch
+
+    kinds = _PLAIN + (torch.Tensor,)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kinds += (np.ndarray, np.generic)
+    return {k: v for k, v in vars(obj).items()
+            if not k.startswith("_") and k != "training" and isinstance(v, kinds)}
 
 
 def _module_attrs(module) -> dict:
-    """The LightningModule's own attributes that its state dict leaves out
-    and training may change: plain values and containers (the outputs a
-    ``training_step`` gathers for ``on_train_epoch_end``) and tensors."""
-    import torch
-
-    return {k: v for k, v in vars(module).items()
-            if not k.startswith("_") and k != "training"
-            and (type(v) in _PLAIN or isinstance(v, torch.Tensor))}
+    """What the LightningModule holds that its state dict leaves out and
+    training changes: its own values, and the state of its torchmetrics
+    metrics (kept out of state dicts) by submodule."""
+    metrics = {name: {"state": dict(m.metric_state), "updates": m._update_count}
+               for name, m in module.named_modules()
+               if hasattr(m, "metric_state") and hasattr(m, "_update_count")}
+    return {"values": _values(module), "metrics": metrics}
 
 
 def _set_module_attrs(module, attrs):
-    for k, v in attrs.items():
+    for k, v in attrs["values"].items():
         setattr(module, k, v)
+    for name, saved in attrs["metrics"].items():
+        m = module.get_submodule(name)
+        for k, v in saved["state"].items():
+            setattr(m, k, v)
+        m._update_count = saved["updates"]
+        m._computed = None
+
+
+def _user_callbacks(trainer) -> list:
+    """The script's own callbacks that keep their state in attributes,
+    not in a state_dict Lightning saves (a history a callback appends to)."""
+    return [cb for cb in trainer.callbacks if type(cb).__module__ == "__main__"
+            and not cb.state_dict()]
+
+
+def _callback_values(trainer) -> dict:
+    return {cb.state_key: _values(cb) for cb in _user_callbacks(trainer)}
+
+
+def _set_callback_values(trainer, values):
+    for cb in _user_callbacks(trainer):
+        for k, v in values.get(cb.state_key, {}).items():
+            setattr(cb, k, v)
 
 
 def _extra(trainer) -> dict:
@@ -232,18 +317,47 @@ def _extra(trainer) -> dict:
             "loops": trainer.fit_loop.state_dict(),
             "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks
                           if cb.state_dict()},
-            "callback_metrics": dict(trainer.callback_metrics),
-            "logged_metrics": dict(conn.logged_metrics),
-            "progress_bar_metrics": dict(conn.progress_bar_metrics),
+            "callback_values": _callback_values(trainer),
+            "callback_metrics": _numbers(trainer.callback_metrics),
+            "logged_metrics": _numbers(conn.logged_metrics),
+            "progress_bar_metrics": _numbers(conn.progress_bar_metrics),
             "should_stop": trainer.should_stop,
-            "epoch_log": trainer._results.metrics(False)["log"] if trainer._results else {}}
+            "epoch_log": _numbers(trainer._results.metrics(False)["log"]) if trainer._results
+            else {}}
+
+
+def _load_progress(loop, state, prefix=""):
+    """The progress of `loop` and its children from `state` (a loop's
+    state_dict), without what Loop.load_state_dict adds for a resume: it
+    marks every loop as restarting, and a fit by max_steps stays so."""
+    loop._load_from_state_dict(state.copy(), prefix)
+    for name, child in vars(loop).items():
+        if hasattr(child, "_load_from_state_dict") and hasattr(child, "on_iteration_done"):
+            _load_progress(child, state, prefix + name + ".")
+
+
+def _numbers(metrics) -> dict:
+    """Logged metrics as (number, dtype) pairs: what a block's fingerprint
+    covers is its training state, not what was logged (a hindsight
+    ``self.log`` adds a key), and a number restores a 0-d tensor exactly."""
+    import torch
+
+    return {k: (v.item(), str(v.dtype).rsplit(".", 1)[-1])
+            if isinstance(v, torch.Tensor) and v.dim() == 0 else v for k, v in metrics.items()}
+
+
+def _tensors(metrics) -> dict:
+    import torch
+
+    return {k: torch.tensor(v[0], dtype=getattr(torch, v[1])) if isinstance(v, tuple) else v
+            for k, v in metrics.items()}
 
 
 def _apply_extra(trainer, extra):
     _set_module_attrs(trainer.lightning_module, extra["module_attrs"])
     loop = trainer.fit_loop
-    loop.load_state_dict(extra["loops"])
-    loop.restarting = False  # (loading marks a restart; this is the epoch it was in)
+    _load_progress(loop, extra["loops"])
+    _set_callback_values(trainer, extra["callback_values"])
     states = extra["callbacks"]
     _move_callbacks(trainer, states)
     for cb in trainer.callbacks:
@@ -253,7 +367,7 @@ def _apply_extra(trainer, extra):
     for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
         live = getattr(conn, "_" + name)
         live.clear()
-        live.update(extra[name])
+        live.update(_tensors(extra[name]))
     trainer.should_stop = extra["should_stop"]
     # What the epoch logged with on_epoch=True, which Lightning hands its
     # loggers after the epoch-end hooks (at the step before, as it does):
@@ -261,7 +375,7 @@ def _apply_extra(trainer, extra):
     if extra["epoch_log"]:
         loop.epoch_loop._batches_that_stepped -= 1
         try:
-            conn.log_metrics(dict(extra["epoch_log"]))
+            conn.log_metrics(_tensors(extra["epoch_log"]))
         finally:
             loop.epoch_loop._batches_that_stepped += 1
 
@@ -275,14 +389,21 @@ def _move_callbacks(trainer, states):
 def _moved(state, dirpath):
     """A callback's state from the record, with the paths under the
     directory it wrote to (a ModelCheckpoint's, in the record's logger
-    version) moved to the directory it writes to now (this run's)."""
+    version) moved to the directory it writes to now (this run's).  A file
+    it names that this run has not written (its epoch was restored, or ran
+    in another worker) is copied there from the record's directory, as a
+    plain run would have it: `trainer.test(ckpt_path="best")` finds it."""
     old = state.get("dirpath") if isinstance(state, dict) else None
     if not (isinstance(old, str) and isinstance(dirpath, str)) or old == dirpath:
         return state
 
     def move(v):
         if isinstance(v, str) and (v == old or v.startswith(old + os.sep)):
-            return dirpath + v[len(old):]
+            new = dirpath + v[len(old):]
+            if v != old and os.path.isfile(v) and not os.path.exists(new):
+                os.makedirs(os.path.dirname(new), exist_ok=True)
+                shutil.copyfile(v, new)
+            return new
         if isinstance(v, dict):
             return {move(k): move(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
@@ -334,6 +455,12 @@ def _make(base):
             # callbacks' paths are moved to where they write now.
             if self._fit is not None:
                 _move_callbacks(trainer, checkpoint.get("callbacks", {}))
+
+        def on_train_start(self, trainer, pl_module):
+            # A resumed segment: Lightning's sanity check ran the validation
+            # hooks since the restore
+            if self._fit is not None:
+                self._fit.put_back()
 
         def on_train_epoch_start(self, trainer, pl_module):
             if self._fit is not None:

@@ -45,13 +45,14 @@ def _segments(stderr):
     return re.search(r"iterations in segments (.*)", stderr).group(1)
 
 
-def _replays(d, name, probe, original, *argv):
-    """Replay `name` with `probe` added: (the replay's run row, its stderr),
-    after checking its output against a plain run of the edited script."""
+def _replays(d, name, probe, original, *argv, args=ARGS):
+    """Replay `name` with `probe` added: (the store, the replay's run row,
+    its stderr), after checking its output against a plain run of the
+    edited script."""
     path = os.path.join(d, name)
     _probe(path, original, probe)
-    want = plain(d, name, *ARGS).stdout
-    rep = flor(d, "replay", *argv, name, *ARGS)
+    want = plain(d, name, *args).stdout
+    rep = flor(d, "replay", *argv, name, *args)
     assert rep.stdout == want, (rep.stdout, want)
     assert "deferred checks passed" in rep.stderr, rep.stderr
     st = store(d)
@@ -80,20 +81,26 @@ def test_handsfree_lightning_epochs_are_the_main_loop(tmp_path):
     assert [p["info"].resumed_from is not None for p in parts] == [False, True], parts
 
 
-def test_pytorch_lightning_package_on_two_workers(tmp_path):
+def test_pytorch_lightning_package_and_a_fit_by_max_steps(tmp_path):
     """The same Trainer imported as pytorch_lightning (its own callback
-    class and entry point); every epoch restored, on two workers."""
+    class and entry point), ending at max_steps inside its fourth epoch.
+    Lightning's resume of such a fit runs one more batch of the epoch it
+    resumes after: the record takes no iteration checkpoint, and the second
+    worker gets to its epochs through the first ones' restored blocks."""
     pytest.importorskip("pytorch_lightning")
     d = str(tmp_path)
     name = "pl_digits.py"
     text = read(WORKLOAD).replace("import lightning as L\n", "import pytorch_lightning as L\n")
     text = text.replace("from lightning.pytorch.callbacks", "from pytorch_lightning.callbacks")
     write_script(d, name, text)
-    flor(d, "record", "--no-adaptive", name, *ARGS)
-    st, replay, err = _replays(d, name, EPOCH_PROBE, text, "--jobs", "2")
-    assert _states(st, replay["run_id"]) == {"skip"}, err
+    args = ["--epochs", "10", "--max-steps", "150", "--width", "32", "--patience", "5"]
+    rec = flor(d, "record", "--no-adaptive", name, *args)
+    assert rec.stdout == plain(d, name, *args).stdout
+    assert "4 iterations of the main loop" in rec.stderr, rec.stderr
+    st, replay, err = _replays(d, name, INNER_PROBE, text, "--jobs", "2", args=args)
+    assert _states(st, replay["run_id"]) == {"step_into", "pseudoresume"}, err
     parts = st.parts(replay["run_id"])
-    assert [p["info"].resumed_from is not None for p in parts] == [False, True], parts
+    assert [p["info"].resumed_from for p in parts] == [None, None], parts
 
 
 def test_the_scripts_own_callback_records_under_python(tmp_path):
