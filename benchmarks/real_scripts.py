@@ -54,11 +54,12 @@ CASES = {
                       ('print("test loss:"', WNORM % "seq"),
                       ("loss.backward()", GNORM % "seq")),
     # Lightning: the outer probe in on_train_epoch_end, the inner one in
-    # training_step (the gradients of the step before)
+    # training_step (before the step's backward: its loss)
     "lightning_digits.py": (["--epochs", "12", "--repeat", "4", "--width", "256",
                              "--patience", "20"],
                             ("self.step_losses.clear()", WNORM % "self"),
-                            ("self.step_losses.append(loss.detach())", GNORM % "self")),
+                            ("self.step_losses.append(loss.detach())",
+                             'print(f"  loss {loss.item():.6f}")')),
 }
 CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s)")
 
