@@ -72,6 +72,10 @@ class _FitState:
 
     def capture(self, scope):
         fit = self.fit
+        why = _not_resumable(fit.trainer)
+        if why:  # never checkpointed: replay workers pseudoresume the epochs before theirs
+            objs = [fit.module, {}]
+            return objs, _signature(objs) + [f"{why}, {UNHELD}"], [False, False]
         rest = fit.connector.dump_checkpoint(weights_only=False)
         rest.pop("state_dict", None)
         if fit.loops_at_end is not None:
@@ -79,11 +83,7 @@ class _FitState:
         rest["flor_module_attrs"] = _module_attrs(fit.module)
         rest["flor_callback_values"] = _callback_values(fit.trainer)
         objs = [fit.module, rest]
-        sig = _signature(objs)
-        why = _not_resumable(fit.trainer)
-        if why:  # never checkpointed: replay workers pseudoresume the epochs before theirs
-            sig.append(f"{why}, {UNHELD}")
-        return objs, sig, [False, False]
+        return objs, _signature(objs), [False, False]
 
     def labels(self, sig):
         return ["the LightningModule", "Lightning's checkpoint of the trainer"]
