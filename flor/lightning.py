@@ -31,7 +31,7 @@ import sys
 
 from .context import epoch_key
 from .errors import FlorReplayError
-from .runtime.blockstate import UNHELD
+from .runtime.blockstate import UNHELD, apply, signature
 from .runtime.session import Inert, Session
 
 __all__ = ["Flor", "callbacks"]
@@ -75,7 +75,7 @@ class _FitState:
         why = _not_resumable(fit.trainer)
         if why:  # never checkpointed: replay workers pseudoresume the epochs before theirs
             objs = [fit.module, {}]
-            return objs, _signature(objs) + [f"{why}, {UNHELD}"], [False, False]
+            return objs, signature(objs) + [f"{why}, {UNHELD}"], [False, False]
         rest = fit.connector.dump_checkpoint(weights_only=False)
         rest.pop("state_dict", None)
         if fit.loops_at_end is not None:
@@ -83,14 +83,12 @@ class _FitState:
         rest["flor_module_attrs"] = _module_attrs(fit.module)
         rest["flor_callback_values"] = _callback_values(fit.trainer)
         objs = [fit.module, rest]
-        return objs, _signature(objs), [False, False]
+        return objs, signature(objs), [False, False]
 
     def labels(self, sig):
         return ["the LightningModule", "Lightning's checkpoint of the trainer"]
 
     def apply(self, saved, scope):
-        from .runtime.blockstate import apply
-
         fit = self.fit
         live = {}
         out = apply(saved, [fit.module, live], None, scope)
@@ -128,12 +126,6 @@ def _loaders(value):
     if isinstance(value, (list, tuple)):
         return [x for v in value for x in _loaders(v)]
     return [] if value is None else [value]
-
-
-def _signature(objs):
-    from .runtime.blockstate import signature
-
-    return signature(objs)
 
 
 class _Fit:
@@ -211,7 +203,7 @@ class _Fit:
         # logged metric), which a restore in place would overwrite.
         extra = {} if skipped else _extra(trainer)
         objs = [self.module, *trainer.optimizers, *_schedulers(trainer), extra]
-        sig = _signature(objs)
+        sig = signature(objs)
         if _persistent_workers(trainer):  # an epoch's restore would not reach them
             sig.append(f"the random state of the DataLoader's persistent workers, {UNHELD}")
         out = self.s.end(objs, self.frame, sig=sig, as_list=True)
