@@ -67,6 +67,8 @@ class _FitState:
     and Lightning's checkpoint of the rest, with the loops' progress as it
     was at the end of the epoch (Lightning resumes from that point)."""
 
+    grads = False  # Lightning steps the optimizer at an epoch's last batch
+
     def __init__(self, fit):
         self.fit = fit
 

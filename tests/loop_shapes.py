@@ -351,3 +351,26 @@ GENERATOR_MAIN_LOOP = """
         print(epoch, round(model.weight.sum().item(), 6))
     print("done")
 """
+
+# Gradient accumulation over the main loop's own iterations: backward()
+# every step, the optimizer every third.  The gradients a step leaves are
+# read by the next, so a worker starting between two optimizer steps
+# printed other losses (its checkpoint held no gradients).
+GRADIENT_ACCUMULATION = """
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    accum = 3
+    for step in range(8):
+        i = step % 8 * 8
+        loss = torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]) / accum
+        loss.backward()
+        if (step + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad()
+        print(step, round(loss.item(), 6))
+    print("weight", round(model.weight.sum().item(), 6))
+"""

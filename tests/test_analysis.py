@@ -298,7 +298,8 @@ def test_instrumentation_finds_main_loop_candidates_and_blocks():
     # `data` is what it loops over (held by no checkpoint, were it an iterator).
     assert [l.carried for l in inst.loops] == [[[], [], [], [], []],
                                                [[], ["opt"], [], [], ["data"]]]
-    assert "__flor__.loop(range(3), 's.py:9', (), ('opt',), (), (), ('data',))" in inst.text
+    assert "__flor__.loop(range(3), 's.py:9', (), ('opt',), (), (), ('data',), False)" \
+        in inst.text
 
 
 def test_while_loops_become_tracked_for_loops():
@@ -437,6 +438,32 @@ def test_gradients_cleared_before_they_are_read_are_dead():
             scheduler.step()
             lr_sched.step()
     """) == {14: False, 15: False}
+
+
+def test_gradients_a_main_loop_accumulates_over_its_iterations_are_carried():
+    # backward() every iteration, the optimizer every 4th: the gradients one
+    # iteration leaves are read by the next, so its checkpoint holds them.
+    src = """
+        import torch
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for it in range(100):
+            {}
+            model(x).sum().backward()
+            if (it + 1) % 4 == 0:
+                opt.step()
+                opt.zero_grad()
+    """
+    loops = instrument(textwrap.dedent(src.format("pass")), "s.py", lambda line: f"s.py:{line}").loops
+    assert [(l.line, l.grads) for l in loops] == [(5, True)]
+    # Accelerate's form: accumulate() decides when step() and zero_grad() act.
+    acc = src.replace("model(x).sum().backward()", "accelerator.backward(model(x).sum())")
+    loops = instrument(textwrap.dedent(acc.format("pass")), "s.py", lambda line: f"s.py:{line}").loops
+    assert loops[0].grads
+    # Cleared first: what an iteration leaves is never read.
+    loops = instrument(textwrap.dedent(src.format("opt.zero_grad()")), "s.py",
+                       lambda line: f"s.py:{line}").loops
+    assert not loops[0].grads
 
 
 def test_a_step_is_an_optimizer_s_unless_its_receiver_is_a_scheduler():

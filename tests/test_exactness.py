@@ -50,6 +50,7 @@ SHAPES = {
     "sliced_generator": loop_shapes.SLICED_GENERATOR,
     "list_of_batches": loop_shapes.LIST_OF_BATCHES,
     "generator_main_loop": loop_shapes.GENERATOR_MAIN_LOOP,
+    "gradient_accumulation": loop_shapes.GRADIENT_ACCUMULATION,
 }
 
 

@@ -32,7 +32,8 @@ import ast
 
 from .syntax import path_of, simple_statements, walk_scope
 
-__all__ = ["makes_gradients", "gradients_live", "manual_gradients", "scheduler_names"]
+__all__ = ["makes_gradients", "gradients_live", "loop_gradients_live", "manual_gradients",
+           "scheduler_names"]
 
 _CLIPS = {"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm", "clip_grad_value"}
 _SCHEDULERS = ("lr_scheduler", "Scheduler", "LR", "Plateau", "Annealing", "Warmup")
@@ -169,6 +170,18 @@ def gradients_live(block, loop_body, resolve, schedulers, end=None) -> bool:
             if event is not None:
                 return event == "read"
     return False
+
+
+def loop_gradients_live(loop_body, resolve, schedulers) -> bool:
+    """Whether the gradients one iteration of a loop leaves are read by the
+    next iteration before they are cleared: gradient accumulation over the
+    loop's own iterations, where backward() runs every iteration and the
+    optimizer steps every k-th (Accelerate's ``accumulate()``, or an
+    ``if (i + 1) % k == 0`` around step() and zero_grad()).  The body's
+    first gradient event decides; a loop that clears first (``zero_grad()``,
+    then backward() and step()) leaves none that matter."""
+    return makes_gradients(loop_body, resolve) and \
+        first_event(loop_body, resolve, schedulers) == "read"
 
 
 def manual_gradients(source: str, rel: str) -> set[str]:

@@ -46,7 +46,7 @@ import re
 from dataclasses import dataclass, field
 
 from .analysis import GiveUp, Script, block_effects
-from .gradients import gradients_live, scheduler_names
+from .gradients import gradients_live, loop_gradients_live, scheduler_names
 from .liveness import definite, exposed, function_reads, reads, target_names
 from .syntax import assigned_names, bodies, called_names, functions, root, walk_scope
 
@@ -82,6 +82,7 @@ class Loop:
     end_line: int
     function: str  # "<module>" or the qualified name
     carried: list | None = None  # [names, paths, globals, rebound] into the next iteration
+    grads: bool = False  # an iteration's gradients are read by the next one (accumulation)
 
 
 @dataclass
@@ -219,8 +220,11 @@ class _Instrumenter:
             return [loop]
         key = self.key_of(loop.lineno)
         carried = self._carried(loop, scope)
+        grads = bool(carried) and loop_gradients_live(
+            loop.body, lambda call: self.script.resolve(call, scope), self.schedulers)
         self.out.loops.append(Loop(key, loop.lineno, loop.end_lineno, qualname,
-                                   carried=list(map(list, carried)) if carried else None))
+                                   carried=list(map(list, carried)) if carried else None,
+                                   grads=grads))
         self.loop_body = loop.body
         header = target_names(loop.target) if isinstance(loop, ast.For) else set()
         # What a block changes matters after it if the loop carries it, code
@@ -228,7 +232,7 @@ class _Instrumenter:
         self.after_block = (self._live(loop, header, scope) - header) | _loads_outside(scope, loop)
         loop.body = self._main_body(loop.body, key, scope)
         line = loop.lineno
-        extra = [_strs(x) for x in carried] if carried else []
+        extra = [_strs(x) for x in carried] + [ast.Constant(value=grads)] if carried else []
         resume = []
         if carried and carried[0]:  # names to rebind after a restore
             resume = [ast.Assign(targets=[ast.Name(id="__flor_r", ctx=ast.Store())],

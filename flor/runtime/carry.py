@@ -42,6 +42,10 @@ __all__ = ["Carried", "payload", "ctx_of", "restore", "resume_at", "fingerprint"
 class Carried:
     """The manual API's carrier: the objects passed as ``state=``."""
 
+    #: Whether an iteration checkpoint holds the parameters' gradients
+    #: (hands-free: when the next iteration reads them).
+    grads = False
+
     def __init__(self, objs):
         self.objs = tuple(objs)
 
@@ -117,10 +121,12 @@ def tag(loop: str, run: int, i: int) -> bytes:
     return blockstate.tag(iteration_key(loop), ctx_of(loop, run, i), 0)
 
 
-def payload(loop, run, i, objs, sig, fp, ord_, carried, version=digest.VERSION) -> dict:
+def payload(loop, run, i, objs, sig, fp, ord_, carried, version=digest.VERSION,
+            grads=None) -> dict:
     """The iteration checkpoint of iteration i (`carried`: the digests of
-    `objs`, of `version`)."""
-    out = blockstate.payload(iteration_key(loop), ctx_of(loop, run, i), 0, sig, objs)
+    `objs`, of `version`; `grads`: the gradients of their parameters, where
+    the next iteration reads them)."""
+    out = blockstate.payload(iteration_key(loop), ctx_of(loop, run, i), 0, sig, objs, grads)
     out.update(fingerprint=fp, carried=carried, carried_version=version, ord=ord_,
                iteration=i)
     return out

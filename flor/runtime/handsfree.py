@@ -75,14 +75,16 @@ _NOT_STATE_MODULES = ("tqdm", "torch.utils.tensorboard", "tensorboardX", "wandb"
                       "torch.utils.data", "logging", "csv", "_csv")
 
 
-def loop(iterable, key, names=None, paths=(), globals_=(), rebound=(), iterated=()):
+def loop(iterable, key, names=None, paths=(), globals_=(), rebound=(), iterated=(), grads=False):
     """A candidate main loop; `names`, `paths`, `globals_`, `rebound`: what
     its body carries into the next iteration (None when analysis gave up);
-    `iterated`: what it loops over that the next iteration reads."""
+    `iterated`: what it loops over that the next iteration reads; `grads`:
+    whether the next iteration reads the gradients this one leaves."""
     s = Session.get()
     if not s.at_top_level():
         return iterable
-    carrier = _Carried(names, paths, globals_, rebound, iterated) if names is not None else None
+    carrier = _Carried(names, paths, globals_, rebound, iterated, grads) \
+        if names is not None else None
     return s.loop(iterable, key, sys._getframe(1), carrier)
 
 
@@ -95,9 +97,10 @@ def resume(key):
 class _Carried:
     """What a hands-free main loop carries, read from the loop's frame."""
 
-    def __init__(self, names, paths, globals_, rebound, iterated=()):
+    def __init__(self, names, paths, globals_, rebound, iterated=(), grads=False):
         self.sets = (names, paths, globals_, rebound)
         self.iterated = iterated
+        self.grads = grads  # the iteration checkpoint holds the parameters' gradients
 
     def _read(self, scope):
         items, captured, extra, labels = _capture(None, *self.sets, scope,

@@ -188,8 +188,10 @@ class Recording(Policy):
             objs, sig, _ = carried()
             got = fp if fp is not None else carry.fingerprint(frame.scope,
                                                               self.fingerprint_version)
+            grads = blockstate.gradients(blockstate.state_owners(objs, frame.scope)) \
+                if frame.carrier.grads else None
             return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord,
-                                 carry.digests(objs, frame.scope))
+                                 carry.digests(objs, frame.scope), grads=grads)
 
         # The checkpoint is charged its fingerprint, wherever it was taken.
         name = self._checkpoint(
