@@ -155,6 +155,7 @@ typedef struct {
     PyObject *atom_names; /* {torch.float32: "float32", torch.strided: "strided", ...} */
     PyObject *ndarray;
     PyObject *cuda; /* flor._cuda, imported the first time a CUDA tensor is met */
+    PyObject *handle_capture; /* flor.handles.capture, imported the first time a handle is met */
 
     /* Python helpers, looked up at module exec. */
     PyObject *copyreg_dispatch, *deepcopy, *dumps, *loads, *weakref_t;

@@ -137,7 +137,7 @@ cleanup:
     X(FormatError) X(kind_cache)                                                               \
     X(rebuild) X(loaders) X(torch) X(Tensor) X(Parameter) X(Generator) X(Size) X(dtype_t)      \
     X(device_t) X(layout_t) X(memfmt_t) X(strided) X(uint8) X(atom_names) X(ndarray)           \
-    X(cuda)                                                                                    \
+    X(cuda) X(handle_capture)                                                                  \
     X(copyreg_dispatch) X(deepcopy) X(dumps) X(loads) X(weakref_t) X(Pickler) X(BytesIO)       \
     X(tree_safe)                                                                               \
     X(s_state_dict)                                                                            \

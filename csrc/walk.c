@@ -20,7 +20,8 @@
  *         numpy.ndarray, bytearray            -> Ref; bytes staged
  *         torch dtype / device / Size / Generator -> Ref (no torch code in a writer child)
  *         has state_dict() and load_state_dict()  -> copy(x.state_dict())
- *         has __deepcopy__                    -> copy.deepcopy(x)
+ *         has __deepcopy__                    -> copy.deepcopy(x); where that is x
+ *                                                itself, a handle's Handle (flor/handles.py)
  *         anything else                       -> rebuilt from copy(x.__reduce_ex__(4))
  *
  * The memo keeps shared and tied tensors shared (one blob per storage, each
@@ -167,6 +168,7 @@ typedef struct {
 } walker;
 
 static PyObject *walk(walker *w, PyObject *o, int shared);
+static PyObject *handle_capture(flor_state *st);
 
 static inline int
 is_atom(PyObject *o)
@@ -1451,9 +1453,24 @@ walk(walker *w, PyObject *o, int shared)
     case K_DEEPCOPY:
         /* The class copies itself.  Its copy may share objects internally
          * and may hold tensors: it is pickled with the memo, and never in a
-         * forked writer (which must not run torch code). */
+         * forked writer (which must not run torch code).  An object whose
+         * copy is itself is an immutable value, kept as it is, or a handle
+         * (flor/handles.py), walked as the flor.handles.Handle of its plain
+         * attributes. */
         res = PyObject_CallOneArg(st->deepcopy, o);
-        if (res != NULL && res != o) {
+        if (res == o) {
+            Py_CLEAR(res);
+            tmp = handle_capture(st);
+            tmp = tmp == NULL ? NULL : PyObject_CallOneArg(tmp, o);
+            if (tmp == o) {
+                res = tmp;
+            }
+            else if (tmp != NULL) {
+                res = walk(w, tmp, 0);
+                Py_DECREF(tmp);
+            }
+        }
+        else if (res != NULL) {
             w->not_tree = 1;
             w->foreign = 1;
         }
@@ -1485,6 +1502,21 @@ blobs_release(flor_blob *b, uint32_t n)
         Py_CLEAR(b[i].owner);
         b[i].src = NULL;
     }
+}
+
+/* flor.handles.capture (borrowed), imported the first time a handle is met. */
+static PyObject *
+handle_capture(flor_state *st)
+{
+    PyObject *mod;
+    if (st->handle_capture == NULL) {
+        mod = PyImport_ImportModule("flor.handles");
+        if (mod != NULL) {
+            st->handle_capture = PyObject_GetAttrString(mod, "capture");
+            Py_DECREF(mod);
+        }
+    }
+    return st->handle_capture;
 }
 
 /* flor._cuda (borrowed), imported the first time a CUDA blob is met: the

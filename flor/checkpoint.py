@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from . import _core, trust
 from .errors import CheckpointCorrupt, CheckpointWriteError
+from .handles import Handle
 
 __all__ = ["save", "load", "restore"]
 
@@ -132,6 +133,9 @@ def restore(live, saved):
       gets ``live.load_state_dict(saved)``;
     - a tensor gets ``live.copy_(saved)`` (any device; shapes must match);
     - a random generator (torch, numpy, ``random.Random``) gets the saved state;
+    - a handle (an object whose class copies it as itself, such as
+      Accelerate's ``Accelerator``; see flor/handles.py) gets back its
+      plain-valued attributes, and keeps the rest;
     - dicts, lists and sets are updated item by item, in place;
     - a tuple, or anything immutable, cannot change in place: the restored
       value is returned, so rebind it (``x = flor.restore(x, saved)``).
@@ -152,6 +156,8 @@ def _as_is(value):
 
 
 def _restore(live, saved, where, place):
+    if isinstance(saved, Handle):
+        return saved.apply(live, where)
     torch = sys.modules.get("torch")
     load_sd = getattr(live, "load_state_dict", None)
     if callable(load_sd) and isinstance(saved, Mapping) and not isinstance(live, Mapping):

@@ -166,6 +166,7 @@ _SAFE = {
                            "bool"}),
     "collections": frozenset({"OrderedDict", "defaultdict"}),
     "flor._core": frozenset({"_rebuild"}),
+    "flor.handles": frozenset({"Handle"}),  # a str and a dict of plain values
 }
 MAX_META_BYTES = 1 << 30
 

@@ -100,6 +100,22 @@ def test_plain_values_generators_and_aliasing():
 
 
 @pytest.mark.unit
+def test_a_handle_counts_by_the_values_a_checkpoint_keeps_of_it():
+    class Handle:  # as Accelerate's Accelerator: copies as itself
+        def __init__(self):
+            self.lock, self.step, self.refs = threading.Lock(), 0, [lambda: None]
+
+        def __deepcopy__(self, memo):
+            return self
+    h = Handle()
+    before = digest(h)
+    h.refs.append(threading.Lock())  # what it refers to is not its state
+    assert digest(h) == before
+    h.step += 1
+    assert digest(h) != before
+
+
+@pytest.mark.unit
 def test_an_object_pickle_cannot_reduce_is_opaque():
     class WithLock:
         def __init__(self):

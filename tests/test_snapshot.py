@@ -46,6 +46,19 @@ class OwnCopy:
         return c
 
 
+class Handle:
+    """Copies as itself, as Accelerate's Accelerator does: a handle to state
+    held elsewhere (what it wraps), with a counter of its own."""
+
+    def __init__(self, model):
+        self.models = [model]
+        self.lock = threading.Lock()
+        self.step, self.name, self.scale = 0, "acc", 1.0
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def roundtrip(obj):
     return flor.snapshot(obj).restore()
 
@@ -373,3 +386,25 @@ def test_large_dict_of_small_lists():
     obj[5].append(0)
     out = snap.restore()
     assert out[5] == [5, 6, 7] and len(out) == 100_000
+
+
+@pytest.mark.unit
+def test_a_handle_keeps_its_plain_values_and_leaves_what_it_wraps(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    h = Handle(model)
+    h.step = 7
+    snap = flor.snapshot({"acc": h, "model": model})
+    saved = snap.restore()["acc"]
+    # Not the live object, nor its lock and references: its own plain values.
+    assert saved is not h and saved.attrs == {"step": 7, "name": "acc", "scale": 1.0}
+    h.step, h.scale = 0, 2.0
+    assert flor.restore(h, saved) is h
+    assert (h.step, h.scale, h.models[0]) == (7, 1.0, model)
+    # A checkpoint file holds it, and the safe loader admits it.
+    path = str(tmp_path / "h.flor")
+    flor.save({"acc": h}, path)
+    h.step = 1
+    flor.restore(h, flor.load(path)["acc"])
+    assert h.step == 7
+    with pytest.raises(ValueError, match="handle of a .*Handle"):
+        flor.restore(Plain(1, 2), saved)

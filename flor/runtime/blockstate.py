@@ -28,6 +28,7 @@ import sys
 from .. import _core, trust
 from ..checkpoint import read, restore_placed
 from ..errors import CheckpointCorrupt, StoreError
+from ..handles import Handle
 from .placement import Devices
 
 __all__ = ["labels", "payload", "belongs", "apply", "signature", "rng_state", "set_rng_state",
@@ -302,9 +303,9 @@ def belongs(loaded, key: str, ctx: str, occurrence: int) -> bool:
 def _rebind(live, saved, place):
     """A rebound name's restored value: the saved one, on its recorded
     devices, except that an object restored through its state dict is
-    loaded into the live object."""
-    if callable(getattr(live, "load_state_dict", None)) and isinstance(saved, dict) \
-            and not isinstance(live, dict):
+    loaded into the live object, and a handle's values are set on it."""
+    if (callable(getattr(live, "load_state_dict", None)) and isinstance(saved, dict)
+            and not isinstance(live, dict)) or isinstance(saved, Handle):
         return restore_placed(live, saved, place)
     return saved if place is None else place(saved)
 
