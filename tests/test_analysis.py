@@ -332,6 +332,9 @@ def test_uses_flor():
     ("print(w.mul_(0.5).norm())", False), ("logging.info('%s', opt.step())", False),
     ("optimizer.add_param_group({'params': [p]})", False), ("print(model.eval())", False),
     ("print(w.norm(), w.grad.abs().max())", True), ("print(x.float().mean())", True),
+    # Accelerate's and Lightning's own printing (on the main process only).
+    ("accelerator.print('loss', loss)", True), ("self.print(x)", True),
+    ("accelerator.print(optimizer.step())", False),
 ])
 def test_log_like_statements(stmt, hindsight):
     assert is_log_like(ast.parse(stmt).body[0]) is hindsight

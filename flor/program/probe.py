@@ -3,8 +3,8 @@
 The recorded and current scripts are flattened into statements (a compound
 statement contributes its header, then its body one level deeper) and
 matched in order.  An added statement is a *hindsight statement* when it is
-log-like: an expression statement that assigns nothing and calls ``print``,
-``flor.log``, ``logging.*`` or a logger, a TensorBoard ``SummaryWriter.add_*``,
+log-like: an expression statement that assigns nothing and calls ``print``
+or a ``print`` method (``accelerator.print``), ``flor.log``, ``logging.*`` or a logger, a TensorBoard ``SummaryWriter.add_*``,
 ``wandb.log`` or another ``*.log*`` function, or writes to a file or a
 stream (``f.write``, ``writelines``, a csv writer's ``writerow(s)``), and
 that calls no in-place tensor method (``mul_``) and no method of training
@@ -92,6 +92,8 @@ def is_log_like(stmt) -> bool:
     last = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 1)[0].lower() if "." in name else ""
     if name in ("print", "pprint", "pprint.pprint"):
+        return True
+    if last == "print" and owner:  # accelerator.print, fabric.print, self.print, console.print
         return True
     if last.startswith("log") and owner:  # flor.log, wandb.log, mlflow.log_metric, run.log
         return True
