@@ -55,6 +55,17 @@ def _describe(path, err, step, message):
     return f"{path}: [Errno {err}] {os.strerror(err)} ({name}, during {step})"
 
 
+def _grouped(failures):
+    """One line per error and directory: the first file it failed, and how
+    many more (a step loop's every checkpoint can fail alike)."""
+    groups = {}
+    for path, err, step, message in failures:
+        groups.setdefault((os.path.dirname(path), err, step, message), []).append(path)
+    for (_, err, step, message), paths in groups.items():
+        more = f" (and {len(paths) - 1} more with the same error)" if len(paths) > 1 else ""
+        yield _describe(paths[0], err, step, message) + more
+
+
 class CheckpointWriteError(OSError):
     """One or more checkpoints could not be written.
 
@@ -66,7 +77,7 @@ class CheckpointWriteError(OSError):
     def __init__(self, failures):
         self.failures = [(os.fsdecode(p), e, s, m) for p, e, s, m in failures]
         first = self.failures[0]
-        lines = "\n  ".join(_describe(*f) for f in self.failures)
+        lines = "\n  ".join(_grouped(self.failures))
         n = len(self.failures)
         super().__init__(
             first[1] if first[1] > 0 else _errno.EIO,

@@ -176,6 +176,19 @@ def test_background_failure_is_raised_by_flush(tmp_path, mode):
     assert sorted(os.listdir(tmp_path)) == ["good.flor"]
 
 
+@pytest.mark.unit
+def test_failures_alike_are_said_once_and_counted():
+    # A step loop whose state pickle refuses fails every checkpoint alike.
+    why = "TypeError(\"cannot pickle 'weakref.ReferenceType' object\")"
+    failures = [(f"/r/ckpt/it@{i}.flor", -1, "pickle", why) for i in range(225)]
+    e = flor.CheckpointWriteError(failures + [("/r/ckpt/b.flor", 28, "write", "")])
+    assert len(e.failures) == 226
+    lines = str(e).splitlines()
+    assert lines[0] == "flor could not write 226 checkpoints:"
+    assert lines[1] == f"  /r/ckpt/it@0.flor: {why} (during pickle) (and 224 more with the same error)"
+    assert lines[2].startswith("  /r/ckpt/b.flor: [Errno 28]") and len(lines) == 3
+
+
 FORK_SCRIPT = r"""
 import os, signal, subprocess, sys
 import torch, flor
