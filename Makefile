@@ -29,7 +29,7 @@ PYTEST_JOBS := -n auto --maxprocesses=2
 # torch pinned in the same command.
 test: setup
 	$(BIN)/$(PIP) 'ray>=2.9'
-	$(BIN)/$(PIP) $(TORCH) 'lightning==2.6.6'
+	$(BIN)/$(PIP) $(TORCH) 'lightning==2.6.6' 'accelerate==1.15.0'
 	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
 
 # The edit-test loop's first step: the unit tier, the tests that run in the
