@@ -90,7 +90,8 @@ CASES = {
             log.write(f"{{loss.item():.5f}}\\n")
         print("epoch", epoch, round(meter.total / meter.n, 4), acc.step)
     log.close()
-    """, None),
+    """, "acc (a __main__.Accelerator) cannot be checkpointed: TypeError: cannot pickle "
+         "'_thread.RLock' object (at acc['_lock'])"),
     # A module that refuses state_dict() (exported another way).
     "state_dict": ("""
     class Frozen(torch.nn.Module):

@@ -295,7 +295,7 @@ class StateReads:
                     _core.measure(obj, True)
                 except Exception as e:  # noqa: BLE001 -- any failure names it
                     kind = "" if "(a " in label else f" (a {_type_name(obj)})"
-                    culprit = f"{label}{kind} {UNCAPTURED}: {_said(e)}"
+                    culprit = f"{label}{kind} {UNCAPTURED}: {_said(e)}{_inside(e, label)}"
                     break
         except Exception as e:  # noqa: BLE001 -- the state cannot even be listed
             culprit = f"its state {UNCAPTURED}: listing it raised {_said(e)}"
@@ -319,6 +319,18 @@ class StateReads:
 def _type_name(obj) -> str:
     t = type(obj)
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+_WALK_NOTE = "while taking a flor snapshot of obj"
+
+
+def _inside(e: BaseException, label: str) -> str:
+    """Where inside the object labelled `label` the walk failed, from its
+    note (``obj['_lock']`` becomes `` (at acc['_lock'])``), or ""."""
+    for n in getattr(e, "__notes__", None) or ():
+        if n.startswith(_WALK_NOTE) and len(n) > len(_WALK_NOTE):
+            return f" (at {label.split(' (', 1)[0]}{n[len(_WALK_NOTE):]})"
+    return ""
 
 
 def _said(e: BaseException, notes=False) -> str:
