@@ -4,7 +4,8 @@
  *         def take(self, n, pinned):
  *             a = smallest free arena with n <= a.cap <= 2 * n + 2 MiB
  *             if a is None:
- *                 a = mmap(round_up(n, 2 MiB))      # madvise HUGEPAGE, DONTFORK
+ *                 a = mmap(round_up(n, 2 MiB))      # madvise HUGEPAGE, DONTFORK;
+ *                                                   # 64 KiB steps under 1 MiB
  *                 if pinned: cudaHostRegister(a)    # via torch.cuda.cudart()
  *             return a
  *         def give(self, a):
@@ -29,14 +30,19 @@
 #include <unistd.h>
 
 #define ARENA_GRAIN ((size_t)2 << 20) /* huge-page size */
+#define SMALL_GRAIN ((size_t)64 << 10)  /* arenas under half a huge page */
 
+/* An arena's size for `n` bytes: whole huge pages, except that a small
+ * snapshot (a counter, a 1 KB state) takes 64 KiB steps: at 2 MiB each, a
+ * backlog of small checkpoints held a thousand times their bytes. */
 static size_t
 round_grain(size_t n)
 {
+    size_t grain = n < ARENA_GRAIN / 2 ? SMALL_GRAIN : ARENA_GRAIN;
     if (n == 0) {
         n = 1;
     }
-    return (n + ARENA_GRAIN - 1) & ~(ARENA_GRAIN - 1);
+    return (n + grain - 1) & ~(grain - 1);
 }
 
 /* Register or unregister an arena with the CUDA driver through torch.
@@ -117,6 +123,15 @@ pool_check_owner(flor_state *st)
         st->pool.free_bytes = 0;
         st->pool.owner = me;
     }
+}
+
+/* What staging `nbytes` holds of memory: the capacity of the arena a fresh
+ * take maps.  Backpressure counts this, not the bytes staged: a small
+ * snapshot still holds a whole arena until its write is done. */
+size_t
+flor_pool_charge(size_t nbytes)
+{
+    return nbytes == 0 ? 0 : round_grain(nbytes);
 }
 
 flor_arena *

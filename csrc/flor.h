@@ -214,6 +214,7 @@ uint64_t flor_digest64(uint64_t total, uint64_t first, const void *buf, size_t l
 extern PyMethodDef flor_crc32c_functions[];
 
 /* arena.c */
+size_t flor_pool_charge(size_t nbytes);
 flor_arena *flor_pool_take(flor_state *st, size_t nbytes, int pinned);
 void flor_pool_give(flor_state *st, flor_arena *a);
 void flor_pool_trim(flor_state *st, size_t keep);
@@ -268,7 +269,7 @@ typedef struct {
 /* Called after the walk, before any byte is copied: may wait (backpressure).
  * Runs with the GIL held; returns -1 with an exception set to abort, 1 to
  * stop without copying (the snapshot then only knows its byte counts). */
-typedef int (*flor_reserve_fn)(void *ctx, uint64_t data_bytes);
+typedef int (*flor_reserve_fn)(void *ctx, uint64_t charge); /* flor_pool_charge(data_bytes) */
 
 /* hash: compute each host blob's content hash while copying it. */
 PyObject *flor_snapshot_ex(flor_state *st, PyObject *obj, flor_reserve_fn reserve, void *ctx,

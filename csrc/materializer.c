@@ -2,8 +2,9 @@
  *
  *     class Materializer:
  *         def submit(self, path, obj):
- *             snap = snapshot(obj)            # waits first while held_bytes would
- *             if mode == INLINE:              # pass max_buffer_bytes (backpressure)
+ *             snap = snapshot(obj)            # waits first while held_bytes (the
+ *             if mode == INLINE:              # staging arenas' sizes) would pass
+ *                                             # max_buffer_bytes (backpressure)
  *                 write(path, pickle(snap.skeleton), snap)
  *             elif mode == THREAD:
  *                 queue.put((path, snap))     # C writer thread: pickles the skeleton
@@ -54,7 +55,7 @@ typedef struct flor_job {
     PyObject *snapshot; /* FlorSnapshot */
     PyObject *meta;     /* pickled skeleton, once made */
     char *path;
-    uint64_t bytes;  /* staged bytes held (data_bytes) */
+    uint64_t bytes;  /* staging memory held: flor_pool_charge(data_bytes) */
     uint64_t nbytes; /* the snapshot's bytes */
     int err;        /* errno; -1 for a Python error (message in msg) */
     const char *step;
@@ -869,7 +870,7 @@ mat_submit(FlorMaterializer *m, PyObject *const *args, Py_ssize_t nargs)
         pthread_mutex_unlock(&m->mu);
         goto cleanup;
     }
-    reserved = m->mode == MODE_INLINE ? 0 : ((FlorSnapshot *)snap)->data_bytes;
+    reserved = m->mode == MODE_INLINE ? 0 : flor_pool_charge(((FlorSnapshot *)snap)->data_bytes);
     j = calloc(1, sizeof(*j));
     if (j == NULL || (j->path = strdup(PyBytes_AS_STRING(pathb))) == NULL) {
         PyErr_NoMemory();
@@ -1049,7 +1050,8 @@ PyDoc_STRVAR(mat_stats_doc,
              "and counted (a fork child's until the child is done), writing those of them\n"
              "being written now (pending less a fork batch not yet started);\n"
              "writer_cpu_seconds is the CPU time the writers used (thread mode: the\n"
-             "writer thread's, as it runs; fork mode: children's, once reaped).");
+             "writer thread's, as it runs; fork mode: children's, once reaped);\n"
+             "held_bytes is the staging memory of the snapshots not yet written.");
 
 static PyObject *
 mat_stats(FlorMaterializer *m, PyObject *Py_UNUSED(ignored))

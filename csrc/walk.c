@@ -1656,7 +1656,7 @@ copy_phase(walker *w, FlorSnapshot *s, flor_reserve_fn reserve, void *ctx, int h
     s->data_bytes = total;
     s->nbytes = payload;
     if (reserve != NULL) {
-        int r = reserve(ctx, total);
+        int r = reserve(ctx, flor_pool_charge(total));
         if (r < 0) {
             goto cleanup;
         }

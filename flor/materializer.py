@@ -102,8 +102,10 @@ class Materializer:
       the batch, then exits.  At most ``max_children`` children live at once.
     - ``"inline"``: writes during ``submit``; the baseline.
 
-    ``max_buffer_bytes`` bounds the staged bytes not yet written; ``submit``
-    waits when a new snapshot would pass it (backpressure).
+    ``max_buffer_bytes`` bounds the staging memory of the snapshots not yet
+    written (the arenas they hold: whole 2 MiB huge pages, or 64 KiB steps
+    under 1 MiB); ``submit`` waits when a new snapshot would pass it
+    (backpressure).  One snapshot larger than the bound is let through alone.
 
     ``incremental=True`` (thread and inline modes) makes a checkpoint refer to
     the tensor bytes that an earlier file of this materializer already holds
