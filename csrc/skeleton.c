@@ -426,6 +426,14 @@ build_tensor(flor_state *st, flor_loader *ld, Py_ssize_t index, PyObject *cls)
                           "unknown tensor dtype '%s' (written by a newer torch?)", e->dtype);
         goto cleanup;
     }
+    if (e->dtype[0] == 'q') {
+        /* qint8, quint8, ...: the walk refuses them (their bytes lose the
+         * scale and zero point), so no file of flor's names one. */
+        flor_format_error(st, ld->path, "tensor table",
+                          "entry %zd has the quantized dtype '%s', which flor never writes", index,
+                          e->dtype);
+        goto cleanup;
+    }
     itemsize = PyObject_GetAttrString(dtype, "itemsize");
     if (itemsize == NULL ||
         check_extent(st, ld, e, PyLong_AsUnsignedLongLong(itemsize), index) < 0) {

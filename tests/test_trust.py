@@ -17,7 +17,7 @@ from flor.checkpoint import read
 from flor.errors import FlorError
 
 from conftest import edit, flor as flor_cli, plain, run_py, store, write_script
-from crafted import craft
+from crafted import craft, fix_checksums
 
 # The C core's paths: the sanitized build runs these (make test-asan).
 pytestmark = pytest.mark.core
@@ -253,6 +253,22 @@ for i in range({n}):
         traceback.print_exc()
 print(kinds)
 """
+
+
+@pytest.mark.unit
+def test_a_quantized_dtype_in_the_table_is_a_damaged_file(tmp_path):
+    # flor never writes a quantized tensor (its bytes lose scale and zero
+    # point): a table that names one loaded, then failed inside torch.
+    path = str(tmp_path / "q.flor")
+    flor.save({"t": torch.arange(8, dtype=torch.uint8)}, path)
+    with open(path, "rb") as f:
+        b = bytearray(f.read())
+    at = b.index(b"uint8")
+    b[at:at + 5] = b"qint8"
+    with open(path, "wb") as f:
+        f.write(fix_checksums(b))
+    with pytest.raises(flor.CheckpointCorrupt, match="quantized dtype 'qint8'"):
+        flor.load(path)
 
 
 def test_checksum_fixed_mutations_raise_only_checkpoint_errors(tmp_path):
