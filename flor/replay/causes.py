@@ -15,6 +15,9 @@ heuristic of the deferred checks, in one place.
 - The record ran CUDA kernels without deterministic algorithms.
 - For a statement that differs: the block restored before it may miss a
   path the statement reads (hands-free), or flor's blocks are not involved.
+- Where the edited script changed more than hindsight statements (an
+  optimizer's learning rate), that change is the cause, and the only one
+  named: a plain run of the edited script differs from the record too.
 """
 from __future__ import annotations
 
@@ -109,6 +112,15 @@ def explain(report, store, plan, source, rec=None):
             report.clock.append(m)
     states = [m for m in report.mismatches if m[1].startswith(STATE)]
     values = [m for m in report.mismatches + report.missing if not m[1].startswith(STATE)]
+    other = (plan.hands_free or {}).get("other") or []
+    if other and (report.mismatches or report.missing):
+        # The user changed what the training computes: a plain run of the
+        # edited script differs from the record too.  Any other cause
+        # would blame flor, nondeterminism or the clock for that change.
+        for m in report.mismatches + report.missing:
+            current(m[0])
+        report.run_causes.append(_changed_cause(other))
+        return
     blockruns = store.run_rows("blockruns", plan.replay_id)
     parts = store.parts(plan.replay_id)
     boundary = _boundary_cause(values, plan, parts) if values else None
@@ -130,6 +142,15 @@ def explain(report, store, plan, source, rec=None):
                       _gpu_cause(rec, plan.tolerance)):
             if cause:
                 report.run_causes.append(cause)
+
+
+def _changed_cause(other) -> str:
+    lines = ", ".join(str(line) for line, _ in other[:5]) + (", ..." if len(other) > 5 else "")
+    return (f"the script changed in ways other than hindsight statements (line"
+            f"{'s' if len(other) > 1 else ''} {lines}, listed above): a plain run of the edited "
+            "script computes other values than the record's too, so these differences are "
+            "expected; replay a script whose only changes are hindsight statements to check "
+            "the record")
 
 
 def _boundary_cause(values, plan, parts):
