@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON list, for programs")
 
     p = _command(subs, "show", "describe one run", "Everything flor keeps of one run: "
-                 "its command, status, checkpoints, replays and logged names.", ENV_STORE)
+                 "its command, status, checkpoints, replays, logged names and the git version of "
+                 "its script.", ENV_STORE)
     p.add_argument("run", metavar="RUN")
     p.add_argument("--json", action="store_true", help="as JSON")
 

@@ -70,6 +70,13 @@ class Layout:
         with open(os.path.join(run_dir, "handsfree.json"), "w") as f:
             json.dump(summary, f, indent=1)
 
+    def save_code_diff(self, run_id, text: str) -> str:
+        """Keep the diff of a record's repository against its commit; returns
+        its name in the run directory."""
+        with open(os.path.join(self.run_dir(run_id), "code.diff"), "w") as f:
+            f.write(text)
+        return "code.diff"
+
     def save_module_source(self, run_id, relpath, text):
         """Keep the source of another file of the program (one with flor calls)."""
         path = os.path.join(self.run_dir(run_id), "modules", relpath)

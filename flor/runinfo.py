@@ -89,6 +89,10 @@ class RecordInfo(Info):
     captured: dict = field(default_factory=dict)  # block: the labels its checkpoints hold
     main_ended: bool = False  # whether the main loop ran until its iterable ended
     error: str | None = None  # what ended a failed run
+    # The git version of the script's repository as the record started
+    # (flor/codeversion.py): root, commit, branch, dirty, untracked, and
+    # diff, the file in the run directory holding the diff against commit.
+    code: dict | None = None
 
     @property
     def follower(self) -> bool:

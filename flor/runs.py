@@ -128,11 +128,29 @@ def print_show(d: dict) -> None:
         elif isinstance(v, list):
             v = " ".join(str(x) for x in v)
         print(f"{k + ':':20} {v}")
+    code = d["info"].get("code")
+    if code:
+        print(f"{'code:':20} {_code_line(code, d.get('directory'))}")
     error = d["info"].get("error")
     if error:
         print(f"{'error:':20} {error}")
     if d["names"]:
         print(f"{'logged:':20} " + ", ".join(d["names"]))
+
+
+def _code_line(code: dict, directory) -> str:
+    """A record's git version in one line: commit, branch, dirty or clean."""
+    what = code["commit"][:12] if code.get("commit") else "no commit yet"
+    if code.get("branch"):
+        what += f" on {code['branch']}"
+    what += f" in {code['root']}"
+    if code.get("dirty"):
+        what += ", with uncommitted changes"
+        if code.get("diff") and directory:
+            what += f" ({os.path.join(directory, code['diff'])})"
+    if code.get("untracked"):
+        what += f", {code['untracked']} untracked file{'s' if code['untracked'] != 1 else ''}"
+    return what
 
 
 def _get(store, run_id):

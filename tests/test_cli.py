@@ -100,6 +100,48 @@ def test_where_flor_options_end_and_the_script_s_begin(d, monkeypatch):
     assert not parse(parser, ["replay", "train.py"]).explicit_args
 
 
+def _tree(root):
+    """Every file under `root` with its bytes and modification time."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[path] = (f.read(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def test_a_record_keeps_the_git_version_of_its_script_and_never_writes_the_repository(d):
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=flor", "-c", "user.email=flor@test",
+                               *args], cwd=d, check=True, capture_output=True, text=True).stdout
+    git("init", "-q", "-b", "work")
+    git("add", "train.py")
+    git("commit", "-q", "-m", "the script")
+    commit = git("rev-parse", "HEAD").strip()
+    flor(d, "record", "train.py", *ARGS)  # clean: the store is flor's, not an untracked file
+    clean = runs_json(d)[0]
+    info = json.loads(flor(d, "show", clean["run"], "--json").stdout)["info"]
+    assert info["code"] == {"root": os.path.realpath(d), "commit": commit, "branch": "work",
+                            "dirty": False, "untracked": 0}
+    edit(os.path.join(d, "train.py"), "import argparse", "import math")
+    with open(os.path.join(d, "notes.txt"), "w") as f:
+        f.write("lr sweep\n")
+    before = _tree(os.path.join(d, ".git"))
+    flor(d, "record", "train.py", *ARGS)
+    assert _tree(os.path.join(d, ".git")) == before  # read only: the index is not refreshed
+    run = runs_json(d)[-1]["run"]
+    assert run != clean["run"]
+    shown = json.loads(flor(d, "show", run, "--json").stdout)
+    assert shown["info"]["code"] == {"root": os.path.realpath(d), "commit": commit,
+                                     "branch": "work", "dirty": True, "untracked": 1,
+                                     "diff": "code.diff"}
+    with open(os.path.join(shown["directory"], "code.diff")) as f:
+        assert f.read() == git("diff", "HEAD") and "+import math" in git("diff", "HEAD")
+    assert (f"code:                {commit[:12]} on work in {os.path.realpath(d)}, with "
+            "uncommitted changes") in flor(d, "show", run).stdout
+
+
 def test_a_script_s_failure_is_shown_with_its_status(d):
     flor(d, "record", "train.py", *ARGS)
     proc = flor(d, "replay", "--args-differ-ok", "train.py", "--jobs", "2", *ARGS, check=False)

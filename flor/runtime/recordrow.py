@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 
+from .. import codeversion
 from ..errors import SegmentDone, note
 from ..runinfo import RecordInfo
 from ..store import new_run_id, process_start
@@ -45,9 +46,15 @@ class RecordRow:
                           host=socket.gethostname(), fingerprint=fingerprint,
                           iteration_checkpoints=keep, tags=TAGS)
         if resume is None:
+            diff = None
+            if script is not None:
+                info.code, diff = codeversion.capture(script, store.layout.root)
             run_id = group.new_run_id(store, new_run_id, info) if group else None
             self.run_id = store.new_run("record", script, argv, self.source, epsilon=epsilon,
                                         c=c, versions=versions(), info=info, run_id=run_id)
+            if diff is not None:
+                info.code["diff"] = store.layout.save_code_diff(self.run_id, diff)
+                store.update_run(self.run_id, info=info)
             if group is not None:
                 group.publish(self.run_id)
         else:
