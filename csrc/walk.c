@@ -21,7 +21,7 @@
  *         torch dtype / device / Size / Generator -> Ref (no torch code in a writer child)
  *         has state_dict() and load_state_dict()  -> copy(x.state_dict())
  *         has __deepcopy__                    -> copy.deepcopy(x); where that is x
- *                                                itself, a handle's Handle (flor/handles.py)
+ *                                                itself and x a known handle, its Handle
  *         anything else                       -> rebuilt from copy(x.__reduce_ex__(4))
  *
  * The memo keeps shared and tied tensors shared (one blob per storage, each
@@ -1454,9 +1454,8 @@ walk(walker *w, PyObject *o, int shared)
         /* The class copies itself.  Its copy may share objects internally
          * and may hold tensors: it is pickled with the memo, and never in a
          * forked writer (which must not run torch code).  An object whose
-         * copy is itself is an immutable value, kept as it is, or a handle
-         * (flor/handles.py), walked as the flor.handles.Handle of its plain
-         * attributes. */
+         * copy is itself is kept as it is, unless it is a known handle
+         * (flor/handles.py: an Accelerator), walked as its flor.handles.Handle. */
         res = PyObject_CallOneArg(st->deepcopy, o);
         if (res == o) {
             Py_CLEAR(res);

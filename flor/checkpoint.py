@@ -133,9 +133,9 @@ def restore(live, saved):
       gets ``live.load_state_dict(saved)``;
     - a tensor gets ``live.copy_(saved)`` (any device; shapes must match);
     - a random generator (torch, numpy, ``random.Random``) gets the saved state;
-    - a handle (an object whose class copies it as itself, such as
-      Accelerate's ``Accelerator``; see flor/handles.py) gets back its
-      plain-valued attributes, and keeps the rest;
+    - a handle (Accelerate's ``Accelerator``; see flor/handles.py) gets
+      back its own plain values and its parts' state, and keeps the rest
+      (a handle with no live one to put them on raises ValueError);
     - dicts, lists and sets are updated item by item, in place;
     - a tuple, or anything immutable, cannot change in place: the restored
       value is returned, so rebind it (``x = flor.restore(x, saved)``).
@@ -207,14 +207,14 @@ def _restore(live, saved, where, place):
             del live[key]
         for key, value in saved.items():
             live[key] = _restore(live[key], value, f"{where}[{key!r}]", place) \
-                if key in live else place(value)
+                if key in live else _fresh(value, f"{where}[{key!r}]", place)
         return live
     if isinstance(live, list) and isinstance(saved, list):
         if len(live) == len(saved):
             for i, value in enumerate(saved):
                 live[i] = _restore(live[i], value, f"{where}[{i}]", place)
         else:
-            live[:] = place(saved)
+            live[:] = [_fresh(value, f"{where}[{i}]", place) for i, value in enumerate(saved)]
         return live
     if isinstance(live, set) and isinstance(saved, (set, frozenset)):
         live.clear()
@@ -240,6 +240,15 @@ def _restore(live, saved, where, place):
         _restore(live.__dict__, dict(saved.__dict__), where, place)
         return live
     return place(saved)
+
+
+def _fresh(value, where, place):
+    """A saved value that becomes live as it is: never a handle's values,
+    which need a live handle to go onto."""
+    if isinstance(value, Handle):
+        raise ValueError(f"cannot restore {where}: the checkpoint holds the values of a "
+                         f"{value.kind}, and there is no live one there to put them on")
+    return place(value)
 
 
 def _same_class(a, b) -> bool:

@@ -374,3 +374,15 @@ GRADIENT_ACCUMULATION = """
         print(step, round(loss.item(), 6))
     print("weight", round(model.weight.sum().item(), 6))
 """
+
+# The same, cleared at each window's start: a zero_grad() under an `if`
+# comes first in the body, yet the gradients of the window's earlier steps
+# are read by its later ones.
+GRADIENT_WINDOW = GRADIENT_ACCUMULATION.replace(
+    "        loss.backward()\n",
+    "        if step % accum == 0:\n            opt.zero_grad()\n        loss.backward()\n")
+
+# The manual API's main loop, accumulating as above.
+GRADIENT_ACCUMULATION_MANUAL = GRADIENT_ACCUMULATION.replace(
+    "    import torch\n", "    import flor\n    import torch\n").replace(
+    "for step in range(8):", "for step in flor.generator(range(8), state=(model, opt)):")

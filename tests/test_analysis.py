@@ -467,6 +467,31 @@ def test_gradients_a_main_loop_accumulates_over_its_iterations_are_carried():
     loops = instrument(textwrap.dedent(src.format("opt.zero_grad()")), "s.py",
                        lambda line: f"s.py:{line}").loops
     assert not loops[0].grads
+    # A clear that may not run comes first: at a window's start only (as
+    # Hugging Face's examples write it), or inside accumulate(), whose
+    # optimizer acts only at a window's end.
+    for first in ("if it % 4 == 0:\n                opt.zero_grad()",
+                  "with accelerator.accumulate(model):\n                opt.zero_grad()"):
+        loops = instrument(textwrap.dedent(src.format(first)), "s.py",
+                           lambda line: f"s.py:{line}").loops
+        assert loops[0].grads, first
+    # An epoch loop whose batch loop clears first: none carried.
+    epochs = """
+        import torch
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = [(torch.ones(1, 2), torch.ones(1))]
+        for epoch in range(3):
+            for x, y in loader:
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+            print(epoch)
+    """
+    (loop,) = instrument(textwrap.dedent(epochs), "s.py", lambda line: f"s.py:{line}").loops
+    assert loop.carried and not loop.grads
+    assert instrument(textwrap.dedent(epochs.replace("opt.zero_grad()", "pass")), "s.py",
+                      lambda line: f"s.py:{line}").loops[0].grads
 
 
 def test_a_step_is_an_optimizer_s_unless_its_receiver_is_a_scheduler():

@@ -99,19 +99,34 @@ def test_plain_values_generators_and_aliasing():
     assert digest(d) != digest(dict(a=[1]))
 
 
-@pytest.mark.unit
-def test_a_handle_counts_by_the_values_a_checkpoint_keeps_of_it():
-    class Handle:  # as Accelerate's Accelerator: copies as itself
-        def __init__(self):
-            self.lock, self.step, self.refs = threading.Lock(), 0, [lambda: None]
+class Handle:  # copies as itself, as Accelerate's Accelerator does
+    def __init__(self):
+        self.step, self.refs = 0, [1.0]
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
 
-        def __deepcopy__(self, memo):
-            return self
+    def __deepcopy__(self, memo):
+        return self
+
+
+@pytest.mark.unit
+def test_a_known_handle_counts_by_what_a_checkpoint_keeps_of_it(monkeypatch):
+    from flor import handles
+
     h = Handle()
     before = digest(h)
-    h.refs.append(threading.Lock())  # what it refers to is not its state
+    h.refs.append(2.0)  # a class flor does not know: all of its state counts
+    assert digest(h) != before
+    monkeypatch.setitem(handles.KNOWN, f"{Handle.__module__}.{Handle.__qualname__}",
+                        ("scaler",))
+    monkeypatch.setattr(handles, "_kinds", {})
+    before = digest(h)
+    h.refs.append(threading.Lock())  # what a known handle refers to is not its state
     assert digest(h) == before
     h.step += 1
+    assert digest(h) != before
+    h.step -= 1
+    h.scaler.scale(torch.ones(()))
+    h.scaler.update(new_scale=1.0)  # its parts' state is
     assert digest(h) != before
 
 

@@ -51,6 +51,8 @@ SHAPES = {
     "list_of_batches": loop_shapes.LIST_OF_BATCHES,
     "generator_main_loop": loop_shapes.GENERATOR_MAIN_LOOP,
     "gradient_accumulation": loop_shapes.GRADIENT_ACCUMULATION,
+    "gradient_window": loop_shapes.GRADIENT_WINDOW,
+    "gradient_accumulation_manual": loop_shapes.GRADIENT_ACCUMULATION_MANUAL,
 }
 
 

@@ -388,18 +388,42 @@ def test_large_dict_of_small_lists():
     assert out[5] == [5, 6, 7] and len(out) == 100_000
 
 
+@pytest.fixture
+def known_handle(monkeypatch):
+    """Handle (above) taken as a known handle, as Accelerate's Accelerator
+    is, with its scaler's state and its config's values kept."""
+    from flor import handles
+
+    monkeypatch.setitem(handles.KNOWN, f"{Handle.__module__}.{Handle.__qualname__}",
+                        ("scaler", "config"))
+    monkeypatch.setattr(handles, "_kinds", {})
+
+
+class Config:
+    def __init__(self):
+        self.iteration, self.name, self.paths = 0, "run", ["a"]
+
+
 @pytest.mark.unit
-def test_a_handle_keeps_its_plain_values_and_leaves_what_it_wraps(tmp_path):
+def test_a_handle_keeps_its_plain_values_and_its_parts_state(tmp_path, known_handle):
     model = torch.nn.Linear(2, 2)
     h = Handle(model)
-    h.step = 7
+    h.scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    h.config = Config()
+    h.step, h.config.iteration = 7, 3
     snap = flor.snapshot({"acc": h, "model": model})
     saved = snap.restore()["acc"]
-    # Not the live object, nor its lock and references: its own plain values.
+    # Not the live object, nor its lock and references: its own plain
+    # values, its scaler's state dict and its config's plain values.
     assert saved is not h and saved.attrs == {"step": 7, "name": "acc", "scale": 1.0}
-    h.step, h.scale = 0, 2.0
+    assert saved.parts["scaler"][0] == "state_dict" and saved.parts["scaler"][1]["scale"] == 256.0
+    assert saved.parts["config"] == ("values", {"iteration": 3, "name": "run"})
+    h.step, h.scale, h.config.iteration = 0, 2.0, 9
+    h.scaler.scale(torch.ones(()))  # (a GradScaler makes its scale at its first use)
+    h.scaler.update(new_scale=1.0)
     assert flor.restore(h, saved) is h
-    assert (h.step, h.scale, h.models[0]) == (7, 1.0, model)
+    assert (h.step, h.scale, h.models[0], h.config.iteration) == (7, 1.0, model, 3)
+    assert h.scaler.get_scale() == 256.0
     # A checkpoint file holds it, and the safe loader admits it.
     path = str(tmp_path / "h.flor")
     flor.save({"acc": h}, path)
@@ -408,3 +432,34 @@ def test_a_handle_keeps_its_plain_values_and_leaves_what_it_wraps(tmp_path):
     assert h.step == 7
     with pytest.raises(ValueError, match="handle of a .*Handle"):
         flor.restore(Plain(1, 2), saved)
+    with pytest.raises(ValueError, match="no live one there"):
+        flor.restore({}, {"acc": saved})
+
+
+@pytest.mark.unit
+def test_a_handle_s_values_go_only_onto_what_the_live_one_holds(known_handle):
+    from flor.handles import Handle as Kept
+
+    h = Handle(torch.nn.Linear(2, 2))
+    kind = f"{Handle.__module__}.{Handle.__qualname__}"
+    for attrs in ({"add": "not a method"}, {"__class__": 1}, {"step": "seven"}):
+        with pytest.raises(ValueError, match="cannot restore"):
+            Kept(kind, attrs).apply(h)
+    assert h.step == 0 and callable(h.__deepcopy__)
+
+
+class SelfCopy:
+    def __init__(self):
+        self.history = [1.0, 2.0]
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+@pytest.mark.unit
+def test_another_class_whose_copy_is_itself_is_kept_whole():
+    from flor.handles import Handle as Kept
+
+    out = flor.snapshot([SelfCopy(), np.float32(2.5)]).restore()
+    assert not isinstance(out[0], Kept) and out[0].history == [1.0, 2.0]
+    assert out[1] == np.float32(2.5)

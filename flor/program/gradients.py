@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import ast
 
-from .syntax import path_of, simple_statements, walk_scope
+from .syntax import bodies, path_of, simple_statements, walk_scope
 
 __all__ = ["makes_gradients", "gradients_live", "loop_gradients_live", "manual_gradients",
-           "scheduler_names"]
+           "manual_loop_gradients", "scheduler_names"]
 
 _CLIPS = {"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm", "clip_grad_value"}
 _SCHEDULERS = ("lr_scheduler", "Scheduler", "LR", "Plateau", "Annealing", "Warmup")
@@ -177,11 +177,73 @@ def loop_gradients_live(loop_body, resolve, schedulers) -> bool:
     next iteration before they are cleared: gradient accumulation over the
     loop's own iterations, where backward() runs every iteration and the
     optimizer steps every k-th (Accelerate's ``accumulate()``, or an
-    ``if (i + 1) % k == 0`` around step() and zero_grad()).  The body's
-    first gradient event decides; a loop that clears first (``zero_grad()``,
-    then backward() and step()) leaves none that matter."""
+    ``if (i + 1) % k == 0`` around step() and zero_grad()).  They are, when
+    a read comes before any clear that surely runs: a clear under an
+    ``if``, in a loop or a ``try``, or in Accelerate's ``accumulate()``
+    (whose optimizer acts only at the window's end) may not run.  A loop
+    that clears first (``zero_grad()``, then backward() and step()) leaves
+    none that matter."""
     return makes_gradients(loop_body, resolve) and \
-        first_event(loop_body, resolve, schedulers) == "read"
+        _sure_event(loop_body, resolve, schedulers, False) == "read"
+
+
+def _sure_event(stmts, resolve, schedulers, maybe):
+    """"read" if `stmts` may read the gradients before a clear that surely
+    runs, "clear" if such a clear comes first (never where `maybe`: the
+    statements run only sometimes), else None."""
+    for s in stmts:
+        if isinstance(s, ast.If):
+            a = _sure_event(s.body, resolve, schedulers, maybe)
+            b = _sure_event(s.orelse, resolve, schedulers, maybe)
+            event = "read" if "read" in (a, b) else "clear" if a == b == "clear" else None
+        elif isinstance(s, (ast.With, ast.AsyncWith)):
+            event = _sure_event(s.body, resolve, schedulers, maybe or _accumulates(s))
+        elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            event = None
+        elif bodies(s):  # a loop, a try, a match: it may not run, or not all of it
+            # A loop's body (a try's) runs in order when it runs: its first
+            # sure event decides for it; its other parts may not run.
+            first, *rest = [[x for part in body for x in
+                             (part.body if hasattr(part, "pattern") or
+                              isinstance(part, ast.excepthandler) else [part])]
+                            for _, body in bodies(s)]
+            if isinstance(s, ast.Match if hasattr(ast, "Match") else ()):
+                first, rest = [], [first, *rest]
+            events = [_sure_event(first, resolve, schedulers, maybe)] + \
+                [_sure_event(r, resolve, schedulers, True) for r in rest]
+            event = "read" if "read" in events else None
+        else:
+            event = _statement_event(s, resolve, schedulers, frozenset())
+        if event == "read" or (event == "clear" and not maybe):
+            return event
+    return None
+
+
+def _accumulates(stmt) -> bool:
+    """A ``with`` of Accelerate's ``accumulate()`` (or a DDP ``no_sync()``)."""
+    return any(isinstance(i.context_expr, ast.Call) and
+               isinstance(i.context_expr.func, ast.Attribute) and
+               i.context_expr.func.attr in ("accumulate", "no_sync") for i in stmt.items)
+
+
+def manual_loop_gradients(source: str, rel: str) -> set[str]:
+    """The keys of the manual API's main loops (``for ... in
+    flor.generator(...)``) in `source` (the file `rel`) whose iterations
+    carry gradients to the next (loop_gradients_live)."""
+    from ..context import location
+    from .analysis import Script
+    from .source import is_flor_call, literal_arg
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    script, schedulers = Script(tree), scheduler_names(tree)
+    return {literal_arg(loop.iter, 1, "name") or location(rel, loop.iter.lineno)
+            for loop in ast.walk(tree)
+            if isinstance(loop, (ast.For, ast.AsyncFor)) and is_flor_call(loop.iter, "generator")
+            and loop_gradients_live(loop.body, lambda call: script.resolve(call, tree),
+                                    schedulers)}
 
 
 def manual_gradients(source: str, rel: str) -> set[str]:

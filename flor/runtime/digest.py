@@ -21,8 +21,8 @@ does not restore), less the tensors they keep (a cached batch), for every
 submodule.
 Objects restored through state_dict()/load_state_dict() (optimizers, LR
 schedulers, scalers) are digested by their state dict; handles
-(flor/handles.py: an Accelerator) by the plain values a checkpoint keeps of
-them; others, as pickle reduces them.  Tensor and array bytes are read by the C walk
+(flor/handles.py: an Accelerator) by what a checkpoint keeps of them; others,
+as pickle reduces them.  Tensor and array bytes are read by the C walk
 (_core.fingerprint), except those of `covered` tensors, which a state
 fingerprint of the same moment covers (only their dtype and shape count).
 
@@ -307,9 +307,9 @@ class _Digest:
                 return self.add(obj.get_state())
         if isinstance(obj, random.Random):
             return self.add(obj.getstate())
-        handle = handles.of(obj) if callable(getattr(t, "__deepcopy__", None)) else None
+        handle = handles.of(obj)
         if handle is not None:  # what a checkpoint keeps and restores of it
-            return self.add(handle.attrs)
+            return self.add((handle.attrs, handle.parts))
         if callable(getattr(obj, "state_dict", None)) and \
                 callable(getattr(obj, "load_state_dict", None)):
             return self.add(obj.state_dict())  # how it is checkpointed and restored

@@ -20,7 +20,7 @@ from .. import _core
 from ..context import checkpoint_name, is_iteration, iter_column, iteration_key
 from ..errors import INTERRUPTIONS, CheckpointWriteError, FlorError, note
 from ..layout import checkpoint_path
-from ..program.gradients import manual_gradients
+from ..program.gradients import manual_gradients, manual_loop_gradients
 from ..schema import DECISIONS
 from . import blockstate, carry, charge, ranks
 from .charge import Charges, StateReads
@@ -81,9 +81,12 @@ class Recording(Policy):
         self.run_id, source = self.row.run_id, self.row.source
         # The header tags of its checkpoints name the run (rank 0's).
         self.tag_run = blockstate.tag_run(self.run_id, self.row.info)
-        # Manual API: blocks whose gradients are read after their end().
-        self.grad_blocks = manual_gradients(source, os.path.basename(script)) \
-            if source is not None and hands_free is None else set()
+        # Manual API: blocks whose gradients are read after their end(), and
+        # main loops whose iterations carry gradients to the next.
+        manual = source is not None and hands_free is None
+        self.grad_blocks = manual_gradients(source, os.path.basename(script)) if manual else set()
+        self.grad_loops = manual_loop_gradients(source, os.path.basename(script)) \
+            if manual else set()
         self.states = StateReads(FLUSH_S)
         self.checkpointed = False  # whether the last top-level iteration was checkpointed
         self.progress = None  # (main loop, run, iterations) for the run row's next flush
@@ -189,7 +192,7 @@ class Recording(Policy):
             got = fp if fp is not None else carry.fingerprint(frame.scope,
                                                               self.fingerprint_version)
             grads = blockstate.gradients(blockstate.state_owners(objs, frame.scope)) \
-                if frame.carrier.grads else None
+                if frame.carrier.grads or loop in self.grad_loops else None
             return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord,
                                  carry.digests(objs, frame.scope), grads=grads)
 
