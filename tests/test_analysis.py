@@ -340,6 +340,26 @@ def test_log_like_statements(stmt, hindsight):
     assert is_log_like(ast.parse(stmt).body[0]) is hindsight
 
 
+def test_a_logging_name_of_the_script_s_own_code_is_not_a_log_call():
+    from flor.program.probe import own_code
+
+    own = own_code(ast.parse(textwrap.dedent("""
+        class Meter:
+            def print(self):
+                print(self.total / self.n)
+                self.total = self.n = 0
+
+        def log_metrics(writer, m):
+            m.reset()
+    """)))
+    # Receivers are not told apart: with a print method of its own in the
+    # script, any .print() call may be that method.
+    for stmt, hindsight in (("meter.print()", False), ("log_metrics(w, m)", False),
+                            ("accelerator.print(x)", False), ("print(meter.total)", True),
+                            ("logger.info(x)", True)):
+        assert is_log_like(ast.parse(stmt).body[0], own) is hindsight, stmt
+
+
 def test_probe_detection_steps_into_blocks_that_reach_a_changed_function():
     old = textwrap.dedent("""
         def train(model, data):

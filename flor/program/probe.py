@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from .syntax import bodies, header, is_compound, own_nodes
 
-__all__ = ["Probe", "detect", "is_log_like"]
+__all__ = ["Probe", "detect", "is_log_like", "own_code"]
 
 _LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 _WRITE_METHODS = {"write", "writelines", "writerow", "writerows"}
@@ -80,8 +80,28 @@ def _dotted(node):
     return None
 
 
-def is_log_like(stmt) -> bool:
-    """An expression statement that calls a logging function and assigns nothing."""
+def own_code(tree) -> tuple[frozenset, frozenset]:
+    """(the script's functions, its classes' methods), by name: a call of
+    one runs the script's own code, whatever its name."""
+    functions, methods = set(), set()
+    in_class = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for m in node.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    methods.add(m.name)
+                    in_class.add(id(m))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                id(node) not in in_class:
+            functions.add(node.name)
+    return frozenset(functions), frozenset(methods)
+
+
+def is_log_like(stmt, own=(frozenset(), frozenset())) -> bool:
+    """An expression statement that calls a logging function and assigns
+    nothing.  `own` (own_code of the recorded script): a function or method
+    of the script's own, named like a logging call (a meter's print() that
+    resets it), is the script's code, not a logging call."""
     if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
         return False
     if any(isinstance(n, ast.NamedExpr) for n in ast.walk(stmt)) or state_changes(stmt):
@@ -91,6 +111,8 @@ def is_log_like(stmt) -> bool:
         return False
     last = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 1)[0].lower() if "." in name else ""
+    if last in (own[1] if owner else own[0]):
+        return False
     if name in ("print", "pprint", "pprint.pprint"):
         return True
     if last == "print" and owner:  # accelerator.print, fabric.print, self.print, console.print
@@ -193,6 +215,7 @@ class _Shapes:
 
     def __init__(self, old_tree, new_tree, added):
         self.old = _bound(old_tree)
+        self.own = own_code(old_tree)
         self.added = added  # ids of the added statements
         self.parent = {id(c): p for p in ast.walk(new_tree) for c in ast.iter_child_nodes(p)}
         self.statements = [n for n in ast.walk(new_tree) if isinstance(n, ast.stmt)]
@@ -260,7 +283,7 @@ class _Shapes:
                    for x in subs)
 
     def _shape(self, node) -> bool:
-        if is_log_like(node) or isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
+        if is_log_like(node, self.own) or isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
             return True
         if isinstance(self.parent.get(id(node)), ast.ClassDef) and \
                 not isinstance(node, ast.FunctionDef):
