@@ -140,6 +140,7 @@ def cmd_replay(o) -> int:
 
         import_ray()  # first: say how to install it
     store = Store(create=False)
+    o.run = store.resolve(o.run, "record")
     if not store.exists():
         raise FlorError(f"no recorded run of {os.path.basename(o.script)}: there is no run "
                         f"store at {store.root} (FLOR_DIR, default ./.flor). Record it first "
@@ -242,13 +243,18 @@ def cmd_merge(o) -> int:
 
     store = Store(create=False)
     store.db  # an unusable store says so first
-    return merge(store, o.replay, strict=o.check == "strict")
+    return merge(store, store.resolve(o.replay, "replay"), strict=o.check == "strict")
 
 
 def _store(readonly=True):
     from .store import Store
 
     return Store(create=False, readonly=readonly)
+
+
+def _resolved(store, refs):
+    """Run ids for what the command line named (a full id, a unique prefix, `latest`)."""
+    return None if refs is None else [store.resolve(r) for r in refs]
 
 
 def cmd_runs(o) -> int:
@@ -272,7 +278,8 @@ def cmd_runs(o) -> int:
 def cmd_show(o) -> int:
     from . import runs
 
-    d = runs.show(_store(), o.run)
+    store = _store()
+    d = runs.show(store, store.resolve(o.run))
     if o.json:
         print(json.dumps(d, indent=1, default=str))
     else:
@@ -290,7 +297,9 @@ def _report_deleted(ids, dry_run):
 def cmd_rm(o) -> int:
     from . import runs
 
-    _report_deleted(runs.remove(_store(readonly=o.dry_run), o.runs, o.dry_run), o.dry_run)
+    store = _store(readonly=o.dry_run)
+    ids = [store.resolve(r) for r in o.runs]
+    _report_deleted(runs.remove(store, ids, o.dry_run), o.dry_run)
     return 0
 
 
@@ -307,7 +316,8 @@ def cmd_plot(o) -> int:
     from .export import plot
 
     try:
-        path = plot(_store(), o.name, runs=o.runs, script=o.script, out=o.out)
+        store = _store()
+        path = plot(store, o.name, runs=_resolved(store, o.runs), script=o.script, out=o.out)
     except (LookupError, ValueError) as e:
         raise FlorError(str(e).strip("'\"")) from None
     print(path if isinstance(path, str) else path[0])
@@ -318,7 +328,9 @@ def cmd_export(o) -> int:
     from .export import export_tensorboard
 
     try:
-        files = export_tensorboard(_store(), o.tensorboard, runs=o.runs, script=o.script)
+        store = _store()
+        files = export_tensorboard(store, o.tensorboard, runs=_resolved(store, o.runs),
+                                   script=o.script)
     except (LookupError, ValueError) as e:
         raise FlorError(str(e).strip("'\"")) from None
     for f in files:

@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the workers run (default local)")
     p.add_argument("--threads", type=_number(int, 1), metavar="T",
                    help="torch threads per worker (default: the record's)")
-    p.add_argument("--run", metavar="ID", help="replay this record (default: the latest "
-                   "finished or interrupted one of SCRIPT)")
+    p.add_argument("--run", metavar="ID", help="replay this record: its id, a unique start "
+                   "of it, or `latest` (default: the latest finished or interrupted one of "
+                   "SCRIPT)")
     parts = p.add_mutually_exclusive_group()
     parts.add_argument("--part", metavar="I/N", help="run only segment I of N, counting "
                        "from 0 (0/4 ... 3/4), for a scheduler; then `flor merge`")
@@ -173,12 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(subs, "show", "describe one run", "Everything flor keeps of one run: "
                  "its command, status, checkpoints, replays, logged names and the git version of "
                  "its script.", ENV_STORE)
-    p.add_argument("run", metavar="RUN")
+    p.add_argument("run", metavar="RUN", help="a run id, a unique start of one, or `latest`")
     p.add_argument("--json", action="store_true", help="as JSON")
 
     p = _command(subs, "rm", "delete runs", "Delete runs, their rows and their files, "
                  "with the replays of a deleted record.", ENV_STORE)
-    p.add_argument("runs", metavar="RUN", nargs="+")
+    p.add_argument("runs", metavar="RUN", nargs="+",
+                   help="run ids, unique starts of them, or `latest`")
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
 
     p = _command(subs, "prune", "delete all but the latest records of each script",

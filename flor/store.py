@@ -18,7 +18,7 @@ import time
 
 from .context import MAIN, PRE, PRINTED, printed_lines
 from .database import SCHEMA_VERSION, Database, ddl
-from .errors import StoreError, unusable
+from .errors import FlorError, StoreError, unusable
 from .layout import Layout, new_run_id, process_alive, process_start, store_root
 from .runinfo import PartInfo, encoded, run_row
 from .schema import (BLOCKRUNS, BLOCKS, DECISIONS, LOGS, LOOPS, OUTPUT, PART_TABLES, PARTS, RUNS,
@@ -72,6 +72,23 @@ class Store(Database):
     def run(self, run_id) -> dict | None:
         row = self.db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         return run_row(row) if row else None
+
+    def resolve(self, ref: str, kind: str | None = None) -> str:
+        """The run id `ref` names: itself, `latest` (the newest run, of
+        `kind` if given), or a unique prefix of a run's id; as given where
+        no run matches (the caller says there is none).  A prefix of several
+        runs' ids is refused, naming them."""
+        if ref is None or not self.exists() or self.run(ref) is not None:
+            return ref
+        rows = [r for r in self.runs() if kind is None or r["kind"] == kind]
+        if ref == "latest":
+            return rows[-1]["run_id"] if rows else ref
+        ids = [r["run_id"] for r in rows if r["run_id"].startswith(ref)]
+        if len(ids) > 1:
+            shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
+            raise FlorError(f"{ref!r} is the start of {len(ids)} run ids ({shown}); give more "
+                            "of the one you mean")
+        return ids[0] if ids else ref
 
     def runs(self) -> list[dict]:
         return [run_row(r) for r in self.db.execute("SELECT * FROM runs ORDER BY started")]

@@ -142,6 +142,21 @@ def test_a_record_keeps_the_git_version_of_its_script_and_never_writes_the_repos
             "uncommitted changes") in flor(d, "show", run).stdout
 
 
+def test_runs_are_named_by_a_unique_prefix_of_their_id_or_latest(d):
+    flor(d, "record", "train.py", *ARGS)
+    flor(d, "record", "train.py", *ARGS)
+    first, second = [r["run"] for r in runs_json(d)]
+    shown = json.loads(flor(d, "show", "latest", "--json").stdout)
+    assert shown["run"] == second
+    assert json.loads(flor(d, "show", first[:-2], "--json").stdout)["run"] == first
+    common = os.path.commonprefix([first, second])
+    both = flor(d, "show", common, check=False)
+    assert both.returncode == 2 and "Traceback" not in both.stderr
+    assert f"{common!r} is the start of 2 run ids ({first}, {second})" in both.stderr
+    assert flor(d, "rm", "--dry-run", second[:-1]).stdout == f"would delete {second}\n"
+    assert flor(d, "show", "nothing-like-it", check=False).returncode == 2
+
+
 def test_a_script_s_failure_is_shown_with_its_status(d):
     flor(d, "record", "train.py", *ARGS)
     proc = flor(d, "replay", "--args-differ-ok", "train.py", "--jobs", "2", *ARGS, check=False)
