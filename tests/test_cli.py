@@ -116,7 +116,9 @@ def test_a_record_keeps_the_git_version_of_its_script_and_never_writes_the_repos
         return subprocess.run(["git", "-c", "user.name=flor", "-c", "user.email=flor@test",
                                *args], cwd=d, check=True, capture_output=True, text=True).stdout
     git("init", "-q", "-b", "work")
-    git("add", "train.py")
+    with open(os.path.join(d, "README"), "w") as f:
+        f.write("digits\n")
+    git("add", "train.py", "README")
     git("commit", "-q", "-m", "the script")
     commit = git("rev-parse", "HEAD").strip()
     flor(d, "record", "train.py", *ARGS)  # clean: the store is flor's, not an untracked file
@@ -127,14 +129,19 @@ def test_a_record_keeps_the_git_version_of_its_script_and_never_writes_the_repos
     edit(os.path.join(d, "train.py"), "import argparse", "import math")
     with open(os.path.join(d, "notes.txt"), "w") as f:
         f.write("lr sweep\n")
+    later = os.stat(os.path.join(d, "README")).st_mtime + 60
+    os.utime(os.path.join(d, "README"), (later, later))  # a stale index: git diff rewrites it
     before = _tree(os.path.join(d, ".git"))
-    flor(d, "record", "train.py", *ARGS)
+    # GIT_DIR as a git hook has it, pointing at another repository.
+    other = os.path.join(d, "other.git")
+    subprocess.run(["git", "init", "-q", "--bare", other], check=True)
+    flor(d, "record", "train.py", *ARGS, env={"GIT_DIR": other})
     assert _tree(os.path.join(d, ".git")) == before  # read only: the index is not refreshed
     run = runs_json(d)[-1]["run"]
     assert run != clean["run"]
     shown = json.loads(flor(d, "show", run, "--json").stdout)
     assert shown["info"]["code"] == {"root": os.path.realpath(d), "commit": commit,
-                                     "branch": "work", "dirty": True, "untracked": 1,
+                                     "branch": "work", "dirty": True, "untracked": 2,
                                      "diff": "code.diff"}
     with open(os.path.join(shown["directory"], "code.diff")) as f:
         assert f.read() == git("diff", "HEAD") and "+import math" in git("diff", "HEAD")
@@ -155,6 +162,11 @@ def test_runs_are_named_by_a_unique_prefix_of_their_id_or_latest(d):
     assert f"{common!r} is the start of 2 run ids ({first}, {second})" in both.stderr
     assert flor(d, "rm", "--dry-run", second[:-1]).stdout == f"would delete {second}\n"
     assert flor(d, "show", "nothing-like-it", check=False).returncode == 2
+    # replay --run latest: the latest record of the script replayed, not of another.
+    shutil.copy(os.path.join(d, "train.py"), os.path.join(d, "other.py"))
+    flor(d, "record", "other.py", *ARGS)
+    flor(d, "replay", "--run", "latest", "train.py")
+    assert runs_json(d)[-1]["parent"] == second
 
 
 def test_a_script_s_failure_is_shown_with_its_status(d):
