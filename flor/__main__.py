@@ -140,7 +140,7 @@ def cmd_replay(o) -> int:
 
         import_ray()  # first: say how to install it
     store = Store(create=False)
-    o.run = store.resolve(o.run, "record")
+    o.run = store.resolve(o.run, "record", os.path.abspath(o.script))
     if not store.exists():
         raise FlorError(f"no recorded run of {os.path.basename(o.script)}: there is no run "
                         f"store at {store.root} (FLOR_DIR, default ./.flor). Record it first "

@@ -73,14 +73,17 @@ class Store(Database):
         row = self.db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         return run_row(row) if row else None
 
-    def resolve(self, ref: str, kind: str | None = None) -> str:
+    def resolve(self, ref: str, kind: str | None = None, script: str | None = None) -> str:
         """The run id `ref` names: itself, `latest` (the newest run, of
-        `kind` if given), or a unique prefix of a run's id; as given where
-        no run matches (the caller says there is none).  A prefix of several
-        runs' ids is refused, naming them."""
+        `kind` and `script` if given), or a unique prefix of a run's id; as
+        given where no run matches (the caller says there is none).  A
+        prefix of several runs' ids is refused, naming them.  A data-parallel
+        record's other ranks (listed under rank 0's run) are not candidates."""
         if ref is None or not self.exists() or self.run(ref) is not None:
             return ref
-        rows = [r for r in self.runs() if kind is None or r["kind"] == kind]
+        rows = self.script_runs(script, kind) if script is not None else \
+            [r for r in self.runs() if kind is None or r["kind"] == kind]
+        rows = [r for r in rows if not getattr(r["info"], "follower", False)]
         if ref == "latest":
             return rows[-1]["run_id"] if rows else ref
         ids = [r["run_id"] for r in rows if r["run_id"].startswith(ref)]
