@@ -495,6 +495,24 @@ def test_gradients_a_main_loop_accumulates_over_its_iterations_are_carried():
         loops = instrument(textwrap.dedent(src.format(first)), "s.py",
                            lambda line: f"s.py:{line}").loops
         assert loops[0].grads, first
+    # The same window in a function of the script that the loop calls.
+    helper = """
+        import torch
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train_step(step):
+            if step % 4 == 0:
+                opt.zero_grad()
+            model(x).sum().backward()
+            if (step + 1) % 4 == 0:
+                opt.step()
+
+        for it in range(100):
+            train_step(it)
+    """
+    (loop,) = instrument(textwrap.dedent(helper), "s.py", lambda line: f"s.py:{line}").loops
+    assert loop.carried and loop.grads
     # An epoch loop whose batch loop clears first: none carried.
     epochs = """
         import torch

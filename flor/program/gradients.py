@@ -184,20 +184,21 @@ def loop_gradients_live(loop_body, resolve, schedulers) -> bool:
     that clears first (``zero_grad()``, then backward() and step()) leaves
     none that matter."""
     return makes_gradients(loop_body, resolve) and \
-        _sure_event(loop_body, resolve, schedulers, False) == "read"
+        _sure_event(loop_body, resolve, schedulers, False, frozenset()) == "read"
 
 
-def _sure_event(stmts, resolve, schedulers, maybe):
+def _sure_event(stmts, resolve, schedulers, maybe, seen):
     """"read" if `stmts` may read the gradients before a clear that surely
     runs, "clear" if such a clear comes first (never where `maybe`: the
-    statements run only sometimes), else None."""
+    statements run only sometimes), else None; the script's functions they
+    call (not in `seen`) are entered, their statements as sure as the call."""
     for s in stmts:
         if isinstance(s, ast.If):
-            a = _sure_event(s.body, resolve, schedulers, maybe)
-            b = _sure_event(s.orelse, resolve, schedulers, maybe)
+            a = _sure_event(s.body, resolve, schedulers, maybe, seen)
+            b = _sure_event(s.orelse, resolve, schedulers, maybe, seen)
             event = "read" if "read" in (a, b) else "clear" if a == b == "clear" else None
         elif isinstance(s, (ast.With, ast.AsyncWith)):
-            event = _sure_event(s.body, resolve, schedulers, maybe or _accumulates(s))
+            event = _sure_event(s.body, resolve, schedulers, maybe or _accumulates(s), seen)
         elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             event = None
         elif bodies(s):  # a loop, a try, a match: it may not run, or not all of it
@@ -209,13 +210,34 @@ def _sure_event(stmts, resolve, schedulers, maybe):
                             for _, body in bodies(s)]
             if isinstance(s, ast.Match if hasattr(ast, "Match") else ()):
                 first, rest = [], [first, *rest]
-            events = [_sure_event(first, resolve, schedulers, maybe)] + \
-                [_sure_event(r, resolve, schedulers, True) for r in rest]
+            events = [_sure_event(first, resolve, schedulers, maybe, seen)] + \
+                [_sure_event(r, resolve, schedulers, True, seen) for r in rest]
             event = "read" if "read" in events else None
         else:
-            event = _statement_event(s, resolve, schedulers, frozenset())
+            event = _simple_event(s, resolve, schedulers, maybe, seen)
         if event == "read" or (event == "clear" and not maybe):
             return event
+    return None
+
+
+def _simple_event(stmt, resolve, schedulers, maybe, seen):
+    """_statement_event, entering the script's functions with _sure_event."""
+    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr == "grad" and \
+                    isinstance(stmt.value, ast.Constant) and stmt.value.value is None:
+                return "clear"
+    for node in _own_walk(stmt):
+        event = _event(node, schedulers)
+        if event is not None:
+            return event
+        if isinstance(node, ast.Call):
+            fn = resolve(node)
+            if fn is not None and fn not in seen:
+                event = _sure_event(fn.body, resolve, schedulers, maybe, seen | {fn})
+                if event == "read" or (event == "clear" and not maybe):
+                    return event
     return None
 
 
