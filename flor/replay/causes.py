@@ -16,8 +16,9 @@ heuristic of the deferred checks, in one place.
 - For a statement that differs: the block restored before it may miss a
   path the statement reads (hands-free), or flor's blocks are not involved.
 - Where the edited script changed more than hindsight statements (an
-  optimizer's learning rate), that change is the cause, and the only one
-  named: a plain run of the edited script differs from the record too.
+  optimizer's learning rate), that change is named first: where it alters
+  the training, a plain run of the edited script differs from the record
+  too; the other causes are still looked for.
 """
 from __future__ import annotations
 
@@ -114,13 +115,9 @@ def explain(report, store, plan, source, rec=None):
     values = [m for m in report.mismatches + report.missing if not m[1].startswith(STATE)]
     other = (plan.hands_free or {}).get("other") or []
     if other and (report.mismatches or report.missing):
-        # The user changed what the training computes: a plain run of the
-        # edited script differs from the record too.  Any other cause
-        # would blame flor, nondeterminism or the clock for that change.
-        for m in report.mismatches + report.missing:
-            current(m[0])
+        # Named first: where the change alters what the training computes,
+        # a plain run of the edited script differs from the record too.
         report.run_causes.append(_changed_cause(other))
-        return
     blockruns = store.run_rows("blockruns", plan.replay_id)
     parts = store.parts(plan.replay_id)
     boundary = _boundary_cause(values, plan, parts) if values else None
@@ -147,10 +144,9 @@ def explain(report, store, plan, source, rec=None):
 def _changed_cause(other) -> str:
     lines = ", ".join(str(line) for line, _ in other[:5]) + (", ..." if len(other) > 5 else "")
     return (f"the script changed in ways other than hindsight statements (line"
-            f"{'s' if len(other) > 1 else ''} {lines}, listed above): a plain run of the edited "
-            "script computes other values than the record's too, so these differences are "
-            "expected; replay a script whose only changes are hindsight statements to check "
-            "the record")
+            f"{'s' if len(other) > 1 else ''} {lines}, listed above): where such a change "
+            "alters what the training computes, a plain run of the edited script differs "
+            "from the record too; replay with only hindsight statements added to tell")
 
 
 def _boundary_cause(values, plan, parts):
@@ -274,6 +270,10 @@ def _statement_cause(report, prog, cur, rel, plan, blockruns, parts):
     if not before:
         if not hands_free:
             return None
+        if hands_free.get("other"):
+            return (f"{_NO_BLOCK}: the difference comes from outside flor's blocks (the "
+                    "script's change named below, nondeterminism, the clock, other processes "
+                    "or files)")
         return (f"{_NO_BLOCK}: the difference comes from outside flor's blocks "
                 "(nondeterminism, the clock, other processes or files)")
     captured = {}  # block -> what the replay captured, completion included
