@@ -58,8 +58,13 @@ class Handle:
                 f"cannot restore {where}: the checkpoint holds a handle of a {self.kind}, "
                 f"the script has a {type(live).__qualname__} there"
             )
+        if not isinstance(self.attrs, dict) or not isinstance(self.parts, dict):
+            raise ValueError(f"cannot restore {where}: a damaged handle of a {self.kind}")
         _set_plain(live, self.attrs, where)
-        for name, (how, saved) in self.parts.items():
+        for name, entry in self.parts.items():
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise ValueError(f"cannot restore {where}: a damaged handle of a {self.kind}")
+            how, saved = entry
             part = vars(live).get(name) if isinstance(name, str) else None
             load = getattr(part, "load_state_dict", None)
             if how == "state_dict" and callable(load) and isinstance(saved, dict):

@@ -445,6 +445,9 @@ def test_a_handle_s_values_go_only_onto_what_the_live_one_holds(known_handle):
     for attrs in ({"add": "not a method"}, {"__class__": 1}, {"step": "seven"}):
         with pytest.raises(ValueError, match="cannot restore"):
             Kept(kind, attrs).apply(h)
+    for damaged in (Kept(kind, [1]), Kept(kind, {}, {"scaler": 5}), Kept(kind, {}, [("x", 1)])):
+        with pytest.raises(ValueError, match="damaged handle"):
+            damaged.apply(h)
     assert h.step == 0 and callable(h.__deepcopy__)
 
 
