@@ -42,8 +42,9 @@ __all__ = ["Carried", "payload", "ctx_of", "restore", "resume_at", "fingerprint"
 class Carried:
     """The manual API's carrier: the objects passed as ``state=``."""
 
-    #: Whether an iteration checkpoint holds the parameters' gradients
-    #: (hands-free: when the next iteration reads them).
+    #: Whether an iteration checkpoint holds the parameters' gradients: the
+    #: manual API's loops are found from the script's source instead
+    #: (Recording.grad_loops), as its blocks are.
     grads = False
 
     def __init__(self, objs):
