@@ -60,6 +60,11 @@ CASES = {
                             ("self.step_losses.clear()", WNORM % "self"),
                             ("self.step_losses.append(loss.detach())",
                              'print(f"  loss {loss.item():.6f}")')),
+    # Accelerate: the outer probe after the epoch's accelerator.print, the
+    # inner one after the step's accelerator.backward
+    "accelerate_digits.py": (["--epochs", "20", "--width", "4096", "--batch-size", "4"],
+                             ('accelerator.print(f"epoch', WNORM % "model"),
+                             ("accelerator.backward(loss)", GNORM % "model")),
 }
 CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s)")
 

@@ -18,10 +18,13 @@ from conftest import ROOT, flor, plain, runs, store
 pytest.importorskip("accelerate")
 
 SCRIPTS = os.path.join(ROOT, "tests", "scripts", "accelerate")
+# The training function in the shape of Accelerate's own examples: the
+# workload benchmarks/real_scripts.py measures, small here.
+WORKLOAD = os.path.join(ROOT, "benchmarks", "workloads", "accelerate_digits.py")
 
 
-def _copy(d, name):
-    shutil.copy(os.path.join(SCRIPTS, name), os.path.join(d, name))
+def _copy(d, name, source=None):
+    shutil.copy(source or os.path.join(SCRIPTS, name), os.path.join(d, name))
     with open(os.path.join(d, name)) as f:
         return f.read()
 
@@ -43,7 +46,7 @@ def _replay(d, name, *argv, env=None):
 
 def test_an_accelerate_training_function_replays_exactly(tmp_path):
     d = str(tmp_path)
-    original = _copy(d, "epochs.py")
+    original = _copy(d, "epochs.py", WORKLOAD)
     rec = flor(d, "record", "--no-adaptive", "epochs.py")
     assert "could not write" not in rec.stderr and "cannot be checkpointed" not in rec.stderr, \
         rec.stderr
