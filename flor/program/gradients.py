@@ -80,9 +80,10 @@ def _event(node, schedulers):
     return None
 
 
-def _statement_event(stmt, resolve, schedulers, seen):
+def _statement_event(stmt, resolve, schedulers, seen, enter=None):
     """The first gradient event of a simple statement: its own expressions
-    in evaluation order, and the bodies of the script's functions it calls."""
+    in evaluation order, and the bodies of the script's functions it calls
+    (their first event, or what `enter(fn, seen)` says of them)."""
     if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         for t in targets:
@@ -98,7 +99,8 @@ def _statement_event(stmt, resolve, schedulers, seen):
         if isinstance(node, ast.Call):
             fn = resolve(node)
             if fn is not None and fn not in seen:
-                event = first_event(fn.body, resolve, schedulers, seen | {fn})
+                event = enter(fn, seen | {fn}) if enter is not None else \
+                    first_event(fn.body, resolve, schedulers, seen | {fn})
                 if event is not None:
                     return event
     return None
@@ -213,31 +215,11 @@ def _sure_event(stmts, resolve, schedulers, maybe, seen):
             events = [_sure_event(first, resolve, schedulers, maybe, seen)] + \
                 [_sure_event(r, resolve, schedulers, True, seen) for r in rest]
             event = "read" if "read" in events else None
-        else:
-            event = _simple_event(s, resolve, schedulers, maybe, seen)
+        else:  # a function of the script it calls: as sure as the call
+            event = _statement_event(s, resolve, schedulers, seen, lambda fn, inner: _sure_event(
+                fn.body, resolve, schedulers, maybe, inner))
         if event == "read" or (event == "clear" and not maybe):
             return event
-    return None
-
-
-def _simple_event(stmt, resolve, schedulers, maybe, seen):
-    """_statement_event, entering the script's functions with _sure_event."""
-    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-        for t in targets:
-            if isinstance(t, ast.Attribute) and t.attr == "grad" and \
-                    isinstance(stmt.value, ast.Constant) and stmt.value.value is None:
-                return "clear"
-    for node in _own_walk(stmt):
-        event = _event(node, schedulers)
-        if event is not None:
-            return event
-        if isinstance(node, ast.Call):
-            fn = resolve(node)
-            if fn is not None and fn not in seen:
-                event = _sure_event(fn.body, resolve, schedulers, maybe, seen | {fn})
-                if event == "read" or (event == "clear" and not maybe):
-                    return event
     return None
 
 
