@@ -23,43 +23,18 @@ record or replay it does nothing.
 """
 from __future__ import annotations
 
-import collections
-import numbers
 import os
 import shutil
-import sys
 
 from .context import epoch_key
 from .errors import FlorReplayError
+from .libraries import Epochs, script_frame
+from .libraries import session as _session
+from .libraries import values as _values
 from .runtime.blockstate import UNHELD, apply, signature
 from .runtime.session import Inert, Session
 
 __all__ = ["Flor", "callbacks"]
-
-
-def _session():
-    """The flor session of this process, if one is recording or replaying
-    (never starts one)."""
-    s = Session._current
-    if s is None or isinstance(s, Inert) or s.pid != os.getpid():
-        return None
-    return s
-
-
-class _Epochs:
-    """The main loop's iterable: epoch numbers until the fit ends."""
-
-    def __init__(self):
-        self.n, self.done = 0, False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.done:
-            raise StopIteration
-        self.n += 1
-        return self.n - 1
 
 
 class _FitState:
@@ -136,7 +111,7 @@ class _Fit:
     def __init__(self, s, trainer, module, frame):
         self.s, self.trainer, self.module = s, trainer, module
         self.connector = trainer._checkpoint_connector
-        self.epochs = _Epochs()
+        self.epochs = Epochs()
         self.loops_at_end = None
         self.where = s.site(frame, structural=True)
         self.block = epoch_key(self.where)
@@ -244,23 +219,6 @@ def _skip_rest_of_epoch(batch, batch_idx):
 
 def _schedulers(trainer):
     return [config.scheduler for config in trainer.lr_scheduler_configs]
-
-
-_PLAIN = (list, dict, tuple, set, collections.deque, numbers.Number, str, bytes, type(None))
-
-
-def _values(obj) -> dict:
-    """An object's own attributes that hold values: numbers, strings,
-    containers (the outputs a ``training_step`` gathers for
-    ``on_train_epoch_end``, a defaultdict of histories), tensors, arrays."""
-    import torch
-
-    kinds = _PLAIN + (torch.Tensor,)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        kinds += (np.ndarray, np.generic)
-    return {k: v for k, v in vars(obj).items()
-            if not k.startswith("_") and k != "training" and isinstance(v, kinds)}
 
 
 def _module_attrs(module) -> dict:
@@ -407,16 +365,6 @@ def _moved(state, dirpath):
     return move(state)
 
 
-def _script_frame(s):
-    """The frame of the script's line that called fit (else this one)."""
-    f = sys._getframe(1)
-    while f is not None:
-        if s.script is not None and os.path.abspath(f.f_code.co_filename) == s.script:
-            return f
-        f = f.f_back
-    return sys._getframe(1)
-
-
 def _make(base):
     class Flor(base):
         """Flor's callback: epochs as the main loop, each epoch's training a
@@ -441,7 +389,7 @@ def _make(base):
             cbs = trainer.callbacks
             cbs.remove(self)
             cbs.insert(0, self)  # our epoch-end hook runs before any other
-            self._fit = _Fit(s, trainer, pl_module, _script_frame(s))
+            self._fit = _Fit(s, trainer, pl_module, script_frame(s))
             self._fit.first()
 
         def on_load_checkpoint(self, trainer, pl_module, checkpoint):
