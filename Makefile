@@ -25,11 +25,12 @@ demo: setup
 PYTEST_JOBS := -n auto --maxprocesses=2
 
 # Ray (the optional extra for replay --backend ray) is installed for its test,
-# which starts a local Ray cluster; Lightning for tests/test_lightning.py, with
+# which starts a local Ray cluster; Lightning, Accelerate and transformers for
+# their tests (test_lightning.py, test_accelerate.py, test_huggingface.py), with
 # torch pinned in the same command.
 test: setup
 	$(BIN)/$(PIP) 'ray>=2.9'
-	$(BIN)/$(PIP) $(TORCH) 'lightning==2.6.6' 'accelerate==1.15.0'
+	$(BIN)/$(PIP) $(TORCH) 'lightning==2.6.6' 'accelerate==1.15.0' 'transformers==5.24.0'
 	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
 
 # The edit-test loop's first step: the unit tier, the tests that run in the

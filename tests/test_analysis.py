@@ -10,7 +10,7 @@ import pytest
 from flor.program.analysis import Script, block_effects
 from flor.program.instrument import instrument, uses_flor
 from flor.program.probe import detect, is_log_like
-from flor.program.frameworks import LIGHTNING_EPOCH_END, unfollowed
+from flor.program.frameworks import EPOCH_END, unfollowed
 from flor.program.source import changed_functions, changed_outside
 from flor.replay.checks import equal
 
@@ -816,16 +816,18 @@ def test_changes_only_lightning_epoch_end_hooks_call_are_not_training():
         "        print(self.current_epoch)",
         "        print(self.current_epoch)\n        print(norm(self), extra(self))") + \
         "\ndef extra(m):\n    return norm(m) * 2\n"
-    assert changed_outside(old, {"s.py": at_end}, LIGHTNING_EPOCH_END) == set()
+    assert changed_outside(old, {"s.py": at_end}, EPOCH_END) == set()
     in_step = LIGHTNING_MODULE.replace("        return loss", "        print(loss)\n        return loss")
-    assert changed_outside(old, {"s.py": in_step}, LIGHTNING_EPOCH_END) == {"training_step"}
+    assert changed_outside(old, {"s.py": in_step}, EPOCH_END) == {"training_step"}
     helper = LIGHTNING_MODULE.replace("        loss = self.loss(batch)",
                                       "        loss = self.loss(batch)\n        norm(self)")
     helper = helper.replace("    return sum(", "    print(1)\n    return sum(")
-    assert changed_outside(old, {"s.py": helper}, LIGHTNING_EPOCH_END) == {"norm", "training_step"}
+    assert changed_outside(old, {"s.py": helper}, EPOCH_END) == {"norm", "training_step"}
 
 
 def test_training_libraries_flor_does_not_follow_are_named():
     assert unfollowed({"torch": None, "transformers.trainer": None}) == \
-        ["the Hugging Face Trainer (transformers)"]
+        ["the Hugging Face Trainer (transformers before 5.3)"]
+    assert unfollowed({"torch": None, "transformers.trainer": None},
+                      followed={"transformers.trainer"}) == []
     assert unfollowed({"torch", "lightning.pytorch", "transformers"}) == []

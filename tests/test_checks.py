@@ -222,6 +222,28 @@ def test_clock_fields_are_told_apart_in_print_arguments_and_f_strings():
                       "ms/batch 3.2", "ms/batch 4.0")
 
 
+@pytest.mark.unit
+def test_the_trainers_printed_speed_metrics_are_clock_fields():
+    from flor.replay.clock import speed_metrics_only
+
+    def only(rec, rep):
+        return speed_metrics_only(json.dumps(rec), json.dumps(rep), 0.0)
+
+    # As the Trainer prints its logs (values as strings), and as a script
+    # prints the dict evaluate() returns.
+    assert only("{'eval_loss': '2.3', 'eval_runtime': '0.2078', 'epoch': '1'}",
+                "{'eval_loss': '2.3', 'eval_runtime': '0.2036', 'epoch': '1'}")
+    assert only("{'train_runtime': 9.8, 'train_samples_per_second': 568.7, 'train_loss': 2.07}",
+                "{'train_runtime': 0.9, 'train_samples_per_second': 6289.0, 'train_loss': 2.07}")
+    # Any other value that differs, another key, or no speed metric: compared.
+    assert not only("{'eval_loss': '2.3', 'eval_runtime': '0.2'}",
+                    "{'eval_loss': '2.4', 'eval_runtime': '0.3'}")
+    assert not only("{'eval_loss': '2.3', 'eval_runtime': '0.2'}",
+                    "{'eval_loss': '2.3', 'eval_runtime': '0.3', 'x': 1}")
+    assert not only("{'loss': 2.3, 'grad_norm': 0.6}", "{'loss': 2.3, 'grad_norm': 0.7}")
+    assert not only("took 0.2 s", "took 0.3 s")
+
+
 def test_large_logged_arrays_are_stored_as_files_and_compared(tmp_path):
     d = str(tmp_path)
     write_script(d, "acts.py", """

@@ -31,7 +31,7 @@ import re
 from ..context import STATE, STATE_BLOCK, parse_location
 from ..program.analysis import Script
 from ..program.syntax import path_of, root
-from .clock import clock_fields_only, clock_names, reads_clock
+from .clock import clock_fields_only, clock_names, reads_clock, speed_metrics_only
 
 __all__ = ["explain"]
 
@@ -107,8 +107,10 @@ def explain(report, store, plan, source, rec=None):
         if cur is None or rel != script:
             continue
         stmt, text = prog.statement(cur)
-        if reads_clock(stmt, text, prog.clock) and \
-                clock_fields_only(stmt, prog.clock, recorded, replayed, plan.tolerance or 0.0):
+        tolerance = plan.tolerance or 0.0
+        if (reads_clock(stmt, text, prog.clock)
+                and clock_fields_only(stmt, prog.clock, recorded, replayed, tolerance)) \
+                or speed_metrics_only(recorded, replayed, tolerance):
             report.mismatches.remove(m)
             report.clock.append(m)
     states = [m for m in report.mismatches if m[1].startswith(STATE)]

@@ -8,6 +8,11 @@ Its other fields are compared: the statement's f-strings, str.format and
 %-format arguments, print() arguments and + concatenations give the
 fields, with the numbers around them pinned; a line whose fields cannot
 be told apart is compared whole.
+
+A printed dict whose values differ only under the keys the Hugging Face
+Trainer fills from the clock (``train_runtime``, ``eval_samples_per_second``
+...: its speed metrics, which it prints itself and returns from
+``evaluate``) is not a failure either; its other values are compared.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import string
 
 from .checks import equal
 
-__all__ = ["clock_names", "reads_clock", "clock_fields_only"]
+__all__ = ["clock_names", "reads_clock", "clock_fields_only", "speed_metrics_only"]
 
 _CLOCK = re.compile(r"\btime\b|perf_counter|monotonic|datetime|elapsed|\bnow\(")
 _CLOCK_CALLS = {"time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic",
@@ -235,3 +240,29 @@ def clock_fields_only(stmt, tainted, recorded, replayed, tolerance) -> bool:
             return all(c or equal(x, y, tolerance) for c, x, y in
                        zip([c for c in fields if c is not None], ma.groups(), mb.groups()))
     return False
+
+
+# The keys of the Hugging Face Trainer's speed metrics (transformers'
+# speed_metrics, and the evaluation's compilation and preparation times).
+_SPEED = re.compile(r"_(runtime|samples_per_second|steps_per_second|tokens_per_second|"
+                    r"jit_compilation_time|model_preparation_time)$")
+
+
+def _printed_dict(value):
+    if not isinstance(value, str):
+        return None
+    try:
+        d = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def speed_metrics_only(recorded, replayed, tolerance) -> bool:
+    """Whether a printed line is a dict (as the Trainer prints its logs)
+    whose values differ from the recorded ones only under speed-metric keys."""
+    a, b = _printed_dict(json.loads(recorded)), _printed_dict(json.loads(replayed))
+    if a is None or b is None or a.keys() != b.keys():
+        return False
+    clock = [k for k in a if isinstance(k, str) and _SPEED.search(k)]
+    return bool(clock) and all(equal(a[k], b[k], tolerance) for k in a if k not in clock)

@@ -26,7 +26,7 @@ from ..context import is_epoch, is_iteration, is_outermost, location, top_key
 from ..errors import FlorError, note
 from ..program.instrument import instrument
 from ..program.probe import detect
-from ..program.frameworks import LIGHTNING_EPOCH_END
+from ..program.frameworks import EPOCH_END
 from ..program.source import (Comparison, FileMap, changed_functions, changed_outside,
                               manual_blocks, map_files)
 from ..runinfo import ReplayInfo
@@ -255,7 +255,7 @@ def _compare(store, script, rec):
             with open(path) as f:
                 new[rel] = f.read()
     cmp = Comparison(files=map_files(old, new), changed_functions=changed_functions(old, new),
-                     training_changed=changed_outside(old, new, LIGHTNING_EPOCH_END))
+                     training_changed=changed_outside(old, new, EPOCH_END))
     hands_free = code = None
     if rec["info"].hands_free:
         # What to step into: the blocks that hold (or reach) a change.

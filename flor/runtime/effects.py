@@ -41,6 +41,10 @@ frames are never journaled: live where the session shows the script's
 output (record, ``replay --part``), nowhere in a local replay worker (whose
 output is shown only at the end; the replay's own progress line stands in).
 
+Training libraries whose loops flor follows by wrapping their methods
+(the Hugging Face Trainer: flor/huggingface.py) register with `follower`
+and are patched the same way.
+
 Modules are patched only once the script imports them: those already
 imported when the session starts, the others by an import hook, so flor
 itself imports neither tensorboard nor tqdm.  `restore()` puts back every
@@ -56,10 +60,23 @@ import threading
 
 from ..context import LOG, PRE, TB
 
-__all__ = ["Effects"]
+__all__ = ["Effects", "follower"]
 
 _WRITER = "torch.utils.tensorboard.writer"
 _BOOKKEEPING = ("file_version", "session_log")  # events that describe the event file
+
+
+# Training libraries whose loops flor follows by wrapping their methods (a
+# module name -> follow(module, patch)), registered by their followers
+# (flor/huggingface.py) when flor's process starts (runtime/entry.py).
+_FOLLOWERS: dict = {}
+
+
+def follower(name, hook):
+    """Call `hook(module, patch=...)` when a session's script imports the
+    module `name` (or at the session's start if it is imported already);
+    what it patches, the session's end puts back."""
+    _FOLLOWERS[name] = hook
 
 
 class _Then:
@@ -145,6 +162,8 @@ class Effects:
         # files the set-up writes.
         self.copy = os.environ.pop("FLOR_REPLAY_COPY", None) == "1" and session.replaying
         hooks = {"logging": self._logging, _WRITER: self._tensorboard, "tqdm.std": self._tqdm}
+        for name, hook in _FOLLOWERS.items():
+            hooks[name] = functools.partial(hook, patch=self._patch)
         pending = {}
         for name, hook in hooks.items():
             module = sys.modules.get(name)

@@ -12,6 +12,7 @@ import signal
 import sys
 import traceback
 
+from .. import huggingface  # (importing it registers the Trainer's follower with effects.py)
 from ..context import is_iteration, is_outermost, location
 from ..errors import INTERRUPTIONS, FlorError, Interrupted, note
 from ..program.frameworks import unfollowed
@@ -85,13 +86,14 @@ def summary(store, run_id) -> list[str]:
     a note for each outermost block the adaptive rule never checkpointed."""
     run = store.run(run_id)
     if run["status"] == "empty":
-        libraries = unfollowed(sys.modules)
+        libraries = unfollowed(sys.modules, huggingface.followed(sys.modules))
         if libraries:
             return [f"run {run_id} of {run['script_name']} ran no loop of flor's: its training "
                     f"ran inside {' and '.join(libraries)}, whose loop flor does not follow yet "
-                    "(it follows loops written in the script and PyTorch Lightning's "
-                    "Trainer.fit: docs/hands-free.md, docs/lightning.md). Replay never picks "
-                    f"this run; `flor rm {run_id}` deletes it"]
+                    "(it follows loops written in the script, PyTorch Lightning's "
+                    "Trainer.fit and the Trainer.train of transformers 5.3 and later: "
+                    "docs/hands-free.md, docs/lightning.md, docs/huggingface.md). Replay never "
+                    f"picks this run; `flor rm {run_id}` deletes it"]
         return [f"run {run_id} of {run['script_name']} ended before any loop of flor's ran "
                 f"(a --help run, or an exit before the main loop): replay never picks it; "
                 f"`flor rm {run_id}` deletes it"]
