@@ -65,8 +65,14 @@ CASES = {
     "accelerate_digits.py": (["--epochs", "20", "--width", "4096", "--batch-size", "4"],
                              ('accelerator.print(f"epoch', WNORM % "model"),
                              ("accelerator.backward(loss)", GNORM % "model")),
+    # The Hugging Face Trainer: the outer probe in a callback's on_epoch_end,
+    # the inner one in the Trainer subclass's compute_loss
+    "hf_digits.py": (["--epochs", "8"],
+                     ('print(f"epoch {state.epoch:.0f}', WNORM % "kwargs['model']"),
+                     ("loss = F.cross_entropy(", 'print(f"  loss {loss.item():.6f}")')),
 }
-CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s)")
+CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s"
+                   r"|'\w+_(?:runtime|per_second)': '?[0-9.e+-]+'?)")
 
 
 def bench(name, rounds, work, rng):

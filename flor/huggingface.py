@@ -3,7 +3,7 @@ loop.
 
 The Trainer runs the training loop itself and offers no hook to skip an
 epoch's batches or to add a callback to every Trainer, so in a flor record
-or replay flor wraps three of its methods once ``transformers.trainer`` is
+or replay flor wraps four of its methods once ``transformers.trainer`` is
 imported (runtime/effects.py puts them back at the session's end):
 
 - ``Trainer.__init__`` adds flor's callback, first among the Trainer's
@@ -16,25 +16,28 @@ imported (runtime/effects.py puts them back at the session's end):
   does not run them, restores the block's checkpoint and runs what the
   Trainer does after them (``on_epoch_end``, then the epoch's logging,
   evaluation and saving) as it does;
+- ``Trainer.train``: a training that raises leaves its block and main
+  loop without checkpoints;
 - ``Trainer._maybe_log_save_evaluate``: the gradient norm and learning
   rate it was last given, which the epoch's end logs.
 
 What a checkpoint holds is what the Trainer's own resume restores: the
-model, the optimizer and the LR scheduler (the ones Accelerate wraps), the
-gradient scaler, ``TrainerState`` and ``TrainerControl``, the loss the
-Trainer has summed and not logged yet, and the random state (the block's);
-besides, the values the script's own callbacks keep in their attributes.
+model (and its config), the optimizer and the LR scheduler (the ones
+Accelerate wraps), the gradient scaler, ``TrainerState`` and
+``TrainerControl``, the loss the Trainer has summed and not logged yet, and
+the random state (the block's); besides, the values the callbacks keep in
+their attributes (a history the script's callback appends to,
+EarlyStoppingCallback's patience counter).
 A replay worker whose segment starts at epoch a restores the iteration
-checkpoint of epoch a - 1 when training begins and runs nothing of the
-epochs before.  Outside a flor record or replay nothing is wrapped.
+checkpoint of epoch a - 1 when the first epoch begins and runs nothing of
+the epochs before.  Outside a flor record or replay nothing is wrapped.
 """
 from __future__ import annotations
 
 import inspect
 
-from .context import epoch_key
 from .errors import FlorReplayError
-from .libraries import Epochs, script_frame, session, values
+from .libraries import EpochLoop, script_frame, session, values
 from .runtime.blockstate import apply, signature
 from .runtime.effects import follower
 
@@ -127,10 +130,10 @@ def _inner(obj):
     return obj
 
 
-def _user_callbacks(trainer) -> list:
-    """The script's callbacks (not transformers' own, not flor's)."""
-    return [cb for cb in trainer.callback_handler.callbacks
-            if not type(cb).__module__.startswith(("transformers.", __name__))]
+def _callbacks(trainer) -> list:
+    """The Trainer's callbacks but flor's: the script's, and transformers'
+    own (EarlyStoppingCallback's patience counter is one of its values)."""
+    return [cb for cb in trainer.callback_handler.callbacks if type(cb).__module__ != __name__]
 
 
 class _TrainState:
@@ -157,20 +160,14 @@ class _TrainState:
         return None, out
 
 
-class _Train:
+class _Train(EpochLoop):
     """One ``Trainer.train``: its main loop, and the epoch block in it."""
 
     def __init__(self, s, trainer, frame):
-        self.s, self.trainer, self.frame = s, trainer, frame
-        self.epochs = Epochs()
-        self.where = s.site(frame, structural=True)
-        self.block = epoch_key(self.where)
-        self.loop = s.loop(self.epochs, self.where, frame, _TrainState(self))
-        self.epoch = None  # the iteration flor is in
+        self.trainer = trainer
         self.begun = 0  # epochs the Trainer began
-        self.resumed_at = None  # a replay segment's first epoch, restored
-        self.restored = None  # what put_back put back at its start
-        self.in_block = False
+        self.restored = None  # what put_back put back at a resumed segment's start
+        super().__init__(s, frame, _TrainState(self))
 
     # -- what a checkpoint holds --------------------------------------------
 
@@ -192,7 +189,7 @@ class _Train:
                 "last_logged": tr._globalstep_last_logged, "flos": tr.current_flos,
                 "last": tr.__dict__.get(_LAST, (None, None)),
                 "scaler": scaler.state_dict() if scaler is not None else None,
-                "callbacks": [values(cb) for cb in _user_callbacks(tr)]}
+                "callbacks": [values(cb) for cb in _callbacks(tr)]}
 
     def put_back(self, extra):
         tr = self.trainer
@@ -206,17 +203,11 @@ class _Train:
         scaler = getattr(tr.accelerator, "scaler", None)
         if scaler is not None and extra["scaler"] is not None:
             scaler.load_state_dict(extra["scaler"])
-        for cb, saved in zip(_user_callbacks(tr), extra["callbacks"]):
+        for cb, saved in zip(_callbacks(tr), extra["callbacks"]):
             for k, v in saved.items():
                 setattr(cb, k, v)
 
     # -- the main loop --------------------------------------------------------
-
-    def _next(self):
-        try:
-            return next(self.loop)
-        except StopIteration:
-            return None
 
     def epoch_begin(self):
         """Our on_epoch_begin, before any other callback's.  At the first
@@ -228,12 +219,12 @@ class _Train:
         before it ran since)."""
         epoch, self.begun = self.begun, self.begun + 1
         if epoch == 0:
-            self.epoch = self._next()
+            self.epoch = self.next()
             if self.epoch is not None and self.epoch > 0:
                 # Until that epoch begins, what runs is not this process's work.
                 self.resumed_at, self.s.discard = self.epoch, True
         elif self.epoch is not None and epoch > self.epoch:
-            self.epoch = self._next()
+            self.epoch = self.next()
         if self.epoch is not None and epoch < self.epoch:
             return  # (a resumed segment's epochs before its first)
         if self.epoch != epoch:  # (a replay of more epochs than the record ran)
@@ -274,22 +265,6 @@ class _Train:
         self.in_block = False
         self.s.end(self.objects(self.extra()), self.frame, sig=self._sig(), as_list=True)
 
-    def end(self):
-        """Training ended: the last iteration ends, and the main loop with it."""
-        self._leave_block()
-        self.epochs.done = True
-        while self._next() is not None:
-            pass
-
-    def abandon(self):
-        """Training raised: the block and the loop end without checkpoints."""
-        self._leave_block()
-        self.loop.close()
-
-    def _leave_block(self):
-        if self.in_block:
-            self.in_block = False
-            self.s.abandon()
 
 
 _classes: list = []

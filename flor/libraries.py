@@ -1,8 +1,8 @@
 """What flor's followers of training libraries share (lightning.py for
 PyTorch Lightning, huggingface.py for the Hugging Face Trainer): the
 session of this process, the script's frame that started the library's
-training, the epochs as a main loop's iterable, and the values an object
-keeps in its attributes (a callback's history)."""
+training, a training as a main loop of epochs (EpochLoop), and the values
+an object keeps in its attributes (a callback's history)."""
 from __future__ import annotations
 
 import collections
@@ -10,9 +10,10 @@ import numbers
 import os
 import sys
 
+from .context import epoch_key
 from .runtime.session import Inert, Session
 
-__all__ = ["session", "Epochs", "values", "script_frame"]
+__all__ = ["session", "Epochs", "EpochLoop", "values", "script_frame"]
 
 
 def session():
@@ -39,6 +40,54 @@ class Epochs:
             raise StopIteration
         self.n += 1
         return self.n - 1
+
+
+class EpochLoop:
+    """One training of a library: its epochs as flor's main loop (keyed by
+    the script's line that started it, `frame`'s), each epoch's training
+    the block in it; `carrier` (runtime/carry.py) says what an iteration
+    checkpoint holds.  A follower drives it from the library's hooks."""
+
+    def __init__(self, s, frame, carrier):
+        self.s, self.frame = s, frame
+        self.epochs = Epochs()
+        self.where = s.site(frame, structural=True)
+        self.block = epoch_key(self.where)
+        self.loop = s.loop(self.epochs, self.where, frame, carrier)
+        self.epoch = None  # the iteration flor is in
+        self.resumed_at = None  # a replay segment's first epoch, restored
+        self.in_block = False
+
+    def next(self):
+        """The next iteration of the main loop (the one before it ends), or
+        None when the loop has ended."""
+        try:
+            return next(self.loop)
+        except StopIteration:
+            return None
+
+    def end(self):
+        """The training ended: the last iteration ends, and the main loop
+        with it."""
+        self.leave_block()
+        self.epochs.done = True
+        while self.next() is not None:
+            pass
+
+    def abandon(self):
+        """The training raised: the block and the loop end without
+        checkpoints."""
+        self.leave_block()
+        self.loop.close()
+
+    def leave_block(self):
+        if self.in_block:
+            self.in_block = False
+            self.left()
+            self.s.abandon()
+
+    def left(self):
+        """A block is left without its end (the training ended or raised)."""
 
 
 _PLAIN = (list, dict, tuple, set, collections.deque, numbers.Number, str, bytes, type(None))

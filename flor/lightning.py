@@ -26,9 +26,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from .context import epoch_key
 from .errors import FlorReplayError
-from .libraries import Epochs, script_frame
+from .libraries import EpochLoop, script_frame
 from .libraries import session as _session
 from .libraries import values as _values
 from .runtime.blockstate import UNHELD, apply, signature
@@ -105,24 +104,17 @@ def _loaders(value):
     return [] if value is None else [value]
 
 
-class _Fit:
+class _Fit(EpochLoop):
     """One ``Trainer.fit``: its main loop, and the epoch block in it."""
 
     def __init__(self, s, trainer, module, frame):
-        self.s, self.trainer, self.module = s, trainer, module
+        self.trainer, self.module = trainer, module
         self.connector = trainer._checkpoint_connector
-        self.epochs = Epochs()
         self.loops_at_end = None
-        self.where = s.site(frame, structural=True)
-        self.block = epoch_key(self.where)
-        self.frame = frame
-        self.loop = s.loop(self.epochs, self.where, frame, _FitState(self))
         self.attrs = None  # the module's attributes a resume put back
-        self.epoch = None  # the iteration flor is in
-        self.resumed_at = None  # a replay segment's first epoch, restored
         self.discarded = False
-        self.in_block = False
         self.skipping = False
+        super().__init__(s, frame, _FitState(self))
 
     def put_back(self):
         """The attributes of the module and of the script's callbacks that
@@ -135,23 +127,17 @@ class _Fit:
         """Enter the main loop: at iteration 0, or, for a replay segment
         that starts later, at its first iteration after restoring the
         iteration checkpoint before it (Lightning resumes from it)."""
-        self.epoch = self._next()
+        self.epoch = self.next()
         if self.epoch is not None and self.epoch > 0:
             # Until that epoch starts, what runs is not this process's work.
             self.resumed_at, self.s.discard = self.epoch, True
-
-    def _next(self):
-        try:
-            return next(self.loop)
-        except StopIteration:
-            return None
 
     def epoch_start(self, epoch):
         s = self.s
         if self.epoch is not None and epoch < self.epoch:
             return  # (a resume's set-up, before the restored epoch)
         if self.epoch is None or epoch > self.epoch:
-            self.epoch = self._next()
+            self.epoch = self.next()
         if self.epoch != epoch:  # (a replay of more epochs than the record ran)
             raise FlorReplayError(f"Lightning started epoch {epoch}, and the main loop of the "
                                   f"fit at {self.where} is at iteration {self.epoch}")
@@ -193,24 +179,9 @@ class _Fit:
         self.s.discard = self.discarded
         self.module.__dict__.pop("on_train_batch_start", None)
 
-    def end(self):
-        """The fit ended: the last iteration ends, and the main loop with it."""
-        self._leave_block()
-        self.epochs.done = True
-        while self._next() is not None:
-            pass
-
-    def abandon(self):
-        """The fit raised: the block and the loop end without checkpoints."""
-        self._leave_block()
-        self.loop.close()
-
-    def _leave_block(self):
-        if self.in_block:
-            self.in_block = False
-            if self.skipping:
-                self._unskip()
-            self.s.abandon()
+    def left(self):
+        if self.skipping:
+            self._unskip()
 
 
 def _skip_rest_of_epoch(batch, batch_idx):
