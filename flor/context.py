@@ -39,6 +39,7 @@ __all__ = ["LOOP", "BLOCK", "Context", "encode", "decode", "top_key", "is_outerm
            "enclosing_blocks", "describe", "location", "parse_location", "checkpoint_name",
            "block_context", "within", "iteration_key", "is_iteration",
            "PRINTED", "TB", "LOG", "STATE", "STATE_BLOCK", "STATE_ITERATION", "STATE_RANDOM",
+           "STATE_ENTRY",
            "PRE", "MAIN", "POST", "Where", "iter_column"]
 
 LOOP, BLOCK = "L", "B"
@@ -50,6 +51,7 @@ STATE = "state@"  # the state fingerprints the deferred checks compare (never re
 STATE_BLOCK = "state@block"  # what a block execution captured, at its end()
 STATE_ITERATION = "state@iteration"  # the training state in scope at an iteration's end
 STATE_RANDOM = "state@random"  # the random states a top-level loop starts with
+STATE_ENTRY = "state@entry"  # the random states a training library's epoch starts with
 
 PRE, MAIN, POST = "pre", "main", "post"  # a replay worker's phases
 

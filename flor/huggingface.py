@@ -34,10 +34,14 @@ the epochs before.  Outside a flor record or replay nothing is wrapped.
 """
 from __future__ import annotations
 
+import ast
 import inspect
+import os
+import textwrap
 
 from .errors import FlorReplayError
-from .libraries import EpochLoop, script_frame, session, values
+from .libraries import EpochLoop, script_frame, session, set_values, values
+from .program.analysis import globals_changed
 from .runtime.blockstate import apply, signature
 from .runtime.effects import follower
 
@@ -136,6 +140,51 @@ def _callbacks(trainer) -> list:
     return [cb for cb in trainer.callback_handler.callbacks if type(cb).__module__ != __name__]
 
 
+def _library(cls) -> bool:
+    return cls.__module__.split(".")[0] in ("transformers", "accelerate", "builtins", "flor")
+
+
+def _callback_values(cb) -> dict:
+    return values(cb, own=not _library(type(cb)))
+
+
+def _changed_globals(script, frame) -> set:
+    """The script's module-level names its functions change (a counter a
+    compute_loss increments), when `frame` runs in the script."""
+    if script is None or os.path.abspath(frame.f_code.co_filename) != script:
+        return set()
+    try:
+        with open(script) as f:
+            return globals_changed(ast.parse(f.read()))
+    except (OSError, SyntaxError, ValueError):
+        return set()
+
+
+_assigned: dict = {}  # a Trainer subclass -> the attributes its own methods assign
+
+
+def _own_attributes(trainer) -> dict:
+    """What a Trainer subclass of the script keeps on the Trainer: the
+    attributes its own methods assign (``self.batch_losses = []``)."""
+    names = _assigned.get(type(trainer))
+    if names is None:
+        names = _assigned[type(trainer)] = set()
+        for cls in type(trainer).__mro__:
+            if _library(cls):
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+            except (OSError, TypeError, SyntaxError):
+                continue
+            for node in ast.walk(tree):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                names.update(t.attr for t in targets if isinstance(t, ast.Attribute)
+                             and isinstance(t.value, ast.Name) and t.value.id == "self")
+    own = values(trainer, own=True)
+    return {k: v for k, v in own.items() if k in names}
+
+
 class _TrainState:
     """The carrier of the main loop (flor/runtime/carry.py): what the
     Trainer's resume restores, as it is at the end of an epoch."""
@@ -168,6 +217,7 @@ class _Train(EpochLoop):
         self.begun = 0  # epochs the Trainer began
         self.restored = None  # what put_back put back at a resumed segment's start
         super().__init__(s, frame, _TrainState(self))
+        self.globals = _changed_globals(s.script, frame)
 
     # -- what a checkpoint holds --------------------------------------------
 
@@ -189,7 +239,10 @@ class _Train(EpochLoop):
                 "last_logged": tr._globalstep_last_logged, "flos": tr.current_flos,
                 "last": tr.__dict__.get(_LAST, (None, None)),
                 "scaler": scaler.state_dict() if scaler is not None else None,
-                "callbacks": [values(cb) for cb in _callbacks(tr)]}
+                "callbacks": [_callback_values(cb) for cb in _callbacks(tr)],
+                "trainer": _own_attributes(tr),
+                "globals": {k: v for k, v in values(self.frame.f_globals, own=True).items()
+                            if k in self.globals}}
 
     def put_back(self, extra):
         tr = self.trainer
@@ -204,8 +257,9 @@ class _Train(EpochLoop):
         if scaler is not None and extra["scaler"] is not None:
             scaler.load_state_dict(extra["scaler"])
         for cb, saved in zip(_callbacks(tr), extra["callbacks"]):
-            for k, v in saved.items():
-                setattr(cb, k, v)
+            set_values(cb, saved)
+        set_values(tr, extra["trainer"])
+        set_values(self.frame.f_globals, extra["globals"])
 
     # -- the main loop --------------------------------------------------------
 
@@ -239,7 +293,7 @@ class _Train(EpochLoop):
         if self.epoch is None or epoch < self.epoch:
             return None  # the restored iteration checkpoint stands for it
         self.in_block = True
-        if self.s.step_into(self.block, False, self.frame):
+        if self.step_into():
             return original(trainer, *args, **kwargs)  # (the block ends at on_epoch_end)
         # Skipped: the epoch's end state from its checkpoint, then what the
         # Trainer does after the epoch's batches.

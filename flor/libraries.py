@@ -6,14 +6,18 @@ an object keeps in its attributes (a callback's history)."""
 from __future__ import annotations
 
 import collections
+import json
 import numbers
 import os
 import sys
 
-from .context import epoch_key
+from . import _core
+from .context import STATE_ENTRY, epoch_key
+from .errors import note
+from .runtime.blockstate import random_fingerprint
 from .runtime.session import Inert, Session
 
-__all__ = ["session", "Epochs", "EpochLoop", "values", "script_frame"]
+__all__ = ["session", "Epochs", "EpochLoop", "values", "set_values", "script_frame"]
 
 
 def session():
@@ -57,6 +61,34 @@ class EpochLoop:
         self.epoch = None  # the iteration flor is in
         self.resumed_at = None  # a replay segment's first epoch, restored
         self.in_block = False
+        self.diverged_at = None  # replay: the first epoch whose random state differed
+
+    def step_into(self) -> bool:
+        """Enter the epoch's block: whether its training runs.  The random
+        state it starts with is stored (the checks compare it); a replay
+        runs the training of an epoch whose random state differs from the
+        record's (a change before it drew random numbers: a probe that runs
+        the model in training mode, with dropout), since its checkpoint
+        holds the record's training, not what a plain run of the edited
+        script trains.  Not at a replay segment's first epoch: the library
+        resumes from the restored iteration checkpoint in its own order, and
+        no change of the script ran since."""
+        s = self.s
+        if self.epoch == self.resumed_at:
+            return s.step_into(self.block, False, self.frame)
+        # One CRC of the global random states' (a fingerprint, as the checks
+        # compare them).
+        fp = _core.crc32c(json.dumps(random_fingerprint(), sort_keys=True).encode())
+        if not s.discard:
+            s.logbook.value(STATE_ENTRY, fp, self.where)
+        recorded = s.policy.recorded_value(STATE_ENTRY, self.where, s.where.ctx)
+        differs = recorded is not None and recorded != fp
+        if differs and self.diverged_at is None:
+            self.diverged_at = self.epoch
+            note(f"the random state at the start of epoch {self.epoch} of the training at "
+                 f"{self.where} differs from the record's (a change before it draws random "
+                 "numbers): its training, and that of the epochs after it, runs again")
+        return s.step_into(self.block, differs, self.frame)
 
     def next(self):
         """The next iteration of the main loop (the one before it ends), or
@@ -93,18 +125,48 @@ class EpochLoop:
 _PLAIN = (list, dict, tuple, set, collections.deque, numbers.Number, str, bytes, type(None))
 
 
-def values(obj) -> dict:
+def values(obj, own=False) -> dict:
     """An object's own attributes that hold values: numbers, strings,
     containers (the outputs a ``training_step`` gathers for
-    ``on_train_epoch_end``, a defaultdict of histories), tensors, arrays."""
+    ``on_train_epoch_end``, a defaultdict of histories), tensors, arrays.
+    `own`: an object of the script's own class, whose private attributes
+    (``self._updates``) and modules (an EMA copy of the model) count too."""
     import torch
 
-    kinds = _PLAIN + (torch.Tensor,)
+    kinds = _PLAIN + (torch.Tensor,) + ((torch.nn.Module,) if own else ())
     np = sys.modules.get("numpy")
     if np is not None:
         kinds += (np.ndarray, np.generic)
-    return {k: v for k, v in vars(obj).items()
-            if not k.startswith("_") and k != "training" and isinstance(v, kinds)}
+    items = obj if isinstance(obj, dict) else vars(obj)
+    return {k: v for k, v in items.items()
+            if (own or not k.startswith("_")) and k != "training" and isinstance(v, kinds)}
+
+
+def set_values(obj, saved):
+    """Put back what `values` took: a module loaded in place (a checkpoint
+    holds its state dict), a list, dict, set or deque refilled in place
+    (the script may hold it under another name too: a callback's history
+    the script prints), anything else set.  `obj` may be a namespace (a
+    module's globals)."""
+    import torch
+
+    live_values = obj if isinstance(obj, dict) else vars(obj)
+    for k, v in saved.items():
+        live = live_values.get(k)
+        if isinstance(live, torch.nn.Module) and isinstance(v, (dict, torch.nn.Module)):
+            live.load_state_dict(v.state_dict() if isinstance(v, torch.nn.Module) else v)
+        elif isinstance(live, list) and isinstance(v, list):
+            live[:] = v
+        elif isinstance(live, dict) and isinstance(v, dict):
+            live.clear()
+            live.update(v)
+        elif isinstance(live, (set, collections.deque)) and type(v) is type(live):
+            live.clear()
+            live.update(v) if isinstance(live, set) else live.extend(v)
+        elif isinstance(obj, dict):
+            obj[k] = v
+        else:
+            setattr(obj, k, v)
 
 
 def script_frame(s, depth=1):

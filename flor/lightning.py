@@ -29,6 +29,7 @@ import shutil
 from .errors import FlorReplayError
 from .libraries import EpochLoop, script_frame
 from .libraries import session as _session
+from .libraries import set_values
 from .libraries import values as _values
 from .runtime.blockstate import UNHELD, apply, signature
 from .runtime.session import Inert, Session
@@ -144,7 +145,7 @@ class _Fit(EpochLoop):
         if epoch == self.resumed_at:
             s.discard = False
         self.in_block = True
-        if not s.step_into(self.block, False, self.frame):
+        if not self.step_into():
             # What the epoch's hooks print until the block's end is the
             # record's, which replay shows from the store.
             self.skipping, self.discarded, s.discard = True, s.discard, True
@@ -203,8 +204,7 @@ def _module_attrs(module) -> dict:
 
 
 def _set_module_attrs(module, attrs):
-    for k, v in attrs["values"].items():
-        setattr(module, k, v)
+    set_values(module, attrs["values"])
     for name, saved in attrs["metrics"].items():
         m = module.get_submodule(name)
         for k, v in saved["state"].items():
@@ -226,8 +226,7 @@ def _callback_values(trainer) -> dict:
 
 def _set_callback_values(trainer, values):
     for cb in _user_callbacks(trainer):
-        for k, v in values.get(cb.state_key, {}).items():
-            setattr(cb, k, v)
+        set_values(cb, values.get(cb.state_key, {}))
 
 
 def _extra(trainer) -> dict:

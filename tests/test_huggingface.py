@@ -24,6 +24,12 @@ EPOCH_PROBE = ('        print(f"epoch {state.epoch:.0f}: {len(self.losses)} loss
                '        print(f"epoch {state.epoch:.0f}: {len(self.losses)} losses logged")\n'
                "        wnorm = sum(p.norm() ** 2 for p in kwargs['model'].parameters()) ** 0.5\n"
                '        print(f"  wnorm {wnorm:.6f}")\n')
+# A probe that runs the model in training mode: its dropout draws random
+# numbers, so a plain run of the edited script trains the next epochs on
+# others than the record did.
+DRAWING_PROBE = (EPOCH_PROBE[0],
+                 EPOCH_PROBE[0] + "        x = torch.arange(65)[None] % 18\n"
+                 "        print('  probe', kwargs['model'](x).logits.sum().item())\n")
 INNER_PROBE = ("        loss = F.cross_entropy(",
                "        if self.state.global_step % 5 == 0:\n"
                '            print(f"  step {self.state.global_step} loss {loss.item():.6f}")\n')
@@ -46,13 +52,13 @@ def _probe(path, original, probe):
         f.write(edited)
 
 
-def _replays(d, name, probe, original, *argv):
+def _replays(d, name, probe, original, *argv, checks="passed"):
     path = os.path.join(d, name)
     _probe(path, original, probe)
     want = plain(d, name, *ARGS).stdout
-    rep = flor(d, "replay", *argv, name, *ARGS)
+    rep = flor(d, "replay", *argv, name, *ARGS, check=checks == "passed")
     assert _masked(rep.stdout) == _masked(want), (rep.stdout, want)
-    assert "deferred checks passed" in rep.stderr, rep.stderr
+    assert f"deferred checks {checks}" in rep.stderr, rep.stderr
     assert "differ only in fields that read the clock" in rep.stderr, rep.stderr
     st = store(d)
     return st, runs(st, "replay")[-1], rep.stderr
@@ -84,3 +90,10 @@ def test_trainer_epochs_are_the_main_loop(tmp_path):
     assert "ran again from its start" not in err and "without verifying" not in err, err
     parts = st.parts(replay["run_id"])
     assert [p["info"].resumed_from is not None for p in parts] == [False, True], parts
+
+    # The probe that draws random numbers: the epochs after the first run
+    # again, as a plain run of the edited script trains them, and the checks
+    # say that they differ from the record.
+    st, replay, err = _replays(d, name, DRAWING_PROBE, original, "--strict", checks="FAILED")
+    assert "random state at the start of epoch 1" in err, err
+    assert _states(st, replay["run_id"]) == {"skip", "step_into"}, err

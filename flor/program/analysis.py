@@ -42,6 +42,7 @@ catch the cases where that assumption fails.
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import dataclass, field
 
 from .iterators import advanced, iterated
@@ -49,7 +50,7 @@ from .syntax import (assigned_names, free_names, own_nodes, path_of, root, simpl
                      walk_scope)
 from .syntax import targets as single_targets
 
-__all__ = ["Effects", "GiveUp", "Script", "block_effects", "read_first"]
+__all__ = ["Effects", "GiveUp", "Script", "block_effects", "globals_changed", "read_first"]
 OPAQUE = {"exec", "eval", "globals", "locals", "vars"}
 
 
@@ -489,3 +490,37 @@ def block_effects(script: Script, block: list, scope) -> Effects:
     eff.globals = [g for g in eff.globals if not any(
         q != g and (g.startswith(q + ".") or g.startswith(q + "[")) for q in eff.globals)]
     return eff
+
+
+class _Returned(ast.NodeTransformer):
+    """A function's ``return X`` as the statement ``X`` (a block may not
+    return)."""
+
+    def visit_Return(self, node):
+        return ast.copy_location(ast.Expr(node.value) if node.value else ast.Pass(), node)
+
+
+def globals_changed(tree: ast.Module) -> set[str]:
+    """The module-level names of the script that its functions and methods
+    change, set (``global n``) or in place (``SEEN["batches"] += 1``): what
+    code a library calls (a callback, a ``compute_loss``) may change outside
+    the objects it is handed."""
+    script = Script(tree)
+    out = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        try:  # its body as a block (what it returns, evaluated)
+            eff = block_effects(script, _Returned().visit(copy.deepcopy(fn)).body, fn)
+        except GiveUp:
+            continue
+        declared = {g for n in ast.walk(fn) if isinstance(n, ast.Global) for g in n.names}
+        args = fn.args
+        local = (assigned_names(fn.body) - declared) | {
+            a.arg for a in args.posonlyargs + args.args + args.kwonlyargs
+            + [x for x in (args.vararg, args.kwarg) if x is not None]}
+        for p in eff.globals + eff.paths:
+            r = root(p)
+            if r in script.module_names and r not in script.not_state and r not in local:
+                out.add(r)
+    return out

@@ -28,7 +28,7 @@ import json
 import os
 import re
 
-from ..context import STATE, STATE_BLOCK, parse_location
+from ..context import STATE, STATE_BLOCK, STATE_ENTRY, parse_location
 from ..program.analysis import Script
 from ..program.syntax import path_of, root
 from .clock import clock_fields_only, clock_names, reads_clock, speed_metrics_only
@@ -205,11 +205,18 @@ def _random_cause(report, source):
 
 def _state_cause(states, blockruns) -> str:
     """Where the state first diverged, from the fingerprints."""
-    first = min(states, key=lambda m: (json.loads(m[2])[:1], m[1] != STATE_BLOCK))
+    order = {STATE_ENTRY: 0, STATE_BLOCK: 1}  # at an iteration: its start, a block's end, its end
+    first = min(states, key=lambda m: (json.loads(m[2])[:1], order.get(m[1], 2)))
     loc, name, ctx = first[:3]
     frames = json.loads(ctx)
     where = (f"iteration {frames[0][3]} of the loop at {frames[0][1]}"
              if frames and frames[0][0] == "L" else "the top level")
+    if name == STATE_ENTRY:
+        return (f"the random state at the start of {where} differed from the record's: a "
+                "change before it draws random numbers (a probe that runs the model in "
+                "training mode, with dropout, or samples from it), so the training from there "
+                "ran again, as a plain run of the edited script trains, and differs from "
+                "the record's")
     if name == STATE_BLOCK:
         return (f"block {loc} ran again at {where} and ended in another state than in record: "
                 "its computation is not deterministic (unseeded random numbers, the thread "

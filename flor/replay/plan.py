@@ -320,7 +320,10 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     cmp, hands_free, code, new = _compare(store, script, rec)
     recorded = store.rows("decisions", rec["run_id"])
     epochs = {d["block"] for d in recorded if is_epoch(d["block"])}
-    if epochs and cmp.training_changed:  # code that runs in the epochs' training changed
+    if epochs and (cmp.training_changed or (hands_free or {}).get("other")):
+        # Code that runs in the epochs' training changed, or a change that is
+        # not a hindsight statement (in an epoch-end hook too: what it
+        # changes, the next epochs train with).
         cmp.probed = set(cmp.probed) | epochs
     # A data-parallel replay skips an execution on every rank or on none.
     dropped = ranking.unusable(store, group) if group is not None else {}

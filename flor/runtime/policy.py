@@ -93,6 +93,11 @@ class Policy:
 
     # -- blocks (session.py: step_into and end) ------------------------------
 
+    def recorded_value(self, name, loc, ctx):
+        """Replay: the value the record logged as `name` at (`loc`, `ctx`)
+        (decoded), else None; None in a record."""
+        return None
+
     def checkpoint_for(self, session, key, ctx, occurrence, probed, expect_sig):
         """(checkpoint payload or None, seconds to load it, probed) for the
         execution `occurrence` of block `key` in context `ctx`: a block with

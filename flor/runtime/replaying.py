@@ -62,6 +62,7 @@ class Replaying(Policy):
         self.fingerprints = RecordedFingerprints.of(self.recorded, plan)
         self.fingerprint_version = self.fingerprints.version
         self._recorded_at, self._recorded_rows = None, {}  # the record's, of one iteration
+        self._recorded_values: dict = {}  # name -> {(loc, ctx): value} (recorded_value)
         # Its checkpoints' header tags name it: a file of another run is refused.
         self.tag_run = blockstate.tag_run(plan.record, self.recorded.run(plan.record)["info"])
         store.clear_part(self.run_id, part)
@@ -126,6 +127,15 @@ class Replaying(Policy):
                 self.progress_fd = None
 
     # -- blocks -------------------------------------------------------------
+
+    def recorded_value(self, name, loc, ctx):
+        values = self._recorded_values.get(name)
+        if values is None:
+            values = self._recorded_values[name] = {
+                (r["loc"], r["ctx"]): r["value"]
+                for r in self.recorded.logged(self.plan.record, [name], printed=False)}
+        got = values.get((loc, ctx))
+        return None if got is None else json.loads(got)
 
     def checkpoint_for(self, session, key, ctx, occurrence, probed, expect_sig):
         """(checkpoint, seconds to load it, probed) for a block execution:
