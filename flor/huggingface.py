@@ -35,6 +35,7 @@ the epochs before.  Outside a flor record or replay nothing is wrapped.
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import os
 import textwrap
@@ -42,7 +43,7 @@ import textwrap
 from .errors import FlorReplayError
 from .libraries import EpochLoop, script_frame, session, set_values, values
 from .program.analysis import globals_changed
-from .runtime.blockstate import apply, signature
+from .runtime.blockstate import apply, set_rng_state, signature
 from .runtime.effects import follower
 
 __all__ = ["follow", "followed", "unfollowable"]
@@ -203,10 +204,15 @@ class _TrainState:
                 *(["the model's config"] if len(sig) == 5 else []), "the Trainer's state"]
 
     def apply(self, saved, scope):
+        """Restore in place; the objects returned (which the restore's
+        verification digests) are the live ones, as the record captured
+        them (a module a callback holds is live, not its state dict)."""
         out = apply(saved, self.t.objects({}), None, scope)
-        self.t.restored = out[-1]
+        # Put back again when the segment's first epoch begins (the
+        # callbacks' on_epoch_begin of the epochs before it ran since).
+        self.t.restored = (copy.deepcopy(out[-1]), saved["rng"])
         self.t.put_back(out[-1])
-        return None, out
+        return None, self.t.objects(self.t.extra())
 
 
 class _Train(EpochLoop):
@@ -215,7 +221,7 @@ class _Train(EpochLoop):
     def __init__(self, s, trainer, frame):
         self.trainer = trainer
         self.begun = 0  # epochs the Trainer began
-        self.restored = None  # what put_back put back at a resumed segment's start
+        self.restored = None  # (what put_back put back, the random state) at a segment's start
         super().__init__(s, frame, _TrainState(self))
         self.globals = _changed_globals(s.script, frame)
 
@@ -286,7 +292,9 @@ class _Train(EpochLoop):
                                   f"training at {self.where} is at iteration {self.epoch}")
         if epoch == self.resumed_at:
             self.s.discard = False
-            self.put_back(self.restored)
+            extra, rng = self.restored
+            self.put_back(extra)
+            set_rng_state(rng)
 
     def run_epoch(self, original, trainer, args, kwargs):
         epoch = self.begun - 1

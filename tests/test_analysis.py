@@ -831,3 +831,44 @@ def test_training_libraries_flor_does_not_follow_are_named():
     assert unfollowed({"torch": None, "transformers.trainer": None},
                       followed={"transformers.trainer"}) == []
     assert unfollowed({"torch", "lightning.pytorch", "transformers"}) == []
+
+
+def test_the_globals_that_code_a_library_calls_changes():
+    """What a callback, a compute_loss or a function passed to a library
+    changes at module level (set, or in place), and what they call does;
+    not what the script's own set-up fills before training."""
+    from flor.program.analysis import globals_changed
+
+    src = '''
+import torch
+SEEN = {"batches": 0}
+CALLS = 0
+LOSSES = []
+DATA = []
+SETTINGS = {"lr": 1e-3}
+
+def load():
+    for i in range(10):
+        DATA.append(i)
+    SETTINGS["lr"] = 2e-3
+
+def count():
+    global CALLS
+    CALLS += 1
+
+def compute_metrics(pred):
+    LOSSES.append(pred)
+    return {}
+
+class MyTrainer:
+    def compute_loss(self, model, inputs):
+        SEEN["batches"] += 1
+        count()
+        loss = model(inputs)
+        return loss
+
+def main():
+    load()
+    trainer = MyTrainer(compute_metrics=compute_metrics)
+'''
+    assert globals_changed(ast.parse(src)) == {"SEEN", "CALLS", "LOSSES"}

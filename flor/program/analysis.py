@@ -46,8 +46,8 @@ import copy
 from dataclasses import dataclass, field
 
 from .iterators import advanced, iterated
-from .syntax import (assigned_names, free_names, own_nodes, path_of, root, simple_statements,
-                     walk_scope)
+from .syntax import (assigned_names, called_names, free_names, own_nodes, path_of, root,
+                     simple_statements, walk_scope)
 from .syntax import targets as single_targets
 
 __all__ = ["Effects", "GiveUp", "Script", "block_effects", "globals_changed", "read_first"]
@@ -500,16 +500,41 @@ class _Returned(ast.NodeTransformer):
         return ast.copy_location(ast.Expr(node.value) if node.value else ast.Pass(), node)
 
 
+def _library_called(tree: ast.Module) -> list:
+    """The functions of the script that a library it hands objects to may
+    call while it trains: the methods of its classes (a callback's hooks, a
+    Trainer subclass's compute_loss, a model's forward), the functions it
+    passes as values (``compute_metrics=compute_metrics``), and the
+    script's functions these call, transitively.  Not a function the script
+    only calls itself (``load()`` filling a dataset before training)."""
+    defs = {}
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs.setdefault(n.name, []).append(n)
+    methods = [m for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for m in c.body
+               if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    called_funcs = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    passed = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+              and isinstance(n.ctx, ast.Load) and id(n) not in called_funcs and n.id in defs}
+    todo = methods + [f for name in passed for f in defs[name]]
+    seen: dict = {}
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        todo += [f for name in called_names(fn.body) for f in defs.get(name, [])]
+    return list(seen.values())
+
+
 def globals_changed(tree: ast.Module) -> set[str]:
-    """The module-level names of the script that its functions and methods
-    change, set (``global n``) or in place (``SEEN["batches"] += 1``): what
-    code a library calls (a callback, a ``compute_loss``) may change outside
-    the objects it is handed."""
+    """The module-level names of the script that code a library calls while
+    it trains (`_library_called`) changes, set (``global n``) or in place
+    (``SEEN["batches"] += 1``): what a callback or a ``compute_loss`` may
+    change outside the objects it is handed."""
     script = Script(tree)
     out = set()
-    for fn in ast.walk(tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
+    for fn in _library_called(tree):
         try:  # its body as a block (what it returns, evaluated)
             eff = block_effects(script, _Returned().visit(copy.deepcopy(fn)).body, fn)
         except GiveUp:
