@@ -42,7 +42,6 @@ import textwrap
 
 from .errors import FlorReplayError
 from .libraries import EpochLoop, script_frame, session, set_values, values
-from .program.analysis import globals_changed
 from .runtime.blockstate import apply, set_rng_state, signature
 from .runtime.effects import follower
 
@@ -149,18 +148,6 @@ def _callback_values(cb) -> dict:
     return values(cb, own=not _library(type(cb)))
 
 
-def _changed_globals(script, frame) -> set:
-    """The script's module-level names its functions change (a counter a
-    compute_loss increments), when `frame` runs in the script."""
-    if script is None or os.path.abspath(frame.f_code.co_filename) != script:
-        return set()
-    try:
-        with open(script) as f:
-            return globals_changed(ast.parse(f.read()))
-    except (OSError, SyntaxError, ValueError):
-        return set()
-
-
 _assigned: dict = {}  # a Trainer subclass -> the attributes its own methods assign
 
 
@@ -223,7 +210,6 @@ class _Train(EpochLoop):
         self.begun = 0  # epochs the Trainer began
         self.restored = None  # (what put_back put back, the random state) at a segment's start
         super().__init__(s, frame, _TrainState(self))
-        self.globals = _changed_globals(s.script, frame)
 
     # -- what a checkpoint holds --------------------------------------------
 
@@ -247,8 +233,7 @@ class _Train(EpochLoop):
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "callbacks": [_callback_values(cb) for cb in _callbacks(tr)],
                 "trainer": _own_attributes(tr),
-                "globals": {k: v for k, v in values(self.frame.f_globals, own=True).items()
-                            if k in self.globals}}
+                "globals": self.held_globals()}
 
     def put_back(self, extra):
         tr = self.trainer
@@ -265,7 +250,7 @@ class _Train(EpochLoop):
         for cb, saved in zip(_callbacks(tr), extra["callbacks"]):
             set_values(cb, saved)
         set_values(tr, extra["trainer"])
-        set_values(self.frame.f_globals, extra["globals"])
+        self.put_back_globals(extra["globals"])
 
     # -- the main loop --------------------------------------------------------
 

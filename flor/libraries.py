@@ -5,6 +5,7 @@ training, a training as a main loop of epochs (EpochLoop), and the values
 an object keeps in its attributes (a callback's history)."""
 from __future__ import annotations
 
+import ast
 import collections
 import json
 import numbers
@@ -14,6 +15,7 @@ import sys
 from . import _core
 from .context import STATE_ENTRY, epoch_key
 from .errors import note
+from .program.analysis import globals_changed
 from .runtime.blockstate import random_fingerprint
 from .runtime.session import Inert, Session
 
@@ -62,6 +64,7 @@ class EpochLoop:
         self.resumed_at = None  # a replay segment's first epoch, restored
         self.in_block = False
         self.diverged_at = None  # replay: the first epoch whose random state differed
+        self.globals = _changed_globals(s.script, frame)
 
     def step_into(self) -> bool:
         """Enter the epoch's block: whether its training runs.  The random
@@ -89,6 +92,28 @@ class EpochLoop:
                  f"{self.where} differs from the record's (a change before it draws random "
                  "numbers): its training, and that of the epochs after it, runs again")
         return s.step_into(self.block, differs, self.frame)
+
+    def held_globals(self) -> dict:
+        """The values of the script's module-level names that the code the
+        library calls changes (`globals_changed`): a counter or a history
+        itself, and the attributes of an object or a class of the script
+        (``NS.examples += n``, ``Counter.calls += 1``)."""
+        g = self.frame.f_globals
+        named = {k: g[k] for k in sorted(self.globals) if k in g}
+        plain = values(named, own=True)
+        objects = {}
+        for k, v in named.items():
+            if k not in plain and hasattr(v, "__dict__"):
+                objects[k] = {a: x for a, x in values(v, own=True).items()
+                              if not (a.startswith("__") and a.endswith("__"))}
+        return {"values": plain, "objects": objects}
+
+    def put_back_globals(self, saved):
+        g = self.frame.f_globals
+        set_values(g, saved["values"])
+        for k, attrs in saved["objects"].items():
+            if k in g:
+                set_values(g[k], attrs)
 
     def next(self):
         """The next iteration of the main loop (the one before it ends), or
@@ -167,6 +192,18 @@ def set_values(obj, saved):
             obj[k] = v
         else:
             setattr(obj, k, v)
+
+
+def _changed_globals(script, frame) -> set:
+    """The script's module-level names its functions change (a counter a
+    compute_loss increments), when `frame` runs in the script."""
+    if script is None or os.path.abspath(frame.f_code.co_filename) != script:
+        return set()
+    try:
+        with open(script) as f:
+            return globals_changed(ast.parse(f.read()))
+    except (OSError, SyntaxError, ValueError):
+        return set()
 
 
 def script_frame(s, depth=1):

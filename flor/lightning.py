@@ -59,6 +59,7 @@ class _FitState:
             rest["loops"] = dict(rest["loops"], fit_loop=fit.loops_at_end)
         rest["flor_module_attrs"] = _module_attrs(fit.module)
         rest["flor_callback_values"] = _callback_values(fit.trainer)
+        rest["flor_globals"] = fit.held_globals()
         objs = [fit.module, rest]
         return objs, signature(objs), [False, False]
 
@@ -70,7 +71,8 @@ class _FitState:
         live = {}
         out = apply(saved, [fit.module, live], None, scope)
         checkpoint = dict(out[1])
-        fit.attrs = (checkpoint.pop("flor_module_attrs"), checkpoint.pop("flor_callback_values"))
+        fit.attrs = (checkpoint.pop("flor_module_attrs"), checkpoint.pop("flor_callback_values"),
+                     checkpoint.pop("flor_globals"))
         fit.put_back()  # (and again once the sanity check ran)
         checkpoint["state_dict"] = fit.module.state_dict()
         fit.connector._loaded_checkpoint = checkpoint  # Lightning restores it next
@@ -118,11 +120,13 @@ class _Fit(EpochLoop):
         super().__init__(s, frame, _FitState(self))
 
     def put_back(self):
-        """The attributes of the module and of the script's callbacks that
-        a resume restores besides Lightning's own checkpoint."""
+        """The attributes of the module and of the script's callbacks, and
+        the script's globals, that a resume restores besides Lightning's own
+        checkpoint."""
         if self.attrs is not None:
             _set_module_attrs(self.module, self.attrs[0])
             _set_callback_values(self.trainer, self.attrs[1])
+            self.put_back_globals(self.attrs[2])
 
     def first(self):
         """Enter the main loop: at iteration 0, or, for a replay segment
@@ -165,7 +169,7 @@ class _Fit(EpochLoop):
         # A skipped epoch's restore fills a fresh dict: the live one shares
         # tensors with what Lightning holds (a callback's best score is a
         # logged metric), which a restore in place would overwrite.
-        extra = {} if skipped else _extra(trainer)
+        extra = {} if skipped else dict(_extra(trainer), globals=self.held_globals())
         objs = [self.module, *trainer.optimizers, *_schedulers(trainer), extra]
         sig = signature(objs)
         if _persistent_workers(trainer):  # an epoch's restore would not reach them
@@ -173,6 +177,7 @@ class _Fit(EpochLoop):
         out = self.s.end(objs, self.frame, sig=sig, as_list=True)
         if skipped:
             _apply_extra(trainer, out[-1])
+            self.put_back_globals(out[-1]["globals"])
         self.loops_at_end = self.trainer.fit_loop.state_dict()
 
     def _unskip(self):

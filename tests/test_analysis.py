@@ -105,6 +105,44 @@ def test_imports_functions_and_classes_are_not_state():
     assert e.paths == []
 
 
+def test_a_class_attribute_of_the_script_is_state_and_the_class_is_not():
+    e = effects("""
+        class Counter:
+            calls = 0
+            seen = []
+        def count(n):
+            Counter.calls += n
+        for ep in range(2):
+            for x in data:
+                Counter.seen.append(x)
+                Counter.reset()
+                count(1)
+        """)
+    assert e.paths == ["Counter.seen"]
+    assert e.globals == ["Counter.calls"]
+
+
+def test_changes_through_an_alias_count_for_what_it_names():
+    e = effects("""
+        STATS = {"batches": 0}
+        def step(model, x):
+            s = STATS
+            s["batches"] += 1
+            h = model.history
+            h.append(x)
+            n = STATS["batches"]
+            n = n + 1
+        for ep in range(2):
+            for x in data:
+                t = TOTALS
+                t["n"] += 1
+                step(net, x)
+        """, "print(TOTALS)")
+    assert sorted(e.paths) == ["TOTALS['n']", "net.history"]
+    assert e.globals == ["STATS['batches']"]
+    assert "t" in e.dropped
+
+
 def test_loop_scoped_variables_are_removed_unless_read_after():
     e = effects("""
         for ep in range(2):
@@ -872,3 +910,21 @@ def main():
     trainer = MyTrainer(compute_metrics=compute_metrics)
 '''
     assert globals_changed(ast.parse(src)) == {"SEEN", "CALLS", "LOSSES"}
+    # Through an alias, a namespace's attribute, a class attribute.
+    src += """
+NS = types.SimpleNamespace(examples=0)
+STATS = {"n": 0}
+
+class Counter:
+    calls = 0
+
+class Report:
+    def on_epoch_end(self, args, state, control, **kwargs):
+        s = STATS
+        s["n"] += 1
+        NS.examples += 1
+        Counter.calls += 1
+        Counter.describe()
+"""
+    assert globals_changed(ast.parse(src)) == {"SEEN", "CALLS", "LOSSES", "NS", "STATS",
+                                               "Counter"}

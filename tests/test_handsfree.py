@@ -251,6 +251,11 @@ IDIOM_CASES = {
     # a counter read before it is assigned in the block, two workers
     "warmup_counter.py": (["--no-adaptive"], ["--jobs", "2"], "step += 1",
                           'print("  batch", i, loss.item())', False),
+    # a class attribute, a namespace's attribute, and a dict changed through
+    # a local alias, in a function the block calls
+    "shared_counters.py": (["--no-adaptive"], [], 'print(f"epoch {epoch} loss',
+                           'print("  seen", Meter.updates, CFG.examples, STATS["batches"])',
+                           True),
     # a trainer class of the script: the block changes self through a method
     "trainer_class.py": ([], [], "self.log.append(total)",
                          'print("  w", self.model.weight.sum().item())', True),

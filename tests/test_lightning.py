@@ -45,14 +45,14 @@ def _segments(stderr):
     return re.search(r"iterations in segments (.*)", stderr).group(1)
 
 
-def _replays(d, name, probe, original, *argv, args=ARGS):
+def _replays(d, name, probe, original, *argv, args=ARGS, env=None):
     """Replay `name` with `probe` added: (the store, the replay's run row,
     its stderr), after checking its output against a plain run of the
     edited script."""
     path = os.path.join(d, name)
     _probe(path, original, probe)
     want = plain(d, name, *args).stdout
-    rep = flor(d, "replay", *argv, name, *args)
+    rep = flor(d, "replay", *argv, name, *args, env=env)
     assert rep.stdout == want, (rep.stdout, want)
     assert "deferred checks passed" in rep.stderr, rep.stderr
     st = store(d)
@@ -73,8 +73,11 @@ def test_handsfree_lightning_epochs_are_the_main_loop(tmp_path):
     assert _states(st, replay["run_id"]) == {"skip"}, err
     assert "every block is skipped" in err
 
-    # The probe in training_step: the epochs run again, on two workers.
-    st, replay, err = _replays(d, name, INNER_PROBE, original, "--jobs", "2")
+    # The probe in training_step: the epochs run again, on two workers. The
+    # split is fixed through the planner's seam: its own choice follows the
+    # measured epoch times.
+    st, replay, err = _replays(d, name, INNER_PROBE, original, "--jobs", "2",
+                               env={"FLOR_SEGMENTS": "2"})
     assert _states(st, replay["run_id"]) == {"step_into"}, err
     assert _segments(err) == "[0, 2), [2, 4)", err
     parts = st.parts(replay["run_id"])
@@ -101,6 +104,49 @@ def test_pytorch_lightning_package_and_a_fit_by_max_steps(tmp_path):
     assert _states(st, replay["run_id"]) == {"step_into", "pseudoresume"}, err
     parts = st.parts(replay["run_id"])
     assert [p["info"].resumed_from for p in parts] == [None, None], parts
+
+
+COUNTERS = """
+import types
+
+STATS = {"batches": 0}
+CFG = types.SimpleNamespace(examples=0)
+
+
+class Seen:
+    steps = 0
+
+
+"""
+COUNTING = ("        self.step_losses.append(loss.detach())\n",
+            "        self.step_losses.append(loss.detach())\n"
+            "        Seen.steps += 1\n"
+            "        CFG.examples += len(y)\n"
+            "        s = STATS\n"
+            "        s[\"batches\"] += 1\n")
+COUNTERS_PROBE = ("        self.step_losses.clear()\n",
+                  "        self.step_losses.clear()\n"
+                  "        print(f\"  seen {Seen.steps} {CFG.examples} {STATS['batches']}\")\n")
+
+
+def test_the_scripts_globals_that_training_step_changes_are_restored(tmp_path):
+    """A class attribute, a namespace's attribute and a dict changed
+    through an alias in training_step: the epochs restored instead of run
+    (the second worker's from an iteration checkpoint) put them back."""
+    d = str(tmp_path)
+    name = "counting.py"
+    text = read(WORKLOAD).replace("\nclass DigitsData", COUNTERS + "class DigitsData", 1)
+    anchor, counting = COUNTING
+    assert anchor in text
+    text = text.replace(anchor, counting, 1)
+    write_script(d, name, text)
+    rec = flor(d, "record", "--no-adaptive", name, *ARGS)
+    assert rec.stdout == plain(d, name, *ARGS).stdout
+    st, replay, err = _replays(d, name, COUNTERS_PROBE, text, "--jobs", "2",
+                               env={"FLOR_SEGMENTS": "2"})
+    assert _states(st, replay["run_id"]) == {"skip"}, err
+    parts = st.parts(replay["run_id"])
+    assert [p["info"].resumed_from is not None for p in parts] == [False, True], parts
 
 
 def test_the_scripts_own_callback_records_under_python(tmp_path):

@@ -15,7 +15,10 @@ rule, in this order of precedence:
 Targets and receivers are *paths*: a name, then attributes and constant
 subscripts (``net``, ``self.best``, ``hist["acc"]``); a subscript by a
 variable stops the path at its container.  Names bound to modules, functions
-and classes (imports, ``def``, ``class``) are not state and are left out.
+and classes (imports, ``def``, ``class``) are not state and are left out; an
+attribute of a class of the script is state (``Counter.calls += 1``).  What
+is changed in place through a name bound to another path (``s = STATS`` then
+``s["n"] += 1``) counts as changed under that path too (_through_aliases).
 
 Functions of the script itself.  A call to a function defined in the same
 file (at module level, or in the function that holds the block) is analysed
@@ -231,9 +234,16 @@ class Script:
                 by_param.setdefault(r, []).append(p[len(r):])
             elif r in declared_global:
                 globals_.append(p)
-            elif r not in assigned and r not in self.not_state:
+            elif r not in assigned and self.state(p):
                 free.append(p)
         return (params, kwonly, by_param, globals_, free, eff.calls | {fn.name})
+
+    def state(self, path: str) -> bool:
+        """Whether `path` may be training state: not a module, function or
+        class of the script, but an attribute of a class of the script is
+        (``Counter.calls += 1`` changes what every instance reads)."""
+        r = root(path)
+        return r not in self.not_state or (r in self.classes and path != r)
 
     def has_loop(self, fn, seen=()) -> bool:
         """Whether calling `fn` runs a loop (its body, or a function or method
@@ -332,6 +342,43 @@ def _collect(script, stmts, eff, scope, depth, stack):
         for n in walk_scope(own_nodes(s)):
             if isinstance(n, ast.Call) and id(n) not in handled:
                 _apply_call(script, n, eff, scope, depth, stack)
+    _through_aliases(script, stmts, eff)
+
+
+def _through_aliases(script, stmts, eff):
+    """What the statements change in place through a name bound to an
+    object reached by a path (``s = STATS`` then ``s["batches"] += 1``;
+    ``h = self.history`` then ``h.append(x)``) counts as changed under that
+    path too: dropping the name with the block's locals must not drop it."""
+    aliases: dict[str, set[str]] = {}
+    in_place = set()  # names changed by x op= y (a list's += extends it), receivers
+    for s in simple_statements(stmts):
+        if isinstance(s, ast.Assign) and len(s.targets) == 1 and \
+                isinstance(s.targets[0], ast.Name):
+            p = path_of(s.value)
+            if p is not None:
+                aliases.setdefault(s.targets[0].id, set()).add(p)
+        elif isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name):
+            in_place.add(s.target.id)
+        in_place |= {n.func.value.id for n in walk_scope(own_nodes(s))
+                     if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                     and isinstance(n.func.value, ast.Name)}
+
+    def through(p, depth=0):
+        r = root(p)
+        if r not in aliases or depth > 8:
+            return
+        for a in aliases[r]:
+            q = a + p[len(r):]
+            yield q
+            yield from through(q, depth + 1)
+
+    for p in list(eff.paths):
+        r, rule = root(p), eff.rules[p]
+        if p != r or r in in_place:
+            for q in through(p):
+                if q != p and script.state(q):
+                    eff.add(q, rule)
 
 
 def _mutates(stmts, names) -> bool:
@@ -374,7 +421,7 @@ def _add_targets(eff, targets, rule, script):
     for t in targets:
         for tt in single_targets(t):
             p = path_of(tt)
-            if p is not None and root(p) not in script.not_state:
+            if p is not None and script.state(p):
                 eff.add(p, rule)
                 if not (isinstance(tt, ast.Subscript) and p == path_of(tt.value)):
                     eff.assigned.add(p)  # rebound, not changed in place
@@ -396,9 +443,9 @@ def _rule(script, s, eff, scope, depth, stack, handled):
         if not known and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
                 and script.resolve(value, scope) is None:
             obj = path_of(value.func.value)  # rule 1: x += obj.method()
-            if obj is not None and root(obj) not in script.not_state:
+            if obj is not None and script.state(obj):
                 eff.add(obj, 1)
-        if p is not None and root(p) not in script.not_state:
+        if p is not None and script.state(p):
             eff.add(p, 0 if known else 1 if isinstance(value, ast.Call) and isinstance(
                 value.func, ast.Attribute) else 2 if isinstance(value, ast.Call) else 3)
         if isinstance(value, ast.Call) and script.is_script_function(value, scope):
@@ -418,7 +465,7 @@ def _rule(script, s, eff, scope, depth, stack, handled):
                     obj = path_of(n.func.value)
                 elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
                     obj = path_of(n.value)
-                if obj is not None and root(obj) not in script.not_state:
+                if obj is not None and script.state(obj):
                     eff.add(obj, 1)
         value, targets = None, [s.target]
     elif isinstance(s, (ast.With, ast.AsyncWith)):
@@ -431,7 +478,7 @@ def _rule(script, s, eff, scope, depth, stack, handled):
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and \
                 script.resolve(value, scope) is None:
             obj = path_of(value.func.value)  # rule 1
-            if obj is not None and root(obj) not in script.not_state:
+            if obj is not None and script.state(obj):
                 eff.add(obj, 1)
             _add_targets(eff, targets, 1, script)
             return
@@ -447,7 +494,7 @@ def _rule(script, s, eff, scope, depth, stack, handled):
         call = s.value
         if isinstance(call.func, ast.Attribute) and script.resolve(call, scope) is None:  # rule 4
             obj = path_of(call.func.value)
-            if obj is not None and root(obj) not in script.not_state:
+            if obj is not None and script.state(obj):
                 eff.add(obj, 4)
             else:
                 eff.unknown.append(s.lineno)
@@ -546,6 +593,6 @@ def globals_changed(tree: ast.Module) -> set[str]:
             + [x for x in (args.vararg, args.kwarg) if x is not None]}
         for p in eff.globals + eff.paths:
             r = root(p)
-            if r in script.module_names and r not in script.not_state and r not in local:
+            if r in script.module_names and script.state(p) and r not in local:
                 out.add(r)
     return out
