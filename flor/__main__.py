@@ -21,6 +21,7 @@ import time
 import traceback
 
 from .cli import build_parser, options_of, parse
+from .context import statement_at
 from .errors import FlorError, note, unusable
 from . import _cuda
 from .materializer import mode_from_env
@@ -123,7 +124,8 @@ def _plan(store, o, jobs, part=None):
     hf = plan.hands_free
     if o.strict and hf and hf["other"]:
         raise FlorError("--strict: the script changed in ways other than hindsight "
-                        "statements:\n" + "\n".join(f"  line {ln}: {t}" for ln, t in hf["other"]))
+                        "statements:\n" + "\n".join(f"  {statement_at(ln)}: {t}"
+                                                     for ln, t in hf["other"]))
     return plan
 
 

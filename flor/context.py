@@ -152,6 +152,12 @@ def location(rel: str, line: int, recorded: int | None = None, mapped: bool = Fa
     return f"{rel}:{recorded}" if recorded is not None else f"{rel}:new:{line}"
 
 
+def statement_at(where) -> str:
+    """How a changed statement's place is shown: ``line N`` of the script,
+    or the location ``file:N`` of a line in a module of the project."""
+    return f"line {where}" if isinstance(where, int) or where is None else str(where)
+
+
 def parse_location(loc: str) -> tuple[str, int | None, bool]:
     """(file, line, new) of a location; line is None if it is not a number."""
     rel, _, line = loc.rpartition(":")

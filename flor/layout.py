@@ -13,6 +13,8 @@ import time
 __all__ = ["Layout", "store_root", "new_run_id", "checkpoint_path", "process_start",
            "process_alive"]
 
+_UP = "__up__"  # a module source's ".." in a run's modules/ directory
+
 
 def store_root() -> str:
     return os.path.abspath(os.environ.get("FLOR_DIR") or os.path.join(os.getcwd(), ".flor"))
@@ -78,8 +80,11 @@ class Layout:
         return "code.diff"
 
     def save_module_source(self, run_id, relpath, text):
-        """Keep the source of another file of the program (one with flor calls)."""
-        path = os.path.join(self.run_dir(run_id), "modules", relpath)
+        """Keep the source of another file of the program (one with flor
+        calls, or a module of the project); `relpath` is relative to the
+        script's directory, and may go up from it (``../lib/data.py``)."""
+        parts = [_UP if p == os.pardir else p for p in relpath.split(os.sep)]
+        path = os.path.join(self.run_dir(run_id), "modules", *parts)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(text)
@@ -97,9 +102,25 @@ class Layout:
         for dirpath, _, files in os.walk(base):
             for name in files:
                 path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, base).split(os.sep)
                 with open(path) as f:
-                    out[os.path.relpath(path, base)] = f.read()
+                    out[os.path.join(*[os.pardir if p == _UP else p for p in rel])] = f.read()
         return out
+
+    def save_handsfree_modules(self, run_id, summaries: dict):
+        """Keep the hands-free summaries of the project's modules a record
+        instrumented ({relpath: summary}, as handsfree.json's)."""
+        path = os.path.join(self.run_dir(run_id), "handsfree-modules.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(summaries, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    def handsfree_modules(self, run_id) -> dict:
+        try:
+            with open(os.path.join(self.run_dir(run_id), "handsfree-modules.json")) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
 
     def value(self, run_id, value):
         """A logged value (decoded JSON) as flor.log received it: a large

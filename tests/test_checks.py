@@ -345,3 +345,27 @@ def test_state_fingerprints_stay_within_the_records_overhead_budget(tmp_path):
     assert "deferred checks passed" in rep.stderr, rep.stderr  # ...nor missed
     assert f"{taken} state fingerprints were not compared (--tolerance)" in rep.stderr, \
         rep.stderr
+
+
+@pytest.mark.unit
+def test_an_attribute_set_from_the_clock_is_the_clocks_and_its_object_is_not():
+    import ast
+
+    from flor.replay.clock import clock_names, reads_clock
+
+    lib = ast.parse("import time\n"
+                    "class T:\n"
+                    "    def step(self):\n"
+                    "        tnow = time.time()\n"
+                    "        self.iter_dt = tnow - self.iter_time\n"
+                    "        self.iter_time = tnow\n"
+                    "        self.loss = compute()\n")
+    tainted = clock_names(lib)
+    assert {".iter_dt", ".iter_time", "tnow"} <= tainted and "self" not in tainted
+
+    def reads(src):
+        return reads_clock(ast.parse(src).body[0], src, tainted)
+
+    # The script prints what the module computed, through its own name.
+    assert reads('print(f"iter_dt {trainer.iter_dt * 1000:.2f}ms")')
+    assert not reads('print(f"loss {trainer.loss:.5f}")')

@@ -29,6 +29,7 @@ from ..context import location
 from .syntax import bodies, called_names, callers_closure, functions
 
 __all__ = ["BlockSite", "FileMap", "Comparison", "map_files", "changed_functions",
+           "passed_as_values",
            "manual_blocks", "find_blocks", "line_map", "is_flor_call", "literal_arg"]
 
 
@@ -189,6 +190,26 @@ def changed_functions(old: dict[str, str], new: dict[str, str]) -> set[str]:
     """Simple names of the functions whose definition changed, and of every
     function that calls one of them."""
     return callers_closure(*_changes(old, new))
+
+
+def passed_as_values(new: dict[str, str], names) -> set[str]:
+    """Those of the functions `names` that a file of `new` refers to other
+    than by calling them by name (``callbacks=[report]``,
+    ``trainer.set_callback("on_batch_end", report)``): code that calls
+    whatever it is handed (``for cb in self.callbacks: cb(self)``) may run
+    them, which no call graph by names shows."""
+    out = set()
+    for text in new.values():
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        out |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in names
+                and isinstance(n.ctx, ast.Load) and id(n) not in called}
+        out |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and n.attr in names and isinstance(n.ctx, ast.Load) and id(n) not in called}
+    return out
 
 
 def changed_outside(old: dict[str, str], new: dict[str, str], hooks) -> set[str]:

@@ -91,6 +91,17 @@ def explain(report, store, plan, source, rec=None):
     back = {rel: {v: k for k, v in f.lines.items()} for rel, f in plan.files.items()}
     prog = _Program(source)
     script = os.path.basename(plan.script)
+    # The project's modules a hands-free record instrumented: a line they
+    # print is the script's as to the clock, and a name or attribute one of
+    # them computes from the clock is the clock's wherever it is printed.
+    progs = {script: prog}
+    for rel in (plan.hands_free or {}).get("modules") or []:
+        try:
+            with open(os.path.join(os.path.dirname(plan.script), rel)) as f:
+                progs[rel] = _Program(f.read())
+        except OSError:
+            continue
+    clock = set().union(*(p.clock for p in progs.values()))
 
     def current(loc):
         rel, line, new = parse_location(loc)
@@ -104,12 +115,12 @@ def explain(report, store, plan, source, rec=None):
         if name.startswith(STATE):
             continue
         rel, cur = current(loc)
-        if cur is None or rel != script:
+        if cur is None or rel not in progs:
             continue
-        stmt, text = prog.statement(cur)
+        stmt, text = progs[rel].statement(cur)
         tolerance = plan.tolerance or 0.0
-        if (reads_clock(stmt, text, prog.clock)
-                and clock_fields_only(stmt, prog.clock, recorded, replayed, tolerance)) \
+        if (reads_clock(stmt, text, clock)
+                and clock_fields_only(stmt, clock, recorded, replayed, tolerance)) \
                 or speed_metrics_only(recorded, replayed, tolerance):
             report.mismatches.remove(m)
             report.clock.append(m)

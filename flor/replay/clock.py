@@ -40,16 +40,45 @@ def _calls_clock(node) -> bool:
     return False
 
 
+def _assigned(target) -> set[str]:
+    """What an assignment target taints: a name; ``.attr`` for an attribute
+    (``self.iter_dt = ...``: any object's iter_dt, not the object); a
+    container for an item."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, ast.Attribute):
+        return {"." + target.attr}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return {x for elt in target.elts for x in _assigned(elt)}
+    if isinstance(target, ast.Starred):
+        return _assigned(target.value)
+    if isinstance(target, ast.Subscript):
+        return {n.id for n in ast.walk(target.value) if isinstance(n, ast.Name)}
+    return set()
+
+
+def _read(node) -> set[str]:
+    return {x.id for x in ast.walk(node) if isinstance(x, ast.Name)} | {
+        "." + x.attr for x in ast.walk(node) if isinstance(x, ast.Attribute)}
+
+
+def _tainted(node, tainted) -> bool:
+    return any((isinstance(n, ast.Name) and n.id in tainted)
+               or (isinstance(n, ast.Attribute) and "." + n.attr in tainted)
+               for n in ast.walk(node))
+
+
 def clock_names(tree) -> set[str]:
-    """Names assigned, anywhere in the script, from an expression that reads
-    the clock or another such name (to a fixpoint)."""
+    """Names assigned, anywhere in the file, from an expression that reads
+    the clock or another such name (to a fixpoint); ``.attr`` for an
+    attribute so assigned (the trainer module's ``self.iter_dt``, which the
+    script's callback prints as ``trainer.iter_dt``)."""
     assigns = []
     for n in ast.walk(tree):
         if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and n.value is not None:
             targets = n.targets if isinstance(n, ast.Assign) else [n.target]
-            names = {t.id for tt in targets for t in ast.walk(tt) if isinstance(t, ast.Name)}
-            assigns.append((names, n.value, {x.id for x in ast.walk(n.value)
-                                             if isinstance(x, ast.Name)}))
+            names = set().union(*(_assigned(t) for t in targets))
+            assigns.append((names, n.value, _read(n.value)))
     tainted = set()
     for names, value, _ in assigns:
         if _calls_clock(value):
@@ -69,13 +98,13 @@ def reads_clock(stmt, text, tainted) -> bool:
         return False
     if _calls_clock(stmt) or _CLOCK.search(text):
         return True
-    return any(isinstance(n, ast.Name) and n.id in tainted for n in ast.walk(stmt))
+    return _tainted(stmt, tainted)
 
 
 def _reads_clock_expr(expr, tainted) -> bool:
     """Whether an expression reads the clock."""
     return (_calls_clock(expr) or bool(_CLOCK.search(ast.unparse(expr)))
-            or any(isinstance(n, ast.Name) and n.id in tainted for n in ast.walk(expr)))
+            or _tainted(expr, tainted))
 
 
 _PACKS = (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.JoinedStr)

@@ -22,13 +22,13 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from ..context import is_epoch, is_iteration, is_outermost, location, top_key
+from ..context import is_epoch, is_iteration, is_outermost, location, statement_at, top_key
 from ..errors import FlorError, note
 from ..program.instrument import instrument
 from ..program.probe import detect
 from ..program.frameworks import EPOCH_END
 from ..program.source import (Comparison, FileMap, changed_functions, changed_outside,
-                              manual_blocks, map_files)
+                              manual_blocks, map_files, passed_as_values)
 from ..runinfo import ReplayInfo
 from ..runtime import ranks as ranking
 from ..store import Store, new_run_id
@@ -155,12 +155,15 @@ def _write(path: str, data: bytes):
     os.replace(tmp, path)
 
 
-def instrument_current(source, script, lines: dict):
-    """Instrument the current script of a hands-free replay, naming each loop
-    and block by its line in the recorded script (``file:new:N`` if new);
-    `lines` maps current lines to recorded ones."""
-    rel = os.path.basename(script)
-    return instrument(source, os.path.abspath(script),
+def instrument_current(source, script, lines: dict, rel=None):
+    """Instrument the current script of a hands-free replay (or the module
+    of the project at `rel`, relative to the script's directory), naming
+    each loop and block by its line in the recorded file (``file:new:N`` if
+    new); `lines` maps current lines to recorded ones."""
+    path = os.path.abspath(script if rel is None else
+                           os.path.join(os.path.dirname(os.path.abspath(script)), rel))
+    rel = rel or os.path.basename(script)
+    return instrument(source, path,
                       lambda line: location(rel, line, lines.get(line), mapped=True))
 
 
@@ -267,10 +270,36 @@ def _compare(store, script, rec):
         hands_free = {"hindsight": probe.hindsight, "other": probe.other,
                       "blocks": inst.summary()["blocks"]}
         code = inst.code
+        _compare_modules(cmp, hands_free, script, old, new,
+                         store.layout.handsfree_modules(rec["run_id"]))
+        # A changed function handed to other code as a value (a callback)
+        # may run in any block: every block runs.
+        hands_free["passed"] = sorted(passed_as_values(new, cmp.changed_functions))
+        if hands_free["passed"]:
+            cmp.probed |= {b["key"] for b in hands_free["blocks"]}
     else:
         cmp.probed, cmp.changed_end, cmp.added = manual_blocks(old, new, cmp.files,
                                                                cmp.changed_functions)
     return cmp, hands_free, code, new
+
+
+def _compare_modules(cmp, hands_free, script, old, new, modules):
+    """The project's modules the record instrumented (runtime/project.py),
+    compared as the script is: their blocks holding or reaching a change
+    are probed, and their statements count as hindsight or other, at
+    ``file:line``.  `hands_free["modules"]` names them for the workers."""
+    for rel in sorted(modules):
+        if rel not in new:
+            hands_free["other"].append((rel, "removed: the module is not in the project now"))
+            continue
+        lines = cmp.files[rel].lines if rel in cmp.files else {}
+        inst = instrument_current(new[rel], script, lines, rel=rel)
+        probe = detect(old[rel], new[rel], inst, cmp.changed_functions)
+        cmp.probed |= probe.probed
+        hands_free["hindsight"] += [(f"{rel}:{line}", text) for line, text in probe.hindsight]
+        hands_free["other"] += [(f"{rel}:{line}", text) for line, text in probe.other]
+        hands_free["blocks"] += inst.summary()["blocks"]
+    hands_free["modules"] = sorted(rel for rel in modules if rel in new)
 
 
 def worker_threads(rec, jobs: int, threads=None, cores=None):
@@ -440,13 +469,17 @@ def describe(plan: Plan, store: Store) -> list[str]:
                      " (their checkpoints are not used)")
     if plan.changed_functions:
         notes.append("changed functions: " + ", ".join(sorted(plan.changed_functions)))
+    if hf is not None and hf.get("passed"):
+        notes.append("changed functions handed to other code as values (callbacks): "
+                     f"{', '.join(hf['passed'])}; any block may call them, so every block runs")
     if hf is not None:
         for line, text in hf["hindsight"]:
-            notes.append(f"hindsight statement at line {line}: {text}")
+            notes.append(f"hindsight statement at {statement_at(line)}: {text}")
         if hf["other"]:
             notes.append("WARNING: the script changed in ways other than hindsight "
                          "statements (their blocks are re-executed; --strict refuses):\n" +
-                         "\n".join(f"    line {line}: {text}" for line, text in hf["other"]))
+                         "\n".join(f"    {statement_at(line)}: {text}"
+                                   for line, text in hf["other"]))
     recorded_args = store.run(plan.record)["argv"][1:]
     if list(plan.argv[1:]) != recorded_args:
         notes.append(f"the script's arguments differ from the record's {recorded_args} "

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import traceback
+from contextlib import nullcontext
 
 from .. import huggingface  # (importing it registers the Trainer's follower with effects.py)
 from ..context import is_iteration, is_outermost, location
@@ -22,6 +23,7 @@ from ..store import Store
 from . import blockstate
 from .charge import UNCAPTURED
 from . import resume as resuming
+from .project import Instrumenting, recording_keys, replay_keys
 from .script import run_main
 from .session import Session
 
@@ -66,8 +68,15 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if own:
         signal.signal(signal.SIGTERM, _evicted)
+    def instrumented(path, rel, source, module):
+        session.project_files.add(path)
+        session.policy.instrumented_module(rel, source, module)
+
+    hook = Instrumenting(os.path.dirname(os.path.abspath(script)), recording_keys(script),
+                         instrumented) if inst is not None else nullcontext()
     try:
-        code, error = run_main(script, sys.stderr, inst.code if inst is not None else None)
+        with hook:
+            code, error = run_main(script, sys.stderr, inst.code if inst is not None else None)
     finally:
         if own:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -169,9 +178,14 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
     if not forked:
         sys.path[0] = os.path.dirname(script)
     instrumented = plan.code()
+    modules = (plan.hands_free or {}).get("modules") or []
+    hook = Instrumenting(os.path.dirname(script), replay_keys(script, modules, plan.files),
+                         lambda path, *_: session.project_files.add(path)) \
+        if modules else nullcontext()
     error, code = None, 0
     try:
-        code, error = run_main(script, sys.__stderr__, instrumented)
+        with hook:
+            code, error = run_main(script, sys.__stderr__, instrumented)
     finally:
         session.finish(error)
     return code

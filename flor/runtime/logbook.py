@@ -271,14 +271,15 @@ class Logbook:
         return self.is_user_file(code.co_filename)
 
     def is_user_file(self, fn) -> bool:
-        """Whether a file is one of the user's program: the script, or a file
-        under its directory that is neither flor's nor an installed library."""
+        """Whether a file is one of the user's program: the script, a file
+        under its directory that is neither flor's nor an installed library,
+        or a module of the project that hands-free mode instrumented."""
         mine = self._user_files.get(fn)
         if mine is None:
             s = self.s
             path = os.path.abspath(fn)
             mine = self._user_files[fn] = (
-                path == s.script or (path.startswith(s.base + os.sep)
+                path == s.script or path in s.project_files or (path.startswith(s.base + os.sep)
                                      and not path.startswith(_FLOR_DIR)
                                      and "site-packages" not in path))
         return mine

@@ -92,6 +92,10 @@ class Recording(Policy):
         self.progress = None  # (main loop, run, iterations) for the run row's next flush
         self.charges = Charges()
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
+        # The project's modules instrumented (runtime/project.py): their
+        # summaries by path, and the sources to keep at the next flush.
+        self.modules = store.layout.handsfree_modules(self.run_id) if resume else {}
+        self._module_sources: list[tuple[str, str]] = []
         self.writes = Writes(store, self.run_id, adaptive)
 
     # -- identity -----------------------------------------------------------
@@ -99,8 +103,15 @@ class Recording(Policy):
     def saw_file(self, path, rel):
         """A file of the program called flor or printed: replay compares its
         source, so the run keeps it (stored at the next flush)."""
-        if path != self.script and not rel.startswith("..") and os.path.isfile(path):
+        if path != self.script and not rel.startswith("..") and os.path.isfile(path) \
+                and rel not in self.modules:
             self._sources.append((path, rel))
+
+    def instrumented_module(self, rel, source, inst):
+        """A module of the project was instrumented as it was imported: the
+        run keeps the source it ran and its summary (at the next flush)."""
+        self.modules[rel] = inst.summary()
+        self._module_sources.append((rel, source))
 
     def flushing(self, session):
         """The sources of the program's files seen since the last flush, and
@@ -110,6 +121,11 @@ class Recording(Policy):
         for path, rel in pending:
             with open(path) as f:
                 self.store.layout.save_module_source(self.run_id, rel, f.read())
+        modules, self._module_sources = self._module_sources, []
+        for rel, text in modules:
+            self.store.layout.save_module_source(self.run_id, rel, text)
+        if modules:
+            self.store.layout.save_handsfree_modules(self.run_id, self.modules)
         removed = {name + ".flor" for name in self.thinning.take_removed()}
         if removed:  # rows of this flush among them too
             why = (f"; removed later: a record keeps {self.thinning.limit} iteration "

@@ -178,6 +178,7 @@ class Session:
         self.pid = os.getpid()
         self.script = os.path.abspath(script) if script else None
         self.base = os.path.dirname(self.script) if self.script else os.getcwd()
+        self.project_files: set[str] = set()  # the project's modules instrumented (project.py)
         self.context = Context(self._context_changed)
         self.logbook = Logbook(self)
         self._phase = policy.first_phase
