@@ -928,3 +928,59 @@ class Report:
 """
     assert globals_changed(ast.parse(src)) == {"SEEN", "CALLS", "LOSSES", "NS", "STATS",
                                                "Counter"}
+
+
+def test_calls_into_the_projects_modules_are_followed():
+    """Functions and classes imported from the project's modules are
+    analysed through their bodies, in their own module; one that changes
+    its own module's globals makes the analysis give up on the block."""
+    from flor.program.analysis import GiveUp, Modules
+
+    files = {
+        "engine": textwrap.dedent("""
+            STEPS = 0
+
+            def train_one_epoch(model, optimizer, loader):
+                model.train()
+                for x in loader:
+                    optimizer.step()
+
+            def counted(model):
+                global STEPS
+                STEPS += 1
+
+            class Trainer:
+                def __init__(self, model):
+                    self.model = model
+                def train_epoch(self, loader):
+                    for x in loader:
+                        self.model.step(x)
+                    self.epochs += 1
+            """),
+        "pkg.__init__": "",
+        "pkg.tools": "def bump(h):\n    h.append(1)\n",
+    }
+
+    def find(dotted, level, path):
+        key = dotted if dotted in files else dotted + ".__init__"
+        return (f"/p/{key}.py", files[key]) if key in files else None
+
+    tree = ast.parse(textwrap.dedent("""
+        import engine
+        from engine import Trainer, counted
+        from pkg import tools
+        t = Trainer(net)
+        for ep in range(2):
+            engine.train_one_epoch(net, opt, loader)
+            t.train_epoch(loader)
+            tools.bump(history)
+        print(net, opt, t, history)
+        """))
+    script = Script(tree, "/p/train.py", Modules(find))
+    loop = tree.body[-2]
+    eff = block_effects(script, loop.body, tree)
+    assert sorted(eff.paths) == ["history", "net", "opt", "t.epochs", "t.model"]
+    assert script.has_loop(script.resolve(loop.body[0].value, tree))
+    call = ast.parse("counted(net)").body[0]
+    with pytest.raises(GiveUp, match="globals of its module"):
+        block_effects(script, [call], tree)

@@ -6,6 +6,7 @@ probes added to the library are detected; a line the library prints from
 the clock is no failure; a changed callback the trainer calls through a
 list runs in every replayed epoch.  Each replay prints what a plain run of
 the edited project prints."""
+import json
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ import pytest
 from conftest import ROOT, edit, flor, plain, read, runs, store
 
 PROJECT = os.path.join(ROOT, "tests", "scripts", "project")
-CLOCK = re.compile(r"(took|in) [0-9.]+ m?s")
+CLOCK = re.compile(r"(took|in|total time) [0-9.]+ m?s")
 
 
 def _project(d):
@@ -97,3 +98,43 @@ def test_a_change_in_the_library_that_is_not_a_hindsight_statement_is_refused(re
     assert rep.returncode == 2, rep.stderr
     assert "../mylib/trainer.py:28: changes state (calls self.opt.step())" in rep.stderr, \
         rep.stderr
+
+
+def test_the_analysis_follows_calls_into_the_projects_modules(tmp_path):
+    """The reference-script shape: the script's epoch loop calls
+    train_one_epoch and evaluate of the project's engine module; they are
+    its blocks, with what they change in their arguments (the model, the
+    optimizer) as their side effects."""
+    d = str(tmp_path)
+    cwd, env = _project(d)
+    name = "reference.py"
+    rec = flor(cwd, "record", "--no-adaptive", name, env=env)
+    assert CLOCK.sub("", rec.stdout) == CLOCK.sub("", plain(cwd, name, env=env).stdout)
+    st = store(cwd)
+    run_id = runs(st, "record")[-1]["run_id"]
+    summary = json.loads(read(os.path.join(st.layout.run_dir(run_id), "handsfree.json")))
+    blocks = {b["key"]: b for b in summary["blocks"]}
+    assert set(blocks) == {"reference.py:28", "reference.py:30"}, blocks
+    assert set(blocks["reference.py:28"]["names"]) == {"loss", "model", "optimizer"}
+
+    # An epoch-level probe in the script: both blocks restored.
+    edit(os.path.join(cwd, name), 'print(f"epoch {epoch} loss',
+         'print("  w", round(model[0].weight.norm().item(), 4))')
+    want = plain(cwd, name, env=env).stdout
+    rep = flor(cwd, "replay", name, env=env)
+    assert CLOCK.sub("", rep.stdout) == CLOCK.sub("", want)
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    replay = runs(st, "replay")[-1]["run_id"]
+    assert set(_states(st, replay).values()) == {"skip"}
+
+    # A probe in the engine: the training block runs, the evaluation's is
+    # restored.
+    shutil.copy(os.path.join(PROJECT, "examples", name), os.path.join(cwd, name))
+    edit(os.path.join(d, "mylib", "engine.py"), "meter.update(loss.item()",
+         'print("  g", round(model[0].weight.grad.norm().item(), 4)) if i == 3 else None')
+    want = plain(cwd, name, env=env).stdout
+    rep = flor(cwd, "replay", name, env=env)
+    assert CLOCK.sub("", rep.stdout) == CLOCK.sub("", want)
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    replay = runs(st, "replay")[-1]["run_id"]
+    assert _states(st, replay) == {"reference.py:28": "step_into", "reference.py:30": "skip"}

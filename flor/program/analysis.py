@@ -21,8 +21,9 @@ is changed in place through a name bound to another path (``s = STATS`` then
 ``s["n"] += 1``) counts as changed under that path too (_through_aliases).
 
 Functions of the script itself.  A call to a function defined in the same
-file (at module level, or in the function that holds the block) is analysed
-through the function's body, and through the functions it calls in turn
+file (at module level, or in the function that holds the block), or imported
+from a module of the project (`Modules`: ``engine.train_one_epoch(...)``,
+analysed in its own module), is analysed through the function's body, and through the functions it calls in turn
 (recursive ones to a fixpoint), wherever the call appears in a statement: what it does to its parameters counts as done
 to the caller's arguments, and the module globals it assigns (``global g``)
 or changes through a method call count as themselves.  Everything it does
@@ -30,6 +31,7 @@ to its own locals is dropped.  The analysis *gives up* on a block, which is
 then left as ordinary code and re-executed on replay, never skipped, when:
 the block returns, yields or awaits; it, or a function it calls, uses
 ``exec``, ``eval``, ``globals()``, ``locals()``, ``vars()`` or ``nonlocal``;
+a function of another module changes that module's globals;
 or an argument that a function changes is passed through
 ``*args``/``**kwargs``.
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import os
 from dataclasses import dataclass, field
 
 from .iterators import advanced, iterated
@@ -53,7 +56,8 @@ from .syntax import (assigned_names, called_names, free_names, own_nodes, path_o
                      simple_statements, walk_scope)
 from .syntax import targets as single_targets
 
-__all__ = ["Effects", "GiveUp", "Script", "block_effects", "globals_changed", "read_first"]
+__all__ = ["Effects", "GiveUp", "Modules", "Script", "block_effects", "globals_changed",
+           "read_first"]
 OPAQUE = {"exec", "eval", "globals", "locals", "vars"}
 
 
@@ -94,11 +98,66 @@ def _not_state(tree) -> set[str]:
     return out
 
 
-class Script:
-    """A parsed script: its module-level functions and what they change."""
+class Modules:
+    """The project's other modules, as the analysis follows calls into them
+    (``from engine import train_one_epoch``): `find(dotted, level, path)`
+    gives the (path, source) of the module that an import in the file at
+    `path` names, or None for one that is not the project's own.  Each is
+    parsed once; `owners` says which module's Script a function is of."""
 
-    def __init__(self, tree: ast.Module):
+    def __init__(self, find):
+        self.find = find
+        self.scripts: dict = {}  # path -> Script (None while being made, or unparsable)
+        self.owners: dict = {}  # id(function node) -> its module's Script
+
+    def script(self, dotted, level, path):
+        found = self.find(dotted, level, path)
+        if found is None:
+            return None
+        path, source = found
+        if path not in self.scripts:
+            self.scripts[path] = None  # (an import cycle meets nothing meanwhile)
+            try:
+                tree = ast.parse(source)
+            except SyntaxError:
+                return None
+            self.scripts[path] = Script(tree, path, self)
+        return self.scripts[path]
+
+    def register(self, script):
+        for n in ast.walk(script.tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.owners[id(n)] = script
+
+
+def _imports(tree) -> dict:
+    """{name: (module, attribute or None, level)} of the module-level
+    imports of a file (``from m import f``: f; ``import a.b as c``: c)."""
+    out = {}
+    for n in tree.body:
+        if isinstance(n, ast.ImportFrom):
+            for a in n.names:
+                if a.name != "*":
+                    out[a.asname or a.name] = (n.module or "", a.name, n.level)
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                if a.asname:
+                    out[a.asname] = (a.name, None, 0)
+                else:
+                    out[a.name.split(".")[0]] = (a.name.split(".")[0], None, 0)
+    return out
+
+
+class Script:
+    """A parsed script (or module of the project: `path`, with the other
+    `modules` calls are followed into): its functions and what they change."""
+
+    def __init__(self, tree: ast.Module, path: str | None = None, modules: Modules | None = None):
         self.tree = tree
+        self.path, self.modules = path, modules
+        self.imports = _imports(tree) if modules is not None else {}
+        if modules is not None:
+            modules.register(self)
         self.functions: dict[str, ast.FunctionDef | None] = {}
         for n in walk_scope(tree.body):
             if isinstance(n, ast.FunctionDef):
@@ -127,24 +186,66 @@ class Script:
             return {}
         return {n.name: n for n in scope.body if isinstance(n, ast.FunctionDef)}
 
-    def types(self, scope) -> dict[str, str]:
-        """{name: class of the script} of the names `scope` binds to an
-        instance of one: a method's first parameter, and ``x = Cls(...)``."""
+    def types(self, scope) -> dict:
+        """{name: (the Script, class name)} of the names `scope` binds to an
+        instance of a class of the script or of a module of the project it
+        imports: a method's first parameter, and ``x = Cls(...)``."""
         key = id(scope)
         if key not in self._types:
             out = {}
             cls = self.method_class.get(key)
             args = getattr(scope, "args", None)
             if cls is not None and args is not None and (args.posonlyargs + args.args):
-                out[(args.posonlyargs + args.args)[0].arg] = cls.name
+                out[(args.posonlyargs + args.args)[0].arg] = (self, cls.name)
             for n in walk_scope(scope.body):
                 if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and \
-                        isinstance(n.value.func, ast.Name) and n.value.func.id in self.classes:
+                        isinstance(n.value.func, ast.Name):
+                    of = self.class_of(n.value.func.id)
                     for t in n.targets:
-                        if isinstance(t, ast.Name):
-                            out[t.id] = n.value.func.id
+                        if of is not None and isinstance(t, ast.Name):
+                            out[t.id] = of
             self._types[key] = out
         return self._types[key]
+
+    def class_of(self, name, depth=0):
+        """(Script, class name) of the class `name` names here, if it is the
+        script's or an imported module's of the project."""
+        if name in self.classes:
+            return self, name
+        found = self.imported(name)
+        if found is None or found[1] is None or depth > 4:
+            return None
+        return found[0].class_of(found[1], depth + 1)
+
+    def imported(self, name):
+        """(the module's Script, the attribute imported or None) of a name
+        the script imports from a module of the project (``from pkg import
+        engine``: engine's, None)."""
+        spec = self.imports.get(name)
+        if spec is None or self.modules is None or name in self.functions or \
+                name in self.classes:
+            return None
+        module, attr, level = spec
+        if attr is not None:
+            sub = self.modules.script(f"{module}.{attr}" if module else attr, level, self.path)
+            if sub is not None:
+                return sub, None
+        other = self.modules.script(module, level, self.path)
+        return None if other is None else (other, attr)
+
+    def function(self, name, depth=0):
+        """The module-level function `name` of the script, or the one an
+        import of it names in a module of the project."""
+        if name in self.functions:
+            return self.functions[name]
+        found = self.imported(name)
+        if found is None or found[1] is None or depth > 4:
+            return None
+        return found[0].function(found[1], depth + 1)
+
+    def owner(self, fn) -> "Script":
+        """The Script whose function `fn` is."""
+        return self.modules.owners.get(id(fn), self) if self.modules is not None else self
 
     def method(self, cls_name: str, name: str, seen=()):
         """The method `name` of the script's class (or of its bases in the script)."""
@@ -168,16 +269,20 @@ class Script:
         if isinstance(call.func, ast.Name):
             name = call.func.id
             defs = self.defs(scope)
-            return defs[name] if name in defs else self.functions.get(name)
+            return defs[name] if name in defs else self.function(name)
         if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name):
-            cls = self.types(scope).get(call.func.value.id)
-            if cls is not None:
-                return self.method(cls, call.func.attr)
+            of = self.types(scope).get(call.func.value.id)
+            if of is not None:
+                return of[0].method(of[1], call.func.attr)
+            found = self.imported(call.func.value.id)  # import engine; engine.train(...)
+            if found is not None and found[1] is None:
+                return found[0].function(call.func.attr)
         return None
 
     def is_script_function(self, call, scope) -> bool:
         if isinstance(call.func, ast.Name):
-            return call.func.id in self.defs(scope) or call.func.id in self.functions
+            return call.func.id in self.defs(scope) or call.func.id in self.functions or \
+                self.resolve(call, scope) is not None
         return self.resolve(call, scope) is not None
 
     def summary(self, fn: ast.FunctionDef, depth: int, stack: tuple):
@@ -250,12 +355,13 @@ class Script:
         of the script it calls)."""
         if fn is None or fn in seen:
             return False
+        owner = self.owner(fn)
         for n in walk_scope(fn.body):
             if isinstance(n, (ast.For, ast.While, ast.AsyncFor)):
                 return True
             if isinstance(n, ast.Call):
-                callee = self.resolve(n, fn)
-                if callee is not None and self.has_loop(callee, seen + (fn,)):
+                callee = owner.resolve(n, fn)
+                if callee is not None and owner.has_loop(callee, seen + (fn,)):
                     return True
         return False
 
@@ -280,7 +386,11 @@ def _apply_call(script, call, eff, scope, depth, stack):
     fn = script.resolve(call, scope)
     if fn is None and not script.is_script_function(call, scope):
         return False
-    params, kwonly, by_param, globals_, free, calls = script.summary(fn, depth + 1, stack)
+    owner = script.owner(fn) if fn is not None else script
+    params, kwonly, by_param, globals_, free, calls = owner.summary(fn, depth + 1, stack)
+    if owner is not script and (globals_ or free):
+        raise GiveUp(f"{fn.name}() of {os.path.basename(owner.path or '?')} changes the "
+                     f"globals of its module ({', '.join((globals_ + free)[:3])})")
     eff.calls |= calls
     local = isinstance(call.func, ast.Name) and call.func.id in script.defs(scope)
     for g in globals_ + ([] if local else free):
@@ -292,7 +402,8 @@ def _apply_call(script, call, eff, scope, depth, stack):
         return True
     bound: dict[str, ast.AST] = {}
     splat = False
-    if isinstance(call.func, ast.Attribute) and params:
+    if isinstance(call.func, ast.Attribute) and params and (
+            fn is None or id(fn) in owner.method_class):  # (not engine.train(...))
         bound[params[0]] = call.func.value  # self: the receiver
         params = params[1:]
     for i, a in enumerate(call.args):

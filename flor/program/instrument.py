@@ -45,7 +45,7 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from .analysis import GiveUp, Script, block_effects
+from .analysis import GiveUp, Modules, Script, block_effects
 from .gradients import gradients_live, loop_gradients_live, scheduler_names
 from .liveness import definite, exposed, function_reads, reads, target_names
 from .syntax import assigned_names, bodies, called_names, functions, root, walk_scope
@@ -162,11 +162,11 @@ def _break_or_continue_outside_loops(stmts) -> bool:
 
 
 class _Instrumenter:
-    def __init__(self, source, filename, key_of):
+    def __init__(self, source, filename, key_of, modules=None):
         self.tree = ast.parse(source, filename)
         self.lines = source.splitlines()
         self.key_of = key_of
-        self.script = Script(self.tree)
+        self.script = Script(self.tree, filename, modules)
         self.schedulers = scheduler_names(self.tree)
         self.loop_body = None  # the body of the candidate loop being instrumented
         self.out = None
@@ -420,6 +420,8 @@ def _q(prefix, name):
     return name if prefix == "<module>" else f"{prefix}.{name}"
 
 
-def instrument(source: str, filename: str, key_of) -> Instrumented:
-    """Instrument `source`; `key_of(line)` names the loop or block at a line."""
-    return _Instrumenter(source, filename, key_of).run(filename)
+def instrument(source: str, filename: str, key_of, modules=None) -> Instrumented:
+    """Instrument `source`; `key_of(line)` names the loop or block at a line;
+    `modules` (analysis.Modules): the project's modules whose functions the
+    analysis follows calls into."""
+    return _Instrumenter(source, filename, key_of, modules).run(filename)

@@ -31,6 +31,7 @@ from ..program.source import (Comparison, FileMap, changed_functions, changed_ou
                               manual_blocks, map_files, passed_as_values)
 from ..runinfo import ReplayInfo
 from ..runtime import ranks as ranking
+from ..runtime.project import modules_of
 from ..store import Store, new_run_id
 from .estimate import ALL_JOBS_ENV, planning_notes, workers_that_pay
 from .segments import (SEGMENTS_ENV, Costs, forced_segments, iteration_costs, main_iteration,
@@ -155,7 +156,7 @@ def _write(path: str, data: bytes):
     os.replace(tmp, path)
 
 
-def instrument_current(source, script, lines: dict, rel=None):
+def instrument_current(source, script, lines: dict, rel=None, modules=None):
     """Instrument the current script of a hands-free replay (or the module
     of the project at `rel`, relative to the script's directory), naming
     each loop and block by its line in the recorded file (``file:new:N`` if
@@ -164,7 +165,8 @@ def instrument_current(source, script, lines: dict, rel=None):
                            os.path.join(os.path.dirname(os.path.abspath(script)), rel))
     rel = rel or os.path.basename(script)
     return instrument(source, path,
-                      lambda line: location(rel, line, lines.get(line), mapped=True))
+                      lambda line: location(rel, line, lines.get(line), mapped=True),
+                      modules if modules is not None else modules_of(script))
 
 
 def _arguments(rec, script, args, differ_ok) -> list:
@@ -264,14 +266,15 @@ def _compare(store, script, rec):
         # What to step into: the blocks that hold (or reach) a change.
         rel = os.path.basename(script)
         lines = cmp.files[rel].lines if rel in cmp.files else {}
-        inst = instrument_current(new[rel], script, lines)
+        modules = modules_of(script)
+        inst = instrument_current(new[rel], script, lines, modules=modules)
         probe = detect(old[rel], new[rel], inst, cmp.changed_functions)
         cmp.probed = probe.probed
         hands_free = {"hindsight": probe.hindsight, "other": probe.other,
                       "blocks": inst.summary()["blocks"]}
         code = inst.code
         _compare_modules(cmp, hands_free, script, old, new,
-                         store.layout.handsfree_modules(rec["run_id"]))
+                         store.layout.handsfree_modules(rec["run_id"]), modules)
         # A changed function handed to other code as a value (a callback)
         # may run in any block: every block runs.
         hands_free["passed"] = sorted(passed_as_values(new, cmp.changed_functions))
@@ -283,7 +286,7 @@ def _compare(store, script, rec):
     return cmp, hands_free, code, new
 
 
-def _compare_modules(cmp, hands_free, script, old, new, modules):
+def _compare_modules(cmp, hands_free, script, old, new, modules, analysis):
     """The project's modules the record instrumented (runtime/project.py),
     compared as the script is: their blocks holding or reaching a change
     are probed, and their statements count as hindsight or other, at
@@ -293,7 +296,7 @@ def _compare_modules(cmp, hands_free, script, old, new, modules):
             hands_free["other"].append((rel, "removed: the module is not in the project now"))
             continue
         lines = cmp.files[rel].lines if rel in cmp.files else {}
-        inst = instrument_current(new[rel], script, lines, rel=rel)
+        inst = instrument_current(new[rel], script, lines, rel=rel, modules=analysis)
         probe = detect(old[rel], new[rel], inst, cmp.changed_functions)
         cmp.probed |= probe.probed
         hands_free["hindsight"] += [(f"{rel}:{line}", text) for line, text in probe.hindsight]

@@ -23,7 +23,7 @@ from ..store import Store
 from . import blockstate
 from .charge import UNCAPTURED
 from . import resume as resuming
-from .project import Instrumenting, recording_keys, replay_keys
+from .project import Instrumenting, modules_of, recording_keys, replay_keys
 from .script import run_main
 from .session import Session
 
@@ -51,7 +51,8 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     if not uses_flor(source):  # hands-free: instrument the unmodified script
         rel = os.path.basename(script)
         try:
-            inst = instrument(source, os.path.abspath(script), lambda line: location(rel, line))
+            inst = instrument(source, os.path.abspath(script), lambda line: location(rel, line),
+                              modules_of(script))
         except SyntaxError as e:
             traceback.print_exception(e, limit=0)
             return 1
@@ -73,7 +74,7 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
         session.policy.instrumented_module(rel, source, module)
 
     hook = Instrumenting(os.path.dirname(os.path.abspath(script)), recording_keys(script),
-                         instrumented) if inst is not None else nullcontext()
+                         instrumented, modules_of(script)) if inst is not None else nullcontext()
     try:
         with hook:
             code, error = run_main(script, sys.stderr, inst.code if inst is not None else None)
@@ -99,7 +100,8 @@ def summary(store, run_id) -> list[str]:
         if libraries:
             return [f"run {run_id} of {run['script_name']} ran no loop of flor's: its training "
                     f"ran inside {' and '.join(libraries)}, whose loop flor does not follow yet "
-                    "(it follows loops written in the script, PyTorch Lightning's "
+                    "(it follows loops written in the script and the project's own modules, "
+                    "PyTorch Lightning's "
                     "Trainer.fit and the Trainer.train of transformers 5.3 and later: "
                     "docs/hands-free.md, docs/lightning.md, docs/huggingface.md). Replay never "
                     f"picks this run; `flor rm {run_id}` deletes it"]
@@ -180,7 +182,7 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
     instrumented = plan.code()
     modules = (plan.hands_free or {}).get("modules") or []
     hook = Instrumenting(os.path.dirname(script), replay_keys(script, modules, plan.files),
-                         lambda path, *_: session.project_files.add(path)) \
+                         lambda path, *_: session.project_files.add(path), modules_of(script)) \
         if modules else nullcontext()
     error, code = None, 0
     try:

@@ -25,10 +25,11 @@ import sys
 import sysconfig
 
 from ..context import location
+from ..program.analysis import Modules
 from ..program.instrument import RUNTIME, instrument
 
-__all__ = ["ROOT_ENV", "project_root", "own_file", "Instrumenting", "recording_keys",
-           "replay_keys"]
+__all__ = ["ROOT_ENV", "project_root", "own_file", "modules_of", "Instrumenting",
+           "recording_keys", "replay_keys"]
 
 ROOT_ENV = "FLOR_PROJECT_ROOT"
 _MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
@@ -106,8 +107,8 @@ class Instrumenting:
     module's lines (context.location), or None for a module left as it is;
     `seen(path, rel, source, inst)` is told of each module instrumented."""
 
-    def __init__(self, base, keys, seen=None):
-        self.base, self.keys, self.seen = base, keys, seen
+    def __init__(self, base, keys, seen=None, modules=None):
+        self.base, self.keys, self.seen, self.analysis = base, keys, seen, modules
         self.modules: dict = {}  # rel -> Instrumented
         self._finding: set = set()  # names being looked up by the other finders
 
@@ -146,11 +147,45 @@ class Instrumenting:
     def instrument(self, source, path):
         path = os.path.abspath(path)
         rel = os.path.relpath(path, self.base)
-        inst = instrument(source, path, self.keys(path))
+        inst = instrument(source, path, self.keys(path), self.analysis)
         self.modules[rel] = inst
         if self.seen is not None:
             self.seen(path, rel, source, inst)
         return inst
+
+
+def modules_of(script: str) -> Modules:
+    """The project's modules of `script` as its analysis follows calls into
+    them: found where ``python script.py`` finds them (the script's
+    directory, then sys.path), without importing anything, and only the
+    project's own (`own_file`)."""
+    script = os.path.abspath(script)
+    base, root = os.path.dirname(script), project_root(script)
+    search = [base] + [os.path.abspath(p) for p in sys.path[1:] if p]
+
+    def find(dotted, level, path):
+        parts = [p for p in dotted.split(".") if p]
+        if level:
+            if path is None:
+                return None
+            d = os.path.dirname(os.path.abspath(path))
+            for _ in range(level - 1):
+                d = os.path.dirname(d)
+            places = [os.path.join(d, *parts)]
+        else:
+            places = [os.path.join(p, *parts) for p in search]
+        for place in places:
+            for candidate in (place + ".py", os.path.join(place, "__init__.py")):
+                if os.path.isfile(candidate):
+                    if not own_file(candidate, root):
+                        return None
+                    try:
+                        with open(candidate, encoding="utf-8") as f:
+                            return candidate, f.read()
+                    except (OSError, UnicodeDecodeError):
+                        return None
+        return None
+    return Modules(find)
 
 
 def recording_keys(script: str):
