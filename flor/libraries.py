@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import copy
 import json
 import numbers
 import os
@@ -101,19 +102,32 @@ class EpochLoop:
         g = self.frame.f_globals
         named = {k: g[k] for k in sorted(self.globals) if k in g}
         plain = values(named, own=True)
-        objects = {}
-        for k, v in named.items():
-            if k not in plain and hasattr(v, "__dict__"):
-                objects[k] = {a: x for a, x in values(v, own=True).items()
-                              if not (a.startswith("__") and a.endswith("__"))}
-        return {"values": plain, "objects": objects}
+        objects = {k: _held(v, self.s) for k, v in named.items()
+                   if k not in plain and _own_object(v, self.s)}
+        # A copy: what a checkpoint's digest covers shares nothing with the
+        # other objects it holds (a global tensor that is also a module's
+        # buffer), as what a restore reads back shares nothing either.
+        return copy.deepcopy({"values": plain, "objects": objects})
 
     def put_back_globals(self, saved):
+        """A tensor goes back in place (a module may hold it as a buffer
+        too), a container is refilled, an object's attributes are set."""
+        import torch
+
         g = self.frame.f_globals
-        set_values(g, saved["values"])
-        for k, attrs in saved["objects"].items():
+        rest = {}
+        for k, v in saved["values"].items():
+            live = g.get(k)
+            if isinstance(live, torch.Tensor) and isinstance(v, torch.Tensor) and \
+                    live.shape == v.shape and live.dtype == v.dtype:
+                with torch.no_grad():
+                    live.copy_(v)
+            else:
+                rest[k] = v
+        set_values(g, rest)
+        for k, held in saved["objects"].items():
             if k in g:
-                set_values(g[k], attrs)
+                _put_held(g[k], held)
 
     def next(self):
         """The next iteration of the main loop (the one before it ends), or
@@ -192,6 +206,41 @@ def set_values(obj, saved):
             obj[k] = v
         else:
             setattr(obj, k, v)
+
+
+def _own_object(obj, s) -> bool:
+    """A namespace object, or a class of the script's (or of a module of the
+    project that hands-free mode instrumented), or an instance of one: its
+    attributes are the script's values.  Not a library's object (a logger,
+    a SummaryWriter: what they hold is no training state, and cannot be
+    copied)."""
+    import types
+
+    if isinstance(obj, types.SimpleNamespace):
+        return True
+    cls = obj if isinstance(obj, type) else type(obj)
+    mod = sys.modules.get(cls.__module__)
+    path = getattr(mod, "__file__", None)
+    return mod is not None and (cls.__module__ == "__main__" or (
+        path is not None and os.path.abspath(path) in s.project_files))
+
+
+def _held(obj, s, depth=0) -> dict:
+    """The values of an object of the script's (`_own_object`), and those
+    of the objects of the script's that it holds (``CFG.sub.n``)."""
+    attrs = {k: v for k, v in vars(obj).items() if not (k.startswith("__") and k.endswith("__"))}
+    plain = values(attrs, own=True)
+    inner = {k: _held(v, s, depth + 1) for k, v in attrs.items()
+             if k not in plain and depth < 4 and not isinstance(v, type) and _own_object(v, s)}
+    return {"values": plain, "objects": inner}
+
+
+def _put_held(obj, held):
+    set_values(obj, held["values"])
+    for k, inner in held["objects"].items():
+        live = getattr(obj, k, None)
+        if live is not None:
+            _put_held(live, inner)
 
 
 def _changed_globals(script, frame) -> set:

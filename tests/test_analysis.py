@@ -984,3 +984,111 @@ def test_calls_into_the_projects_modules_are_followed():
     call = ast.parse("counted(net)").body[0]
     with pytest.raises(GiveUp, match="globals of its module"):
         block_effects(script, [call], tree)
+
+
+def test_an_item_by_a_variable_stops_the_path_at_its_container():
+    from flor.program.syntax import path_of
+
+    def p(src):
+        return path_of(ast.parse(src, mode="eval").body)
+
+    assert p('hist[ep]["loss"]') == "hist"
+    assert p("slots[j].count") == "slots"
+    assert p('cfg.runs[0]["lr"]') == "cfg.runs[0]['lr']"
+
+
+@pytest.mark.parametrize("body, changed", [
+    # a variable key, an item reached by one, an attribute of one
+    ('s = STATS\n    s[key] += 1', "STATS"),
+    ('s = STATS[key]\n    s["n"] += 1', "STATS"),
+    ("slot = SLOTS[j]\n    slot.count += 1", "SLOTS"),
+    # tuple and chained assignment, a conditional, :=, a loop over names
+    ('s, c = STATS, CFG\n    s["n"] += 1', "STATS['n']"),
+    ('s = t = STATS\n    t["n"] += 1', "STATS['n']"),
+    ('s = EVEN if key else ODD\n    s["n"] += 1', "EVEN['n']"),
+    ('(s := STATS)["n"] += 1', "STATS['n']"),
+    ("for d in (STATS, CFG):\n        d[key] = 1", "STATS"),
+])
+def test_changes_through_aliases_as_people_spell_them(body, changed):
+    src = f"def step(key, j):\n    {body}\n"
+    tree = ast.parse(src + "for ep in range(2):\n    for i in data:\n        step(i, i)\n")
+    eff = block_effects(Script(tree), [tree.body[-1].body[0]], tree)
+    assert changed in eff.globals, eff.globals
+
+
+def test_a_classmethod_changes_its_class():
+    e = effects("""
+        class Meter:
+            calls = 0
+            @classmethod
+            def bump(cls):
+                cls.calls += 1
+            @staticmethod
+            def scale(x):
+                x.mul_(2)
+        meter = Meter()
+        for ep in range(2):
+            for x in data:
+                Meter.bump()
+                meter.bump()
+                meter.scale(w)
+        """, "print(Meter.calls, w)")
+    assert sorted(e.paths) == ["Meter.calls", "w"]
+
+
+def test_a_project_modules_attribute_and_a_value_imported_from_it_are_state():
+    from flor.program.analysis import Modules
+
+    files = {"cfg": "STEP = 0\nSTATS = {'n': 0}\ndef helper():\n    pass\n"}
+
+    def find(dotted, level, path):
+        return (f"/p/{dotted}.py", files[dotted]) if dotted in files else None
+
+    tree = ast.parse(textwrap.dedent("""
+        import cfg
+        from cfg import STATS, helper
+        for ep in range(2):
+            for x in data:
+                cfg.STEP += 1
+                STATS["n"] += 1
+                helper.calls = 1
+        print(cfg, STATS)
+        """))
+    script = Script(tree, "/p/train.py", Modules(find))
+    loop = [n for n in tree.body if isinstance(n, ast.For)][0]
+    eff = block_effects(script, loop.body, tree)
+    assert sorted(eff.paths) == ["STATS['n']", "cfg.STEP"]
+
+
+def test_a_call_on_an_object_of_no_known_class_may_run_any_method_of_that_name():
+    """A trainer module calls its callbacks back (cb.on_epoch(...)): the
+    script's on_epoch changes the script's globals, which the trainer's
+    block cannot hold, so the analysis gives up on it; a method of that
+    name that changes only its receiver adds nothing beyond it."""
+    from flor.program.analysis import GiveUp, Modules
+
+    files = {"/p/train.py": textwrap.dedent("""
+        from mylib import Trainer
+        class Printer:
+            def on_epoch(self, trainer, model):
+                opt.step()
+        class Meter:
+            def update(self, v):
+                self.total += v
+        """)}
+    lib = ast.parse(textwrap.dedent("""
+        class Trainer:
+            def fit(self, model):
+                for epoch in range(3):
+                    for cb in self.callbacks:
+                        cb.on_epoch(self, model)
+                    self.meter.update(1)
+        """))
+    modules = Modules(lambda dotted, level, path: None)
+    modules.add("/p/train.py", files["/p/train.py"])
+    script = Script(lib, "/p/mylib.py", modules)
+    fit = script.classes["Trainer"].body[0]
+    epoch = fit.body[0]
+    with pytest.raises(GiveUp, match="on_epoch"):
+        block_effects(script, [epoch.body[0]], fit)
+    assert block_effects(script, [epoch.body[1]], fit).paths == ["self.meter"]

@@ -81,11 +81,14 @@ def test_an_optimizer_whose_param_groups_share_a_tuple_is_verified_after_a_resto
     assert resumed[0] is None and resumed[1] is not None  # the second one did restore
 
 
-def test_a_main_loop_that_runs_several_times_is_not_split(tmp_path):
+def test_a_main_loop_that_runs_several_times_is_not_split(tmp_path, monkeypatch):
     """The training loop lives in a library trainer, which calls the
     script back: the loop flor takes for the main loop runs once per epoch.
     A worker would have to find its segment's execution among the others:
     replay runs it whole."""
+    # The helper module stands for one flor does not analyse (an installed
+    # library's): the project is the script alone.
+    monkeypatch.setenv("FLOR_PROJECT_ROOT", "none")
     d = str(tmp_path)
     write_script(d, "mylib.py", TRAINER)
     write_script(d, "train.py", CALLBACK)
@@ -211,12 +214,15 @@ def test_a_restore_that_misses_part_of_the_state_is_found_and_the_segment_runs_a
 
 
 
-def test_the_likely_cause_names_the_segment_that_started_from_a_checkpoint(tmp_path):
+def test_the_likely_cause_names_the_segment_that_started_from_a_checkpoint(tmp_path, monkeypatch):
     """The loop counts its epochs in another module's global, which flor
     cannot see and no checkpoint holds: the segment that starts from an
     iteration checkpoint prints other counts from its first iteration on,
     and the likely cause says that this is where the values start to
     differ, and what the restore put back."""
+    # The helper module stands for one flor does not analyse (an installed
+    # library's): the project is the script alone.
+    monkeypatch.setenv("FLOR_PROJECT_ROOT", "none")
     d = str(tmp_path)
     write_script(d, "tally.py", "count = 0\n\n\ndef bump():\n    global count\n"
                                 "    count += 1\n")

@@ -37,12 +37,15 @@ def _accum_stepping_elsewhere(d):
     write_script(d, "accum.py", ACCUM)
 
 
-def test_fingerprints_catch_gradients_the_analysis_could_not_see(tmp_path):
+def test_fingerprints_catch_gradients_the_analysis_could_not_see(tmp_path, monkeypatch):
     """The optimizer steps in another module, so the analysis takes the
     micro-step block's gradients for dead and does not checkpoint them:
     replay restores the block, the step finds no gradients, and the model
     stops training.  Nothing is printed, yet the checks fail and name the
     block."""
+    # The helper module stands for one flor does not analyse (an installed
+    # library's): the project is the script alone.
+    monkeypatch.setenv("FLOR_PROJECT_ROOT", "none")
     d = str(tmp_path)
     _accum_stepping_elsewhere(d)
     rec = flor(d, "record", "--no-adaptive", "accum.py")
@@ -61,12 +64,15 @@ def test_fingerprints_catch_gradients_the_analysis_could_not_see(tmp_path):
     assert "GPU" not in rep.stderr  # a CPU record
 
 
-def test_a_gpu_record_without_deterministic_algorithms_is_named_as_a_cause(tmp_path):
+def test_a_gpu_record_without_deterministic_algorithms_is_named_as_a_cause(tmp_path, monkeypatch):
     """The record notes whether it ran CUDA kernels (tests/test_cuda.py
     checks that on a GPU) and whether torch was asked for deterministic
     algorithms; where values differ, the checks name an undeterministic
     GPU record and the two ways out.  Here a CPU record whose replay
     differs (the case above) is marked as such a record."""
+    # The helper module stands for one flor does not analyse (an installed
+    # library's): the project is the script alone.
+    monkeypatch.setenv("FLOR_PROJECT_ROOT", "none")
     d = str(tmp_path)
     _accum_stepping_elsewhere(d)
     flor(d, "record", "--no-adaptive", "accum.py")
@@ -154,10 +160,13 @@ def test_lines_that_differ_only_where_they_read_the_clock_are_set_apart(tmp_path
             "the clock (not compared)") in rep.stderr, rep.stderr
 
 
-def test_a_line_that_reads_the_clock_is_compared_in_its_other_fields(tmp_path):
+def test_a_line_that_reads_the_clock_is_compared_in_its_other_fields(tmp_path, monkeypatch):
     """The replay is wrong (the optimizer steps in another module, so the
     restored block lacks the gradients) and the line that shows it also
     prints the time: its weight field is compared, only its time is not."""
+    # The helper module stands for one flor does not analyse (an installed
+    # library's): the project is the script alone.
+    monkeypatch.setenv("FLOR_PROJECT_ROOT", "none")
     d = str(tmp_path)
     _accum_stepping_elsewhere(d)
     src = read(os.path.join(d, "accum.py")).replace(

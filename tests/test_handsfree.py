@@ -94,9 +94,12 @@ def test_hands_free_record_and_hindsight_replay(tmp_path, name):
     assert [v for _, _, v in stored] == _printed_by(epoch_stmt, want)
 
 
-def test_state_the_analysis_cannot_see_is_reported(tmp_path):
+def test_state_the_analysis_cannot_see_is_reported(tmp_path, monkeypatch):
     """A module-level counter changed by a helper of another module is not in
     the block's side-effect set: the deferred checks must say so."""
+    # The helper module stands for one flor does not analyse (an installed
+    # library's): the project is the script alone.
+    monkeypatch.setenv("FLOR_PROJECT_ROOT", "none")
     d = str(tmp_path)
     write_script(d, "helpers.py", """
         COUNT = 0
@@ -251,10 +254,12 @@ IDIOM_CASES = {
     # a counter read before it is assigned in the block, two workers
     "warmup_counter.py": (["--no-adaptive"], ["--jobs", "2"], "step += 1",
                           'print("  batch", i, loss.item())', False),
-    # a class attribute, a namespace's attribute, and a dict changed through
-    # a local alias, in a function the block calls
+    # a class attribute (directly and through a classmethod), a namespace's
+    # attribute, and dicts changed through a local alias (by a constant key
+    # and a variable one), in a function the block calls
     "shared_counters.py": (["--no-adaptive"], [], 'print(f"epoch {epoch} loss',
-                           'print("  seen", Meter.updates, CFG.examples, STATS["batches"])',
+                           'print("  seen", Meter.updates, Meter.resets, CFG.examples, '
+                           'STATS["batches"], PARITY)',
                            True),
     # a trainer class of the script: the block changes self through a method
     "trainer_class.py": ([], [], "self.log.append(total)",

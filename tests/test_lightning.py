@@ -107,41 +107,63 @@ def test_pytorch_lightning_package_and_a_fit_by_max_steps(tmp_path):
 
 
 COUNTERS = """
+import logging
 import types
 
 STATS = {"batches": 0}
-CFG = types.SimpleNamespace(examples=0)
+BY_PARITY = {"even": 0, "odd": 0}
+CFG = types.SimpleNamespace(examples=0, sub=types.SimpleNamespace(n=0))
+BANK = torch.zeros(10)  # also the module's buffer
+log = logging.getLogger("counting")  # a library's object: no state, not copyable
+log.addHandler(logging.NullHandler())
 
 
 class Seen:
     steps = 0
 
+    @classmethod
+    def bump(cls):
+        cls.steps += 1
+
 
 """
 COUNTING = ("        self.step_losses.append(loss.detach())\n",
             "        self.step_losses.append(loss.detach())\n"
-            "        Seen.steps += 1\n"
+            "        Seen.bump()\n"
             "        CFG.examples += len(y)\n"
+            "        CFG.sub.n += 1\n"
             "        s = STATS\n"
-            "        s[\"batches\"] += 1\n")
+            "        s[\"batches\"] += 1\n"
+            "        p = BY_PARITY\n"
+            "        p[\"even\" if batch_idx % 2 == 0 else \"odd\"] += 1\n"
+            "        BANK[y] += 1\n"
+            "        log.debug(\"step %d\", batch_idx)\n")
+BUFFER = ("        self.validations = 0", "        self.register_buffer(\"bank\", BANK)\n")
 COUNTERS_PROBE = ("        self.step_losses.clear()\n",
                   "        self.step_losses.clear()\n"
-                  "        print(f\"  seen {Seen.steps} {CFG.examples} {STATS['batches']}\")\n")
+                  "        print(f\"  seen {Seen.steps} {CFG.examples} {CFG.sub.n} \"\n"
+                  "              f\"{STATS['batches']} {BY_PARITY} {BANK.sum()} \"\n"
+                  "              f\"{self.bank.sum()}\")\n")
 
 
 def test_the_scripts_globals_that_training_step_changes_are_restored(tmp_path):
-    """A class attribute, a namespace's attribute and a dict changed
-    through an alias in training_step: the epochs restored instead of run
-    (the second worker's from an iteration checkpoint) put them back."""
+    """A class attribute (through a classmethod), a namespace's attribute
+    and its namespace's, dicts changed through an alias (by a constant key
+    and by a variable one) and a tensor that is also the module's buffer,
+    in training_step: the epochs restored instead of run (the second
+    worker's from an iteration checkpoint) put them back.  A logger there
+    is no state, and checkpoints are taken."""
     d = str(tmp_path)
     name = "counting.py"
     text = read(WORKLOAD).replace("\nclass DigitsData", COUNTERS + "class DigitsData", 1)
     anchor, counting = COUNTING
     assert anchor in text
     text = text.replace(anchor, counting, 1)
+    text = text.replace(BUFFER[0], BUFFER[1] + BUFFER[0], 1)
     write_script(d, name, text)
     rec = flor(d, "record", "--no-adaptive", name, *ARGS)
     assert rec.stdout == plain(d, name, *ARGS).stdout
+    assert "4 iterations of the main loop, 4 checkpoints" in rec.stderr, rec.stderr
     st, replay, err = _replays(d, name, COUNTERS_PROBE, text, "--jobs", "2",
                                env={"FLOR_SEGMENTS": "2"})
     assert _states(st, replay["run_id"]) == {"skip"}, err

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 from .iterators import advanced, iterated
 from .syntax import (assigned_names, called_names, free_names, own_nodes, path_of, root,
-                     simple_statements, walk_scope)
+                     simple_statements, stops, walk_scope)
 from .syntax import targets as single_targets
 
 __all__ = ["Effects", "GiveUp", "Modules", "Script", "block_effects", "globals_changed",
@@ -109,9 +109,14 @@ class Modules:
         self.find = find
         self.scripts: dict = {}  # path -> Script (None while being made, or unparsable)
         self.owners: dict = {}  # id(function node) -> its module's Script
+        self._found: dict = {}  # (dotted, level, directory) -> what find gave
+        self.by_path: dict = {}  # path -> the first Script of that file
 
     def script(self, dotted, level, path):
-        found = self.find(dotted, level, path)
+        key = (dotted, level, os.path.dirname(path) if level and path else None)
+        if key not in self._found:
+            self._found[key] = self.find(dotted, level, path)
+        found = self._found[key]
         if found is None:
             return None
         path, source = found
@@ -124,7 +129,14 @@ class Modules:
             self.scripts[path] = Script(tree, path, self)
         return self.scripts[path]
 
+    def add(self, path, source):
+        """A file parsed here (the script, whose classes' methods a module's
+        code may call back)."""
+        Script(ast.parse(source), path, self)
+
     def register(self, script):
+        if script.path is not None:
+            self.by_path.setdefault(script.path, script)
         for n in ast.walk(script.tree):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.owners[id(n)] = script
@@ -243,6 +255,23 @@ class Script:
             return None
         return found[0].function(found[1], depth + 1)
 
+    def methods_named(self, call) -> list:
+        """The methods of the script's classes, and of the project's modules
+        it knows, that a call ``obj.name(...)`` on an object of no known
+        class (not a module's function) may run."""
+        func = call.func
+        if not isinstance(func, ast.Attribute) or path_of(func.value) is None:
+            return []
+        r = root(path_of(func.value))
+        if r in self.imports or (r in self.not_state and r not in self.classes):
+            return []  # torch.save(...), a module's function
+        scripts = [self] + ([s for s in self.modules.by_path.values()
+                             if s is not self and s.path != self.path]
+                            if self.modules is not None else [])
+        return [m for s in scripts for c in s.classes.values() for m in c.body
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and m.name == func.attr]
+
     def owner(self, fn) -> "Script":
         """The Script whose function `fn` is."""
         return self.modules.owners.get(id(fn), self) if self.modules is not None else self
@@ -271,7 +300,8 @@ class Script:
             defs = self.defs(scope)
             return defs[name] if name in defs else self.function(name)
         if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name):
-            of = self.types(scope).get(call.func.value.id)
+            of = self.types(scope).get(call.func.value.id) or \
+                self.class_of(call.func.value.id)  # Counter.bump()
             if of is not None:
                 return of[0].method(of[1], call.func.attr)
             found = self.imported(call.func.value.id)  # import engine; engine.train(...)
@@ -346,9 +376,20 @@ class Script:
     def state(self, path: str) -> bool:
         """Whether `path` may be training state: not a module, function or
         class of the script, but an attribute of a class of the script is
-        (``Counter.calls += 1`` changes what every instance reads)."""
+        (``Counter.calls += 1`` changes what every instance reads), and so
+        are an attribute of a module of the project and a value imported
+        from one (``cfg.STEP += 1``, ``STATS["n"] += 1``)."""
         r = root(path)
-        return r not in self.not_state or (r in self.classes and path != r)
+        if r not in self.not_state or (r in self.classes and path != r):
+            return True
+        found = self.imported(r) if r in self.imports else None
+        if found is None:
+            return False
+        other, attr = found
+        if attr is None:  # import cfg; cfg.STEP += 1
+            return path != r
+        # from cfg import STATS; STATS["n"] += 1 (a value, not a function or class)
+        return attr in other.module_names and attr not in other.not_state
 
     def has_loop(self, fn, seen=()) -> bool:
         """Whether calling `fn` runs a loop (its body, or a function or method
@@ -385,7 +426,16 @@ def _apply_call(script, call, eff, scope, depth, stack):
     names (a method's first parameter is the receiver)."""
     fn = script.resolve(call, scope)
     if fn is None and not script.is_script_function(call, scope):
+        # obj.name(...) on an object of no known class: any method of that
+        # name of the project's classes may run (a trainer's callbacks).
+        for method in script.methods_named(call):
+            _apply_fn(script, method, call, eff, scope, depth, stack)
         return False
+    _apply_fn(script, fn, call, eff, scope, depth, stack)
+    return True
+
+
+def _apply_fn(script, fn, call, eff, scope, depth, stack):
     owner = script.owner(fn) if fn is not None else script
     params, kwonly, by_param, globals_, free, calls = owner.summary(fn, depth + 1, stack)
     if owner is not script and (globals_ or free):
@@ -399,13 +449,18 @@ def _apply_call(script, call, eff, scope, depth, stack):
     for p in free if local else []:  # a closure: the free names are the caller's
         eff.add(p, 2)
     if not by_param:
-        return True
+        return
     bound: dict[str, ast.AST] = {}
     splat = False
-    if isinstance(call.func, ast.Attribute) and params and (
-            fn is None or id(fn) in owner.method_class):  # (not engine.train(...))
-        bound[params[0]] = call.func.value  # self: the receiver
-        params = params[1:]
+    kind = _method_kind(fn) if fn is not None and id(fn) in owner.method_class else None
+    if isinstance(call.func, ast.Attribute) and params and (fn is None or kind is not None):
+        # (not engine.train(...), nor a staticmethod)
+        receiver = call.func.value  # self
+        if kind == "classmethod":  # cls: the class, not the instance it is called on
+            receiver = _class_expr(script, receiver, scope, fn)
+        if kind != "staticmethod":
+            bound[params[0]] = receiver
+            params = params[1:]
     for i, a in enumerate(call.args):
         if isinstance(a, ast.Starred):
             splat = True
@@ -430,7 +485,27 @@ def _apply_call(script, call, eff, scope, depth, stack):
         whole = isinstance(arg, ast.Subscript) and not isinstance(arg.slice, ast.Constant)
         for suffix in suffixes:
             eff.add(base if whole else base + suffix, 2)
-    return True
+
+
+def _method_kind(fn) -> str:
+    names = {d.id for d in fn.decorator_list if isinstance(d, ast.Name)}
+    return "classmethod" if "classmethod" in names else \
+        "staticmethod" if "staticmethod" in names else "method"
+
+
+def _class_expr(script, receiver, scope, fn):
+    """The class a classmethod is called on, as the caller names it:
+    ``Counter.bump()``'s Counter; ``meter.bump()``'s class, when it is the
+    script's own (else the analysis gives up: no name of the caller's holds
+    it)."""
+    if isinstance(receiver, ast.Name):
+        if script.class_of(receiver.id) is not None:
+            return receiver
+        of = script.types(scope).get(receiver.id)
+        if of is not None and of[0] is script:
+            return ast.Name(id=of[1], ctx=ast.Load())
+    raise GiveUp(f"{fn.name}(), a classmethod, changes its class, called on an object "
+                 "whose class the analysis cannot name")
 
 
 def _collect(script, stmts, eff, scope, depth, stack):
@@ -461,16 +536,36 @@ def _through_aliases(script, stmts, eff):
     object reached by a path (``s = STATS`` then ``s["batches"] += 1``;
     ``h = self.history`` then ``h.append(x)``) counts as changed under that
     path too: dropping the name with the block's locals must not drop it."""
-    aliases: dict[str, set[str]] = {}
-    in_place = set()  # names changed by x op= y (a list's += extends it), receivers
+    aliases: dict[str, set] = {}  # name -> {(path, whether it names a whole container)}
+    in_place = set()  # names changed by x op= y (a list's += extends it), receivers,
+    # and containers of an item or attribute set (s[key] = v)
+
+    def bind(target, value):
+        if isinstance(target, ast.Name):
+            for p, whole in _named(value):
+                aliases.setdefault(target.id, set()).add((p, whole))
+        elif isinstance(target, (ast.Tuple, ast.List)) and \
+                isinstance(value, (ast.Tuple, ast.List)) and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts):
+                bind(t, v)
+
     for s in simple_statements(stmts):
-        if isinstance(s, ast.Assign) and len(s.targets) == 1 and \
-                isinstance(s.targets[0], ast.Name):
-            p = path_of(s.value)
-            if p is not None:
-                aliases.setdefault(s.targets[0].id, set()).add(p)
-        elif isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name):
-            in_place.add(s.target.id)
+        if isinstance(s, ast.Assign):
+            for t in s.targets:  # (s = t = STATS: each)
+                bind(t, s.value)
+        elif isinstance(s, (ast.For, ast.AsyncFor)) and isinstance(s.iter, (ast.Tuple, ast.List)):
+            for elt in s.iter.elts:  # for d in (STATS, CFG): d[...] += 1
+                bind(s.target, elt)
+        for n in walk_scope(own_nodes(s)):
+            if isinstance(n, ast.NamedExpr):
+                bind(n.target, n.value)
+        targets = s.targets if isinstance(s, ast.Assign) else \
+            [s.target] if isinstance(s, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in (tt for t in targets for tt in single_targets(t)):
+            if isinstance(t, ast.Name) and isinstance(s, ast.AugAssign):
+                in_place.add(t.id)
+            elif isinstance(t, (ast.Attribute, ast.Subscript)) and stops(t):
+                in_place.add(root(path_of(t)))  # s[key] = v: s changes, whole
         in_place |= {n.func.value.id for n in walk_scope(own_nodes(s))
                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                      and isinstance(n.func.value, ast.Name)}
@@ -479,8 +574,8 @@ def _through_aliases(script, stmts, eff):
         r = root(p)
         if r not in aliases or depth > 8:
             return
-        for a in aliases[r]:
-            q = a + p[len(r):]
+        for a, whole in aliases[r]:
+            q = a if whole else a + p[len(r):]  # an item by a variable: its container
             yield q
             yield from through(q, depth + 1)
 
@@ -490,6 +585,17 @@ def _through_aliases(script, stmts, eff):
             for q in through(p):
                 if q != p and script.state(q):
                     eff.add(q, rule)
+
+
+def _named(value) -> list:
+    """(path, whether it names a whole container) of each object an
+    assigned value may be: a path, or either branch of ``a if c else b``."""
+    if isinstance(value, ast.IfExp):
+        return _named(value.body) + _named(value.orelse)
+    if isinstance(value, ast.NamedExpr):
+        return _named(value.value)
+    p = path_of(value)
+    return [(p, stops(value))] if p is not None else []
 
 
 def _mutates(stmts, names) -> bool:

@@ -123,23 +123,37 @@ def free_names(fn) -> set[str]:
 
 def path_of(node) -> str | None:
     """``a``, ``a.b``, ``a["k"]``, ``a[0].b``; a non-constant subscript stops
-    the path at its container.  None for anything else."""
+    the path at its container, and what follows it too (``hist[ep]["loss"]``
+    and ``slots[j].count`` are ``hist`` and ``slots``).  None for anything
+    else."""
+    found = _path(node)
+    return found[0] if found is not None else None
+
+
+def stops(node) -> bool:
+    """Whether the path of `node` stopped at a container (a subscript by a
+    variable on the way): it names the container, not the item."""
+    found = _path(node)
+    return found is not None and found[1]
+
+
+def _path(node):
+    """(path, whether it stopped at a container) or None."""
     if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = path_of(node.value)
-        return f"{base}.{node.attr}" if base else None
-    if isinstance(node, ast.Subscript):
-        base = path_of(node.value)
-        if base is None:
-            return None
-        if isinstance(node.slice, ast.Constant) and isinstance(
-                node.slice.value, (int, str)) and not isinstance(node.slice.value, bool):
-            return f"{base}[{node.slice.value!r}]"
+        return node.id, False
+    if isinstance(node, (ast.Starred, ast.NamedExpr)):  # ((s := STATS)["n"]: STATS's)
+        return _path(node.value)
+    if not isinstance(node, (ast.Attribute, ast.Subscript)):
+        return None
+    base = _path(node.value)
+    if base is None or base[1]:
         return base
-    if isinstance(node, ast.Starred):
-        return path_of(node.value)
-    return None
+    if isinstance(node, ast.Attribute):
+        return f"{base[0]}.{node.attr}", False
+    if isinstance(node.slice, ast.Constant) and isinstance(
+            node.slice.value, (int, str)) and not isinstance(node.slice.value, bool):
+        return f"{base[0]}[{node.slice.value!r}]", False
+    return base[0], True
 
 
 def root(path: str) -> str:

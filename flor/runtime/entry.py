@@ -48,11 +48,13 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     with open(script) as f:
         source = f.read()
     inst = None
+    modules = None
     if not uses_flor(source):  # hands-free: instrument the unmodified script
         rel = os.path.basename(script)
+        modules = modules_of(script)
         try:
             inst = instrument(source, os.path.abspath(script), lambda line: location(rel, line),
-                              modules_of(script))
+                              modules)
         except SyntaxError as e:
             traceback.print_exception(e, limit=0)
             return 1
@@ -74,7 +76,7 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
         session.policy.instrumented_module(rel, source, module)
 
     hook = Instrumenting(os.path.dirname(os.path.abspath(script)), recording_keys(script),
-                         instrumented, modules_of(script)) if inst is not None else nullcontext()
+                         instrumented, modules) if inst is not None else nullcontext()
     try:
         with hook:
             code, error = run_main(script, sys.stderr, inst.code if inst is not None else None)

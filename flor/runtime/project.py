@@ -185,7 +185,13 @@ def modules_of(script: str) -> Modules:
                     except (OSError, UnicodeDecodeError):
                         return None
         return None
-    return Modules(find)
+    modules = Modules(find)
+    try:  # the script's own classes, whose methods a module's code may call back
+        with open(script, encoding="utf-8") as f:
+            modules.add(script, f.read())
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        pass
+    return modules
 
 
 def recording_keys(script: str):

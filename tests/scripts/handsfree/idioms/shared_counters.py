@@ -7,10 +7,16 @@ torch.manual_seed(0)
 
 CFG = types.SimpleNamespace(lr=0.05, examples=0)
 STATS = {"batches": 0}
+PARITY = {"even": 0, "odd": 0}
 
 
 class Meter:
     updates = 0  # a class attribute every instance reads
+    resets = 0
+
+    @classmethod
+    def reset(cls):
+        cls.resets += 1
 
 
 def train_step(model, opt, x, y):
@@ -18,6 +24,10 @@ def train_step(model, opt, x, y):
     CFG.examples += len(x)
     s = STATS  # changed through a local alias
     s["batches"] += 1
+    parity = PARITY  # an item by a variable key
+    parity["even" if Meter.updates % 2 == 0 else "odd"] += 1
+    if Meter.updates % 3 == 0:
+        Meter.reset()
     opt.zero_grad()
     loss = ((model(x) - y) ** 2).mean()
     loss.backward()
