@@ -15,6 +15,10 @@ medians, plain / replay (the speed-up), and whether every replay printed
 exactly what the plain run of its edited script printed (clock fields
 masked) with the deferred checks passing.
 
+A workload is a script of benchmarks/workloads, or a project there
+(``project_trainer/train.py``: its directory, whose training loop is in its
+own modules, where its probes go too).
+
     python benchmarks/real_scripts.py                 # 3 rounds
     python benchmarks/real_scripts.py --only lbfgs_sine.py --rounds 1
 Writes benchmarks/results/real-scripts.json and .md (see --out).
@@ -70,47 +74,70 @@ CASES = {
     "hf_digits.py": (["--epochs", "8"],
                      ('print(f"epoch {state.epoch:.0f}', WNORM % "kwargs['model']"),
                      ("loss = F.cross_entropy(", 'print(f"  loss {loss.item():.6f}")')),
+    # The project's own modules: a directory whose train.py is the script;
+    # the training loop is in mylib/trainer.py, and both probes too (a
+    # probe is (file, anchor, statement) where it is not in the script)
+    "project_trainer/train.py": (["--epochs", "8"],
+                                 ("mylib/trainer.py", "for callback in self.callbacks:",
+                                  WNORM % "self.model"),
+                                 ("mylib/trainer.py", "loss.backward()",
+                                  GNORM % "self.model")),
 }
-CLOCK = re.compile(r"(time [0-9.]+ms|ms/batch +[0-9.]+|time: +[0-9.]+s"
+CLOCK = re.compile(r"(time [0-9.]+m?s|ms/batch +[0-9.]+|time: +[0-9.]+s"
                    r"|'\w+_(?:runtime|per_second)': '?[0-9.e+-]+'?)")
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def _write(d, sources, edit=None):
+    """The project's files as written, with `edit` ((file, text)) applied."""
+    for f, text in sources.items():
+        with open(os.path.join(d, f), "w") as out:
+            out.write(edit[1] if edit is not None and edit[0] == f else text)
 
 
 def bench(name, rounds, work, rng):
     args, outer, inner = CASES[name]
-    with open(os.path.join(WORKLOADS, name)) as f:
-        original = f.read()
-    d = os.path.join(work, name[:-3])
-    os.makedirs(d)
-    path = os.path.join(d, name)
+    project, _, name = name.rpartition("/")
+    d = os.path.join(work, project or name[:-3])
+    if project:  # the project's directory, the script in it
+        shutil.copytree(os.path.join(WORKLOADS, project), d,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        os.makedirs(d)
+        shutil.copy(os.path.join(WORKLOADS, name), d)
     env = script_env(os.path.join(d, ".flor"))
-    edited = {"outer": add_line(original, *outer), "inner": add_line(original, *inner)}
+    probes = {"outer": outer, "inner": inner}
+    where = {kind: p[0] if len(p) == 3 else name for kind, p in probes.items()}
+    sources = {f: _read(os.path.join(d, f)) for f in {name, *where.values()}}
+    edited = {kind: add_line(sources[where[kind]], *probes[kind][-2:]) for kind in probes}
     for kind, text in edited.items():
-        assert text != original, f"{name}: no line holds the {kind} anchor"
+        assert text != sources[where[kind]], f"{name}: no line holds the {kind} anchor"
     # One record, then each round: plain and record of the original, plain
     # and replay of each edit.  A later record is the one replayed: every
     # replay in a round replays the round's own record.
+    outer, inner = (where["outer"], edited["outer"]), (where["inner"], edited["inner"])
     commands = {
-        "plain": ([sys.executable, name, *args], original),
-        "record": ([sys.executable, "-m", "flor", "record", name, *args], original),
-        "outer_plain": ([sys.executable, name, *args], edited["outer"]),
-        "outer_replay": ([sys.executable, "-m", "flor", "replay", name, *args],
-                         edited["outer"]),
-        "inner_plain": ([sys.executable, name, *args], edited["inner"]),
+        "plain": ([sys.executable, name, *args], None),
+        "record": ([sys.executable, "-m", "flor", "record", name, *args], None),
+        "outer_plain": ([sys.executable, name, *args], outer),
+        "outer_replay": ([sys.executable, "-m", "flor", "replay", name, *args], outer),
+        "inner_plain": ([sys.executable, name, *args], inner),
         "inner_replay": ([sys.executable, "-m", "flor", "replay", "--jobs", "2", name, *args],
-                         edited["inner"]),
+                         inner),
     }
     raw = {k: [] for k in commands}
     outs, stderr = {}, {}
-    with open(path, "w") as f:
-        f.write(original)
     timed([sys.executable, name, *args], d, env)  # warm-up: page cache, bytecode
     for _ in range(rounds):
         order = ["record"] + rng.sample([k for k in commands if k != "record"],
                                         len(commands) - 1)
         for kind in order:
-            argv, text = commands[kind]
-            with open(path, "w") as f:
-                f.write(text)
+            argv, change = commands[kind]
+            _write(d, sources, change)
             dt, proc = timed(argv, d, env)
             raw[kind].append(dt)
             outs[kind] = CLOCK.sub("<clock>", proc.stdout)

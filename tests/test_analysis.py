@@ -1085,10 +1085,117 @@ def test_a_call_on_an_object_of_no_known_class_may_run_any_method_of_that_name()
                     self.meter.update(1)
         """))
     modules = Modules(lambda dotted, level, path: None)
-    modules.add("/p/train.py", files["/p/train.py"])
+    Script(ast.parse(files["/p/train.py"]), "/p/train.py", modules)
     script = Script(lib, "/p/mylib.py", modules)
     fit = script.classes["Trainer"].body[0]
     epoch = fit.body[0]
     with pytest.raises(GiveUp, match="on_epoch"):
         block_effects(script, [epoch.body[0]], fit)
     assert block_effects(script, [epoch.body[1]], fit).paths == ["self.meter"]
+
+
+def _project_script(main, files, path="/p/train.py"):
+    """The Script of `main` at `path`, with `files` ({dotted: source}) the
+    project's modules (MISSING for one found nowhere)."""
+    from flor.program.analysis import MISSING, Modules
+
+    def find(dotted, level, where):
+        if dotted not in files:
+            return None
+        return MISSING if files[dotted] is MISSING else (f"/p/{dotted}.py", files[dotted])
+
+    tree = ast.parse(textwrap.dedent(main))
+    return tree, Script(tree, path, Modules(find))
+
+
+def _loop_effects(tree, script):
+    loop = [n for n in tree.body if isinstance(n, ast.For)][0]
+    return block_effects(script, loop.body, tree)
+
+
+def test_calls_the_analysis_reaches_through_dotted_names_and_star_imports():
+    from flor.program.analysis import MISSING, GiveUp
+
+    ema = "def update(ema, net):\n    ema.mul_(0.9)\n"
+    tree, script = _project_script("""
+        import mylib.ema
+        from tools import *
+        for ep in range(2):
+            for x in data:
+                mylib.ema.update(avg, net)
+                bump(counts)
+        print(avg, counts)
+        """, {"mylib": "", "mylib.ema": ema, "tools": "def bump(c):\n    c.append(1)\n"})
+    assert sorted(_loop_effects(tree, script).paths) == ["avg", "counts"]
+    # A module found nowhere (a path the script adds as it runs): give up.
+    tree, script = _project_script("""
+        from mylib import ema
+        for ep in range(2):
+            for x in data:
+                ema.update(avg, net)
+        """, {"mylib": MISSING, "mylib.ema": MISSING})
+    with pytest.raises(GiveUp, match="cannot find"):
+        _loop_effects(tree, script)
+
+
+def test_callables_held_in_variables_may_run_the_projects_callbacks_and_forwards():
+    tree, script = _project_script("""
+        CALLS = 0
+        class Net:
+            def forward(self, x):
+                global CALLS
+                CALLS += 1
+        def validate(trainer):
+            trainer.best = 1
+        class Trainer:
+            def fit(self):
+                for epoch in range(3):
+                    for cb in self.callbacks:
+                        cb(self)
+        t = Trainer(callbacks=[validate])
+        net = Net()
+        for ep in range(2):
+            for x in data:
+                net(x)
+        print(CALLS)
+        """, {})
+    assert _loop_effects(tree, script).globals == ["CALLS"]
+    fit = script.classes["Trainer"].body[0]
+    epoch = fit.body[0]
+    assert "self.best" in block_effects(script, [epoch.body[0]], fit).paths
+
+
+def test_a_subclass_override_of_a_method_the_base_class_calls_counts():
+    e = effects("""
+        class Base:
+            def step(self):
+                self.on_after_step()
+            def on_after_step(self):
+                pass
+        class EMA(Base):
+            def on_after_step(self):
+                self.n_updates += 1
+        t = EMA()
+        for ep in range(2):
+            for x in data:
+                t.step()
+        """, "print(t)")
+    assert "t.n_updates" in e.paths
+
+
+def test_a_block_calls_what_the_analysis_followed():
+    from flor.program.instrument import instrument
+
+    src = textwrap.dedent("""
+        from mylib.engine import train_one_epoch as tr1
+        for ep in range(2):
+            tr1(model, opt, loader)
+        """)
+    files = {"mylib": "", "mylib.engine": "def train_one_epoch(m, o, l):\n"
+                                         "    for x in l:\n        o.step()\n"}
+    from flor.program.analysis import Modules
+
+    mods = Modules(lambda d, lv, p: (f"/p/{d}.py", files[d]) if d in files else None)
+    inst = instrument(src, "/p/train.py", lambda line: f"train.py:{line}", mods)
+    (block,) = inst.blocks
+    assert "train_one_epoch" in block.calls and "tr1" in block.calls

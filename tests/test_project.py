@@ -67,6 +67,8 @@ def test_the_main_loop_and_its_blocks_in_the_projects_library(recorded):
     assert "printed lines differ only in fields that read the clock" in err, err
     states = _states(st, replay)
     assert states["../mylib/trainer.py:41"] == "skip", states
+    # The replay keeps the module's edited source: the added statement's name.
+    assert st.layout.module_sources(replay)["../mylib/trainer.py"] == read(lib)
 
     # A probe in train_epoch: its blocks run, on two workers, the second
     # from an iteration checkpoint.
@@ -89,6 +91,16 @@ def test_a_changed_callback_the_library_calls_runs_in_every_epoch(recorded):
     # from the clock)
     assert "printed lines differ only in fields that read the clock" in err, err
     assert set(_states(st, replay).values()) == {"step_into"}
+
+
+def test_what_a_callback_changes_in_the_trainer_is_restored(recorded):
+    """The library calls the script's callback as a value (cb(self)); what
+    it sets on the trainer comes back with the restored epochs."""
+    d, cwd, env = recorded
+    edit(os.path.join(d, "mylib", "trainer.py"), 'print(f"epoch {epoch} loss',
+         'print("  reports so far", getattr(self, "reports", 0))', after=False)
+    st, replay, err = _replays(cwd, env)
+    assert set(_states(st, replay).values()) == {"skip"}, err
 
 
 def test_a_change_in_the_library_that_is_not_a_hindsight_statement_is_refused(recorded):

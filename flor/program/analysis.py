@@ -51,12 +51,13 @@ import copy
 import os
 from dataclasses import dataclass, field
 
+from .calls import MISSING, Calls, Modules
 from .iterators import advanced, iterated
 from .syntax import (assigned_names, called_names, free_names, own_nodes, path_of, root,
                      simple_statements, stops, walk_scope)
 from .syntax import targets as single_targets
 
-__all__ = ["Effects", "GiveUp", "Modules", "Script", "block_effects", "globals_changed",
+__all__ = ["Effects", "GiveUp", "MISSING", "Modules", "Script", "block_effects", "globals_changed",
            "read_first"]
 OPAQUE = {"exec", "eval", "globals", "locals", "vars"}
 
@@ -85,235 +86,25 @@ class Effects:
             self.paths.append(path)
 
 
-def _not_state(tree) -> set[str]:
-    """Names bound at module level to modules, functions and classes."""
-    out = set()
-    for n in tree.body if isinstance(tree, ast.Module) else []:
-        for sub in ast.walk(n) if isinstance(n, (ast.If, ast.Try, ast.With)) else [n]:
-            if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                for a in sub.names:
-                    out.add((a.asname or a.name).split(".")[0])
-            elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                out.add(sub.name)
-    return out
-
-
-class Modules:
-    """The project's other modules, as the analysis follows calls into them
-    (``from engine import train_one_epoch``): `find(dotted, level, path)`
-    gives the (path, source) of the module that an import in the file at
-    `path` names, or None for one that is not the project's own.  Each is
-    parsed once; `owners` says which module's Script a function is of."""
-
-    def __init__(self, find):
-        self.find = find
-        self.scripts: dict = {}  # path -> Script (None while being made, or unparsable)
-        self.owners: dict = {}  # id(function node) -> its module's Script
-        self._found: dict = {}  # (dotted, level, directory) -> what find gave
-        self.by_path: dict = {}  # path -> the first Script of that file
-
-    def script(self, dotted, level, path):
-        key = (dotted, level, os.path.dirname(path) if level and path else None)
-        if key not in self._found:
-            self._found[key] = self.find(dotted, level, path)
-        found = self._found[key]
-        if found is None:
-            return None
-        path, source = found
-        if path not in self.scripts:
-            self.scripts[path] = None  # (an import cycle meets nothing meanwhile)
-            try:
-                tree = ast.parse(source)
-            except SyntaxError:
-                return None
-            self.scripts[path] = Script(tree, path, self)
-        return self.scripts[path]
-
-    def add(self, path, source):
-        """A file parsed here (the script, whose classes' methods a module's
-        code may call back)."""
-        Script(ast.parse(source), path, self)
-
-    def register(self, script):
-        if script.path is not None:
-            self.by_path.setdefault(script.path, script)
-        for n in ast.walk(script.tree):
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                self.owners[id(n)] = script
-
-
-def _imports(tree) -> dict:
-    """{name: (module, attribute or None, level)} of the module-level
-    imports of a file (``from m import f``: f; ``import a.b as c``: c)."""
-    out = {}
-    for n in tree.body:
-        if isinstance(n, ast.ImportFrom):
-            for a in n.names:
-                if a.name != "*":
-                    out[a.asname or a.name] = (n.module or "", a.name, n.level)
-        elif isinstance(n, ast.Import):
-            for a in n.names:
-                if a.asname:
-                    out[a.asname] = (a.name, None, 0)
-                else:
-                    out[a.name.split(".")[0]] = (a.name.split(".")[0], None, 0)
-    return out
-
-
-class Script:
+class Script(Calls):
     """A parsed script (or module of the project: `path`, with the other
-    `modules` calls are followed into): its functions and what they change."""
+    `modules` calls are followed into): its functions and what they change
+    (how its calls resolve: calls.Calls)."""
 
     def __init__(self, tree: ast.Module, path: str | None = None, modules: Modules | None = None):
-        self.tree = tree
-        self.path, self.modules = path, modules
-        self.imports = _imports(tree) if modules is not None else {}
-        if modules is not None:
-            modules.register(self)
-        self.functions: dict[str, ast.FunctionDef | None] = {}
-        for n in walk_scope(tree.body):
-            if isinstance(n, ast.FunctionDef):
-                # Defined twice: which definition runs is decided at run time.
-                self.functions[n.name] = None if n.name in self.functions else n
-        self.not_state = _not_state(tree)
+        super().__init__(tree, path, modules)
         self.module_names = assigned_names(tree.body)  # names bound at module level
         self.global_reads: set[str] = set()  # module names that functions read
         for n in ast.walk(tree):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 self.global_reads |= free_names(n)
-        self.classes = {n.name: n for n in walk_scope(tree.body) if isinstance(n, ast.ClassDef)}
-        self.method_class = {id(m): c for c in self.classes.values() for m in c.body
-                             if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        self._types: dict = {}  # id(scope) -> {name: class name}
         self._summaries: dict = {}  # id(function) -> its summary, final
         self._partial: dict = {}  # id(function) -> its summary so far, while summarised
         self._hits: list = []  # ids of unfinished summaries that a recursive call used
 
     # -- functions --------------------------------------------------------
 
-    @staticmethod
-    def defs(scope) -> dict:
-        """Functions defined in a function's body (a module's are the script's)."""
-        if isinstance(scope, ast.Module):
-            return {}
-        return {n.name: n for n in scope.body if isinstance(n, ast.FunctionDef)}
-
-    def types(self, scope) -> dict:
-        """{name: (the Script, class name)} of the names `scope` binds to an
-        instance of a class of the script or of a module of the project it
-        imports: a method's first parameter, and ``x = Cls(...)``."""
-        key = id(scope)
-        if key not in self._types:
-            out = {}
-            cls = self.method_class.get(key)
-            args = getattr(scope, "args", None)
-            if cls is not None and args is not None and (args.posonlyargs + args.args):
-                out[(args.posonlyargs + args.args)[0].arg] = (self, cls.name)
-            for n in walk_scope(scope.body):
-                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and \
-                        isinstance(n.value.func, ast.Name):
-                    of = self.class_of(n.value.func.id)
-                    for t in n.targets:
-                        if of is not None and isinstance(t, ast.Name):
-                            out[t.id] = of
-            self._types[key] = out
-        return self._types[key]
-
-    def class_of(self, name, depth=0):
-        """(Script, class name) of the class `name` names here, if it is the
-        script's or an imported module's of the project."""
-        if name in self.classes:
-            return self, name
-        found = self.imported(name)
-        if found is None or found[1] is None or depth > 4:
-            return None
-        return found[0].class_of(found[1], depth + 1)
-
-    def imported(self, name):
-        """(the module's Script, the attribute imported or None) of a name
-        the script imports from a module of the project (``from pkg import
-        engine``: engine's, None)."""
-        spec = self.imports.get(name)
-        if spec is None or self.modules is None or name in self.functions or \
-                name in self.classes:
-            return None
-        module, attr, level = spec
-        if attr is not None:
-            sub = self.modules.script(f"{module}.{attr}" if module else attr, level, self.path)
-            if sub is not None:
-                return sub, None
-        other = self.modules.script(module, level, self.path)
-        return None if other is None else (other, attr)
-
-    def function(self, name, depth=0):
-        """The module-level function `name` of the script, or the one an
-        import of it names in a module of the project."""
-        if name in self.functions:
-            return self.functions[name]
-        found = self.imported(name)
-        if found is None or found[1] is None or depth > 4:
-            return None
-        return found[0].function(found[1], depth + 1)
-
-    def methods_named(self, call) -> list:
-        """The methods of the script's classes, and of the project's modules
-        it knows, that a call ``obj.name(...)`` on an object of no known
-        class (not a module's function) may run."""
-        func = call.func
-        if not isinstance(func, ast.Attribute) or path_of(func.value) is None:
-            return []
-        r = root(path_of(func.value))
-        if r in self.imports or (r in self.not_state and r not in self.classes):
-            return []  # torch.save(...), a module's function
-        scripts = [self] + ([s for s in self.modules.by_path.values()
-                             if s is not self and s.path != self.path]
-                            if self.modules is not None else [])
-        return [m for s in scripts for c in s.classes.values() for m in c.body
-                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and m.name == func.attr]
-
-    def owner(self, fn) -> "Script":
-        """The Script whose function `fn` is."""
-        return self.modules.owners.get(id(fn), self) if self.modules is not None else self
-
-    def method(self, cls_name: str, name: str, seen=()):
-        """The method `name` of the script's class (or of its bases in the script)."""
-        cls = self.classes.get(cls_name)
-        if cls is None or cls_name in seen:
-            return None
-        for m in cls.body:
-            if isinstance(m, ast.FunctionDef) and m.name == name:
-                return m
-        for base in cls.bases:
-            if isinstance(base, ast.Name):
-                found = self.method(base.id, name, seen + (cls_name,))
-                if found is not None:
-                    return found
-        return None
-
-    def resolve(self, call: ast.Call, scope) -> ast.FunctionDef | None:
-        """The function of the script that `call`, in `scope`, runs: a
-        function by name, or a method of an object whose class is the
-        script's (``self.train_epoch()``, ``trainer.fit()``)."""
-        if isinstance(call.func, ast.Name):
-            name = call.func.id
-            defs = self.defs(scope)
-            return defs[name] if name in defs else self.function(name)
-        if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name):
-            of = self.types(scope).get(call.func.value.id) or \
-                self.class_of(call.func.value.id)  # Counter.bump()
-            if of is not None:
-                return of[0].method(of[1], call.func.attr)
-            found = self.imported(call.func.value.id)  # import engine; engine.train(...)
-            if found is not None and found[1] is None:
-                return found[0].function(call.func.attr)
-        return None
-
-    def is_script_function(self, call, scope) -> bool:
-        if isinstance(call.func, ast.Name):
-            return call.func.id in self.defs(scope) or call.func.id in self.functions or \
-                self.resolve(call, scope) is not None
-        return self.resolve(call, scope) is not None
+    # (what a call runs: calls.Calls)
 
     def summary(self, fn: ast.FunctionDef, depth: int, stack: tuple):
         """(params, keyword-only params, {param: suffixes of the paths it
@@ -426,16 +217,24 @@ def _apply_call(script, call, eff, scope, depth, stack):
     names (a method's first parameter is the receiver)."""
     fn = script.resolve(call, scope)
     if fn is None and not script.is_script_function(call, scope):
-        # obj.name(...) on an object of no known class: any method of that
-        # name of the project's classes may run (a trainer's callbacks).
-        for method in script.methods_named(call):
-            _apply_fn(script, method, call, eff, scope, depth, stack)
+        unseen = script.unseen(call)
+        if unseen is not None:
+            raise GiveUp(f"line {call.lineno}: a call into {unseen}, a module the analysis "
+                         "cannot find")
+        # A call it cannot resolve may run the project's functions (a
+        # trainer's callbacks, a model's forward).
+        for candidate in script.may_run(call, scope):
+            _apply_fn(script, candidate, call, eff, scope, depth, stack)
         return False
     _apply_fn(script, fn, call, eff, scope, depth, stack)
+    if fn is not None and isinstance(call.func, ast.Attribute):
+        for override in script.overrides(fn):  # a subclass's, on self
+            _apply_fn(script, override, call, eff, scope, depth, stack)
     return True
 
 
 def _apply_fn(script, fn, call, eff, scope, depth, stack):
+    """The effects of `fn`, run by `call`, on the caller's names."""
     owner = script.owner(fn) if fn is not None else script
     params, kwonly, by_param, globals_, free, calls = owner.summary(fn, depth + 1, stack)
     if owner is not script and (globals_ or free):
@@ -453,9 +252,14 @@ def _apply_fn(script, fn, call, eff, scope, depth, stack):
     bound: dict[str, ast.AST] = {}
     splat = False
     kind = _method_kind(fn) if fn is not None and id(fn) in owner.method_class else None
-    if isinstance(call.func, ast.Attribute) and params and (fn is None or kind is not None):
+    # The object a method runs on: obj's in obj.name(...); the object called
+    # in net(x) and self.model(x) (its forward or __call__).
+    called = kind is not None and fn.name in ("forward", "__call__") and not (
+        isinstance(call.func, ast.Attribute) and call.func.attr == fn.name)
+    if (isinstance(call.func, ast.Attribute) or called) and params and \
+            (fn is None or kind is not None):
         # (not engine.train(...), nor a staticmethod)
-        receiver = call.func.value  # self
+        receiver = call.func if called else call.func.value  # self
         if kind == "classmethod":  # cls: the class, not the instance it is called on
             receiver = _class_expr(script, receiver, scope, fn)
         if kind != "staticmethod":

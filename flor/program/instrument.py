@@ -162,7 +162,8 @@ def _break_or_continue_outside_loops(stmts) -> bool:
 
 
 class _Instrumenter:
-    def __init__(self, source, filename, key_of, modules=None):
+    def __init__(self, source, filename, key_of, modules=None, imported=False):
+        self.imported = imported  # a module the script imports: not its import-time loops
         self.tree = ast.parse(source, filename)
         self.lines = source.splitlines()
         self.key_of = key_of
@@ -194,8 +195,10 @@ class _Instrumenter:
         out = []
         for s in stmts:
             if isinstance(s, ast.FunctionDef):
-                if not any(isinstance(n, (ast.Yield, ast.YieldFrom))
-                           for n in walk_scope(s.body)):
+                # (a model's forward: its loops are no training loop, and a
+                # compiled forward must not call flor)
+                if s.name != "forward" and not any(isinstance(n, (ast.Yield, ast.YieldFrom))
+                                                   for n in walk_scope(s.body)):
                     s.body = self._scope(s.body, s, _q(qualname, s.name))
                 out.append(s)
             elif isinstance(s, ast.ClassDef):
@@ -203,7 +206,7 @@ class _Instrumenter:
                     if isinstance(m, ast.FunctionDef):
                         s.body[i:i + 1] = self._scope([m], scope, _q(qualname, s.name))
                 out.append(s)
-            elif isinstance(s, LOOPS):
+            elif isinstance(s, LOOPS) and not (self.imported and scope is self.tree):
                 out.extend(self._candidate(s, scope, qualname))
             else:
                 _rewrite_bodies(s, lambda b: self._scope(b, scope, qualname))
@@ -355,7 +358,8 @@ class _Instrumenter:
         self.out.blocks.append(Block(
             key=key, line=line, end_line=s.end_lineno, owner=owner, kind=kind, names=names,
             paths=paths, globals=globals_, rebound=rebound, dropped=eff.dropped,
-            unknown=eff.unknown, calls=sorted(called_names([s])), reads=sorted(eff.reads),
+            unknown=eff.unknown, calls=sorted(called_names([s]) | eff.calls),
+            reads=sorted(eff.reads),
             grads=grads))
         # An iterator the block advances is of no account where nothing reads
         # it after the block (`it = iter(loader)` at the top of each epoch).
@@ -420,8 +424,11 @@ def _q(prefix, name):
     return name if prefix == "<module>" else f"{prefix}.{name}"
 
 
-def instrument(source: str, filename: str, key_of, modules=None) -> Instrumented:
+def instrument(source: str, filename: str, key_of, modules=None,
+               imported=False) -> Instrumented:
     """Instrument `source`; `key_of(line)` names the loop or block at a line;
     `modules` (analysis.Modules): the project's modules whose functions the
-    analysis follows calls into."""
-    return _Instrumenter(source, filename, key_of, modules).run(filename)
+    analysis follows calls into; `imported`: a module the script imports,
+    whose loops at module level (they run as it is imported) are left as
+    they are."""
+    return _Instrumenter(source, filename, key_of, modules, imported).run(filename)

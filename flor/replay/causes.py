@@ -286,7 +286,10 @@ def _statement_cause(report, prog, cur, rel, plan, blockruns, parts):
     hands_free = plan.hands_free or {}
     restored = {b["block"] for b in blockruns if b["state"] in ("skip", "pseudoresume")}
     blocks = [b for b in hands_free.get("blocks", []) if b["key"] in restored]
-    before = [b for b in blocks if b["line"] < cur] or blocks
+    # A block of the statement's file before it (line numbers of one file);
+    # else any restored block, named by its own key.
+    before = [b for b in blocks if b["line"] < cur and b["key"].startswith(rel + ":")] \
+        or blocks
     if not before:
         if not hands_free:
             return None
@@ -314,7 +317,7 @@ def _statement_cause(report, prog, cur, rel, plan, blockruns, parts):
         if any(q != p and q.startswith(p + ".") for q in _paths_read(stmt) if root(q) == r):
             continue  # report the longest path read
         suspects.append(p)
-    where = f"{rel}:{b['line']}"
+    where = b["key"]  # (file:line of the recorded file)
     if suspects:
         return (f"the side-effect set of the block at {where} may be "
                 f"missing {', '.join(f'`{x}`' for x in suspects)}")

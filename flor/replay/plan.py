@@ -166,7 +166,8 @@ def instrument_current(source, script, lines: dict, rel=None, modules=None):
     rel = rel or os.path.basename(script)
     return instrument(source, path,
                       lambda line: location(rel, line, lines.get(line), mapped=True),
-                      modules if modules is not None else modules_of(script))
+                      modules if modules is not None else modules_of(script),
+                      imported=path != os.path.abspath(script))
 
 
 def _arguments(rec, script, args, differ_ok) -> list:
@@ -441,8 +442,9 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
 
 
 def register(store: Store, plan: Plan, mode: str):
-    """Create the replay run (if new), with the script's source, and write
-    its plan next to it."""
+    """Create the replay run (if new), with the script's source (and those
+    of the project's modules it instruments: a statement added there is
+    named from them), and write its plan next to it."""
     if store.run(plan.replay_id) is None:
         with open(plan.script) as f:
             source = f.read()
@@ -452,6 +454,13 @@ def register(store: Store, plan: Plan, mode: str):
                       info=ReplayInfo(nparts=len(plan.segments), mode=mode,
                                       segments=[list(s) for s in plan.segments],
                                       probed=sorted(plan.probed)))
+        for rel in (plan.hands_free or {}).get("modules") or []:
+            path = os.path.join(os.path.dirname(plan.script), rel)
+            try:
+                with open(path) as f:
+                    store.layout.save_module_source(plan.replay_id, rel, f.read())
+            except OSError:
+                continue
     plan.save(store.layout.plan_path(plan.replay_id))
 
 

@@ -19,13 +19,14 @@ writes bytecode caches: a cached file holds the module as written.
 """
 from __future__ import annotations
 
+import ast
 import importlib.machinery
 import os
 import sys
 import sysconfig
 
 from ..context import location
-from ..program.analysis import Modules
+from ..program.analysis import MISSING, Modules, Script
 from ..program.instrument import RUNTIME, instrument
 
 __all__ = ["ROOT_ENV", "project_root", "own_file", "modules_of", "Instrumenting",
@@ -147,7 +148,7 @@ class Instrumenting:
     def instrument(self, source, path):
         path = os.path.abspath(path)
         rel = os.path.relpath(path, self.base)
-        inst = instrument(source, path, self.keys(path), self.analysis)
+        inst = instrument(source, path, self.keys(path), self.analysis, imported=True)
         self.modules[rel] = inst
         if self.seen is not None:
             self.seen(path, rel, source, inst)
@@ -157,11 +158,23 @@ class Instrumenting:
 def modules_of(script: str) -> Modules:
     """The project's modules of `script` as its analysis follows calls into
     them: found where ``python script.py`` finds them (the script's
-    directory, then sys.path), without importing anything, and only the
-    project's own (`own_file`)."""
+    directory, then sys.path, then the other import hooks, such as an
+    editable install's), without importing anything, and only the project's
+    own (`own_file`); MISSING for a module found nowhere (a directory the
+    script adds to sys.path as it runs)."""
     script = os.path.abspath(script)
     base, root = os.path.dirname(script), project_root(script)
     search = [base] + [os.path.abspath(p) for p in sys.path[1:] if p]
+    suffixes = importlib.machinery.all_suffixes()
+
+    def source(candidate):
+        if not candidate.endswith(".py") or not own_file(candidate, root):
+            return None  # a library's (an extension module's too)
+        try:
+            with open(candidate, encoding="utf-8") as f:
+                return candidate, f.read()
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def find(dotted, level, path):
         parts = [p for p in dotted.split(".") if p]
@@ -173,25 +186,48 @@ def modules_of(script: str) -> Modules:
                 d = os.path.dirname(d)
             places = [os.path.join(d, *parts)]
         else:
+            if not parts or parts[0] in sys.builtin_module_names or \
+                    parts[0] in sys.stdlib_module_names:
+                return None
             places = [os.path.join(p, *parts) for p in search]
+            places += [os.path.join(d, *parts[1:]) for d in _hooked(parts[0])]
         for place in places:
-            for candidate in (place + ".py", os.path.join(place, "__init__.py")):
+            for candidate in [place + s for s in suffixes] + [os.path.join(place, "__init__.py")]:
                 if os.path.isfile(candidate):
-                    if not own_file(candidate, root):
-                        return None
-                    try:
-                        with open(candidate, encoding="utf-8") as f:
-                            return candidate, f.read()
-                    except (OSError, UnicodeDecodeError):
-                        return None
-        return None
+                    return source(candidate)
+        return MISSING
     modules = Modules(find)
     try:  # the script's own classes, whose methods a module's code may call back
         with open(script, encoding="utf-8") as f:
-            modules.add(script, f.read())
+            Script(ast.parse(f.read()), script, modules)
     except (OSError, UnicodeDecodeError, SyntaxError):
         pass
     return modules
+
+
+_STANDARD = (importlib.machinery.BuiltinImporter, importlib.machinery.FrozenImporter,
+             importlib.machinery.PathFinder)
+
+
+def _hooked(top) -> list[str]:
+    """Where the import hooks other than the path's (an editable install's
+    finder) would find the top-level module `top`: its package directory,
+    or the directory holding it.  Only top-level names: no package is
+    imported."""
+    out = []
+    for finder in sys.meta_path:
+        if finder in _STANDARD or isinstance(finder, Instrumenting) or \
+                not hasattr(finder, "find_spec"):
+            continue
+        try:
+            spec = finder.find_spec(top, None)
+        except Exception:  # another hook's error is not the analysis's
+            continue
+        if spec is not None and spec.submodule_search_locations:
+            out += list(spec.submodule_search_locations)
+        elif spec is not None and spec.origin and os.path.isfile(spec.origin):
+            out.append(os.path.splitext(spec.origin)[0])
+    return out
 
 
 def recording_keys(script: str):

@@ -5,6 +5,7 @@ from mylib.trainer import Trainer
 
 
 def report(trainer):
+    trainer.reports = getattr(trainer, "reports", 0) + 1
     print(f"  epoch {trainer.epoch} took {trainer.epoch_time * 1000:.1f} ms")
 
 

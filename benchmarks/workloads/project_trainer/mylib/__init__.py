@@ -1,0 +1,4 @@
+"""The project's training library."""
+from .trainer import Trainer
+
+__all__ = ["Trainer"]
