@@ -1136,6 +1136,15 @@ def test_calls_the_analysis_reaches_through_dotted_names_and_star_imports():
         """, {"mylib": MISSING, "mylib.ema": MISSING})
     with pytest.raises(GiveUp, match="cannot find"):
         _loop_effects(tree, script)
+    # A name imported from a module that is found (a class of a library's
+    # package: no module of that name) is no unseen module.
+    tree, script = _project_script("""
+        from lib.data import Loader
+        for ep in range(2):
+            for x in data:
+                Loader(x).step()
+        """, {"lib.data.Loader": MISSING})
+    _loop_effects(tree, script)
 
 
 def test_callables_held_in_variables_may_run_the_projects_callbacks_and_forwards():

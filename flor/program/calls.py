@@ -182,7 +182,8 @@ class Calls:
             return None
         module, attr, level = spec
         if attr is not None:
-            sub = self.modules.script(f"{module}.{attr}" if module else attr, level, self.path, type(self))
+            sub = self.modules.script(f"{module}.{attr}" if module else attr, level, self.path,
+                                      type(self))
             if sub is not None:
                 return sub, None
         other = self.modules.script(module, level, self.path, type(self))
@@ -233,14 +234,8 @@ class Calls:
                      if self.modules.missing(m, level, self.path)]
             return stars[0] if stars and isinstance(call.func, ast.Name) and \
                 call.func.id not in self.functions and call.func.id not in _BUILTINS else None
-        module, attr, level = spec
-        rest = p.split(".")[1:-1]
-        candidates = [".".join([module] + rest)] if attr is None else \
-            [f"{module}.{attr}" if module else attr, module]
-        for dotted in candidates:
-            if self.modules.missing(dotted, level, self.path):
-                return dotted
-        return None
+        module, _, level = spec  # (the module imported: a name in it may be a class)
+        return module or "." if self.modules.missing(module, level, self.path) else None
 
     def _scripts(self) -> list:
         """This script, and the other files of the project: those it knows,

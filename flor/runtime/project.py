@@ -195,6 +195,8 @@ def modules_of(script: str) -> Modules:
             for candidate in [place + s for s in suffixes] + [os.path.join(place, "__init__.py")]:
                 if os.path.isfile(candidate):
                     return source(candidate)
+            if os.path.isdir(place):
+                return None  # a namespace package: its modules are found by their names
         return MISSING
     modules = Modules(find)
     try:  # the script's own classes, whose methods a module's code may call back
