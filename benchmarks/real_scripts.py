@@ -78,7 +78,7 @@ CASES = {
     # the training loop is in mylib/trainer.py, and both probes too (a
     # probe is (file, anchor, statement) where it is not in the script)
     "project_trainer/train.py": (["--epochs", "8"],
-                                 ("mylib/trainer.py", "for callback in self.callbacks:",
+                                 ("mylib/trainer.py", "self.accuracies.append(accuracy)",
                                   WNORM % "self.model"),
                                  ("mylib/trainer.py", "loss.backward()",
                                   GNORM % "self.model")),
