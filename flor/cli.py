@@ -37,6 +37,9 @@ ENV_RECORD = ENV_STORE + (
     "  FLOR_CUDA_COPY       how a checkpoint's GPU tensors are copied: auto (default),\n"
     "                       staged or ordered\n"
     "  FLOR_MODE=off        a script that uses the API runs without recording\n"
+    "  FLOR_PROJECT_ROOT    the project whose modules hands-free mode instruments (default:\n"
+    "                       the nearest directory up with .git, pyproject.toml, setup.py or\n"
+    "                       setup.cfg; none: the script alone)\n"
     "  FLOR_REPLICATED=every  every torchrun rank writes the replicated DDP state\n")
 ENV_REPLAY = ENV_STORE + (
     "  FLOR_REPLAY_CORES    cores the replay workers may use (default: this process's)\n"
