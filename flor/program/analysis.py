@@ -224,7 +224,11 @@ def _apply_call(script, call, eff, scope, depth, stack):
         # A call it cannot resolve may run the project's functions (a
         # trainer's callbacks, a model's forward).
         for candidate in script.may_run(call, scope):
-            _apply_fn(script, candidate, call, eff, scope, depth, stack)
+            # A model's forward and __call__ only where the block itself calls
+            # it: inside them, every layer's call would run every forward
+            # again (a fixpoint over all of them, too slow to reach).
+            if depth == 0 or candidate.name not in ("forward", "__call__"):
+                _apply_fn(script, candidate, call, eff, scope, depth, stack)
         return False
     _apply_fn(script, fn, call, eff, scope, depth, stack)
     if fn is not None and isinstance(call.func, ast.Attribute):
