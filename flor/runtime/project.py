@@ -20,6 +20,7 @@ writes bytecode caches: a cached file holds the module as written.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.machinery
 import os
 import sys
@@ -55,10 +56,11 @@ def project_root(script: str) -> str | None:
         cur = parent
 
 
-def _library_dirs() -> list[str]:
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return sorted(os.path.abspath(d) for d in dirs if d) + [_FLOR]
+    return tuple(sorted(os.path.abspath(d) for d in dirs if d)) + (_FLOR,)
 
 
 def own_file(path: str, root: str | None) -> bool:
@@ -110,7 +112,6 @@ class Instrumenting:
 
     def __init__(self, base, keys, seen=None, modules=None):
         self.base, self.keys, self.seen, self.analysis = base, keys, seen, modules
-        self.modules: dict = {}  # rel -> Instrumented
         self._finding: set = set()  # names being looked up by the other finders
 
     def __enter__(self):
@@ -149,7 +150,6 @@ class Instrumenting:
         path = os.path.abspath(path)
         rel = os.path.relpath(path, self.base)
         inst = instrument(source, path, self.keys(path), self.analysis, imported=True)
-        self.modules[rel] = inst
         if self.seen is not None:
             self.seen(path, rel, source, inst)
         return inst
