@@ -215,8 +215,7 @@ class Calls:
         spec = self.imports.get(parts[0])
         if spec is None or parts[0] == "*" or spec[1] is not None:
             return None
-        module = ".".join([spec[0]] + parts[1:-1]) if spec[0] == parts[0] else \
-            ".".join([spec[0]] + parts[1:-1])
+        module = ".".join([spec[0]] + parts[1:-1])  # (import a.b as c: c.x.f is a.b.x's f)
         other = self.modules.script(module, spec[2], self.path, type(self))
         return None if other is None else (other, parts[-1])
 
