@@ -94,13 +94,11 @@ def explain(report, store, plan, source, rec=None):
     # The project's modules a hands-free record instrumented: a line they
     # print is the script's as to the clock, and a name or attribute one of
     # them computes from the clock is the clock's wherever it is printed.
+    # (their sources as the replay ran them: plan.register kept them)
+    kept = store.layout.module_sources(plan.replay_id)
     progs = {script: prog}
-    for rel in (plan.hands_free or {}).get("modules") or []:
-        try:
-            with open(os.path.join(os.path.dirname(plan.script), rel)) as f:
-                progs[rel] = _Program(f.read())
-        except OSError:
-            continue
+    progs.update((rel, _Program(kept[rel])) for rel in (plan.hands_free or {}).get("modules")
+                 or [] if rel in kept)
     clock = set().union(*(p.clock for p in progs.values()))
 
     def current(loc):
