@@ -9,6 +9,9 @@
                                                      # dict holds them)
      "ddp": [flag or None, ...],                     # per DistributedDataParallel: whether
                                                      # its next forward syncs buffers
+     "held": [[[path, state], ...] or None, ...],    # per other object: what the state
+                                                     # dicts of the modules and optimizers
+                                                     # it holds leave out (held_state)
      "rng": {"random": ..., "numpy": ..., "torch": ..., "cuda": ...},
      "grads": [tensor or None, ...]}                 # only when they are read after
                                                      # the block: of parameters(objs)
@@ -122,6 +125,101 @@ def set_module_modes(objs, modes):
             for name, m in o.named_modules():
                 if name in mode:
                     m.training = mode[name]
+
+
+#: How far `held` looks for what an object holds: attributes, dict
+#: values and list or tuple items, this many steps deep, in containers of
+#: at most HELD_ITEMS items (a large list of numbers is not walked at each
+#: checkpoint).
+HELD_DEPTH = 4
+HELD_ITEMS = 256
+
+
+def held(o, kinds) -> list:
+    """The objects of `kinds` that `o` (not one of them) holds, as
+    [(path, object)], each once: what flor.checkpoint's restore reaches in
+    place (an object's attributes, dict values, list and tuple items), not
+    looking inside objects of `kinds`, tensors or classes.  A path is a
+    list of ["a", attribute] and ["i", key or index] steps."""
+    torch = sys.modules.get("torch")
+    if torch is None or isinstance(o, kinds):
+        return []
+    out, seen = [], set()
+
+    def walk(x, path, depth):
+        if id(x) in seen or isinstance(x, (type, torch.Tensor, Handle)):
+            return
+        seen.add(id(x))
+        if isinstance(x, kinds):
+            out.append((path, x))
+            return
+        if depth == HELD_DEPTH:
+            return
+        if isinstance(x, dict):
+            steps = [(["i", k], v) for k, v in x.items()
+                     if isinstance(k, (str, int))] if len(x) <= HELD_ITEMS else []
+        elif isinstance(x, (list, tuple)):
+            steps = [(["i", i], v) for i, v in enumerate(x)] if len(x) <= HELD_ITEMS else []
+        else:
+            d = getattr(x, "__dict__", None)
+            steps = [(["a", k], v) for k, v in d.items() if isinstance(k, str)] \
+                if type(d) is dict and len(d) <= HELD_ITEMS else []
+        for step, v in steps:
+            if not isinstance(v, (str, bytes, int, float, bool, type(None))):
+                walk(v, path + [step], depth + 1)
+
+    walk(o, [], 0)
+    return out
+
+
+def _at(o, path):
+    """What `path` (of held()) names in `o`, or None."""
+    try:
+        for kind, key in path:
+            o = getattr(o, key) if kind == "a" else o[key]
+    except (AttributeError, LookupError, TypeError):
+        return None
+    return o
+
+
+def held_state(objs) -> list:
+    """Per object that is no module or optimizer: [path, state] of each
+    module and optimizer it holds (a trainer's model and optimizer), or
+    None.  A module's state is its training flags, attributes and DDP flag
+    (as module_modes, module_attributes and ddp_flags give them for a
+    module passed itself), an optimizer's whether it was stepped since an
+    LR scheduler wrapped it (torch's ``_opt_called``): what their state
+    dicts leave out."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return [None] * len(objs)
+    out = []
+    for o in objs:
+        found = []
+        for path, x in held(o, (torch.nn.Module, torch.optim.Optimizer)):
+            if isinstance(x, torch.nn.Module):
+                found.append([path, {"modes": module_modes([x])[0],
+                                     "attrs": module_attributes([x])[0],
+                                     "ddp": ddp_flags([x])[0]}])
+            else:
+                found.append([path, {"opt_called": bool(getattr(x, "_opt_called", False))}])
+        out.append(found or None)
+    return out
+
+
+def set_held_state(objs, found):
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for o, entries in zip(objs, found or []):
+        for path, state in entries or []:
+            x = _at(o, path)
+            if isinstance(x, torch.nn.Module) and "modes" in state:
+                set_module_modes([x], [state["modes"]])
+                set_module_attributes([x], [state["attrs"]])
+                set_ddp_flags([x], [state["ddp"]])
+            elif isinstance(x, torch.optim.Optimizer) and state.get("opt_called"):
+                x._opt_called = True
 
 
 def module_attributes(objs):
@@ -246,6 +344,9 @@ def payload(key: str, ctx: str, occurrence: int, sig: list, objs, grads=None) ->
     flags = ddp_flags(objs)
     if any(f is not None for f in flags):
         out["ddp"] = flags
+    inner = held_state(objs)
+    if any(h is not None for h in inner):
+        out["held"] = inner
     if grads is not None:
         out["grads"] = grads
     return out
@@ -328,6 +429,7 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
     set_module_modes(out, saved.get("modes"))
     set_module_attributes(out, saved.get("attrs"))
     set_ddp_flags(out, saved.get("ddp"))
+    set_held_state(out, saved.get("held"))
     if "grads" in saved:
         params = parameters(state_owners(out, frame))
         if len(params) != len(saved["grads"]):

@@ -1,0 +1,80 @@
+"""A block or iteration checkpoint of an object that holds modules and
+optimizers (a class-based trainer, a dict of models) puts back what their
+state dicts leave out: the training flags and counters of the modules, and
+whether an LR scheduler saw its optimizer step.  A replay worker verifies a
+restored iteration by its digest, which reads them."""
+import pytest
+import torch
+
+import flor.checkpoint
+from flor.runtime import blockstate, digest
+
+pytestmark = pytest.mark.unit  # in-process: `make check` runs these
+
+
+class Trainer:
+    def __init__(self, seed):
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1),
+                                         torch.nn.Linear(8, 2))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.5)
+        self.parts = {"ema": [torch.nn.Linear(2, 2)]}
+        self.epoch = 0
+
+
+def _trained():
+    t = Trainer(0)
+    t.model(torch.ones(3, 4)).sum().backward()
+    t.opt.step()
+    t.sched.step()
+    t.model.eval()                 # as an epoch's evaluation leaves it
+    t.model[0].calls = 7           # a counter no state dict holds
+    t.parts["ema"][0].eval()
+    t.epoch = 3
+    return t
+
+
+def test_what_the_state_dicts_of_held_modules_and_optimizers_leave_out_is_restored(tmp_path):
+    rec = _trained()
+    path = str(tmp_path / "it.flor")
+    flor.checkpoint.save(blockstate.payload("k", "[]", 0, ["self"], [rec]), path)
+    saved = flor.checkpoint.load(path, trusted=True)
+    assert saved["held"][0], saved.keys()
+
+    live = Trainer(1)
+    assert live.model.training and not hasattr(live.opt, "_opt_called")
+    blockstate.apply(saved, [live])
+    assert not live.model.training and not live.model[1].training
+    assert live.model[0].calls == 7
+    assert not live.parts["ema"][0].training
+    assert live.opt._opt_called is True
+    assert live.epoch == 3
+    # What a replay worker checks after restoring an iteration.
+    assert digest.digest(live) == digest.digest(rec)
+
+
+def test_an_optimizer_that_never_stepped_is_restored_as_never_stepped(tmp_path):
+    rec = Trainer(0)
+    path = str(tmp_path / "it.flor")
+    flor.checkpoint.save(blockstate.payload("k", "[]", 0, ["self"], [rec]), path)
+    live = Trainer(1)
+    blockstate.apply(flor.checkpoint.load(path, trusted=True), [live])
+    assert not hasattr(live.opt, "_opt_called")
+    assert digest.digest(live) == digest.digest(rec)
+
+
+def test_held_looks_through_attributes_and_small_containers_only():
+    m = torch.nn.Linear(1, 1)
+    big = [0] * (blockstate.HELD_ITEMS + 1) + [m]
+
+    class Box:
+        pass
+
+    box = Box()
+    box.a = {"x": [m]}
+    box.big = big
+    box.again = m
+    paths = [p for p, _ in blockstate.held(box, torch.nn.Module)]
+    assert paths == [[["a", "a"], ["i", "x"], ["i", 0]]]
+    assert blockstate.held(m, torch.nn.Module) == []
