@@ -82,6 +82,9 @@ class RecordInfo(Info):
     world_size: int | None = None
     failed_writes: list = field(default_factory=list)  # checkpoint files not written
     threads: int | None = None  # torch's thread count
+    # OMP_NUM_THREADS as the record started (None: unset or not a count); a
+    # thread count other than it is the script's own (torch.set_num_threads)
+    threads_asked: int | None = None
     cuda: bool = False  # whether the script initialised CUDA
     deterministic: bool = False
     flor_seconds: float | None = None  # what flor's own work cost the script

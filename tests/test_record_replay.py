@@ -456,6 +456,32 @@ def test_replay_workers_run_with_the_record_s_thread_count(tmp_path):
     assert len(parts) == min(2, cores) and "asks for" not in told.stderr
 
 
+def test_a_script_that_sets_its_own_thread_count_is_planned_with_it(tmp_path):
+    """A script's own torch.set_num_threads wins over OMP_NUM_THREADS in
+    every worker, so the planner counts the cores at the script's count."""
+    d = str(tmp_path)
+    write_script(d, "own_threads.py", """
+        import torch
+        torch.set_num_threads(2)
+        w = torch.zeros(4)
+        for epoch in range(4):
+            for step in range(3):
+                w += torch.ones(4) * step
+            print(epoch, w.sum().item(), torch.get_num_threads())
+    """)
+    env = {"OMP_NUM_THREADS": "1", "FLOR_REPLAY_CORES": "2", "FLOR_ALL_JOBS": "1"}
+    flor(d, "record", "--no-adaptive", "own_threads.py", env=env)
+    edit(os.path.join(d, "own_threads.py"), "w += torch.ones", "print(step)")
+    rep = flor(d, "replay", "--jobs", "2", "own_threads.py", env=env)
+    st = store(d)
+    parts = st.parts(runs(st, "replay")[-1]["run_id"])
+    assert [p["info"].threads for p in parts] == [2], rep.stderr
+    assert ("the script sets its own torch thread count (2 in the record, where "
+            "OMP_NUM_THREADS asked for 1): each worker runs 2 threads, not 1") in rep.stderr
+    assert ("--jobs 2 asks for 2 workers of 2 torch threads each (the script's own), and 2 "
+            "cores are available: replaying with 1 worker\n") in rep.stderr
+
+
 def test_one_replay_worker_sees_every_gpu(tmp_path):
     """A script that uses several GPUs replays with --jobs 1 as it runs:
     its one worker is not restricted to the first of them."""

@@ -309,21 +309,31 @@ def _compare_modules(cmp, hands_free, script, old, new, modules, analysis):
 def worker_threads(rec, jobs: int, threads=None, cores=None):
     """(torch threads per worker, workers, notes): the record's thread count
     unless `threads` says otherwise, and no more workers than `cores` (when
-    given) can run at that count without oversubscribing them."""
-    recorded = rec["info"].threads
-    chosen = threads or recorded
+    given) can run at that count without oversubscribing them.  A script
+    that sets its own count (the record ran another than OMP_NUM_THREADS
+    asked for) runs it in every worker, whatever `threads` says."""
+    info = rec["info"]
+    recorded = info.threads
+    own = bool(recorded and info.threads_asked and recorded != info.threads_asked)
     notes = []
+    if own and threads and threads != recorded:
+        notes.append(f"the script sets its own torch thread count ({recorded} in the record, "
+                     f"where OMP_NUM_THREADS asked for {info.threads_asked}): each worker "
+                     f"runs {recorded} threads, not {threads}")
+        threads = None
+    chosen = threads or recorded
     if cores is not None:
         if chosen is None:
             chosen = max(1, cores // jobs)
         allowed = max(1, cores // chosen)
-        whose = "as given" if threads else "the record's"
+        whose = "as given" if threads else "the script's own" if own else "the record's"
         if jobs > allowed:
             notes.append(f"--jobs {jobs} asks for {jobs} workers of {chosen} torch threads "
                          f"each ({whose}), and {cores} cores are available: replaying with "
                          f"{allowed} worker{'s' if allowed > 1 else ''}"
                          + ("; --threads N runs more workers of fewer threads, but CPU "
-                            "values may then differ in their last bits" if not threads else ""))
+                            "values may then differ in their last bits"
+                            if not threads and not own else ""))
             jobs = allowed
         if chosen > cores:
             notes.append(f"each worker runs {chosen} torch threads ({whose}) on {cores} "

@@ -30,6 +30,15 @@ def versions() -> dict:
     return v
 
 
+def _threads_asked() -> int | None:
+    """The torch thread count OMP_NUM_THREADS asks for, or None."""
+    try:
+        threads = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return threads if threads >= 1 else None
+
+
 class RecordRow:
     """The row of one record run (`run_id`), its `info`, and the script's
     `source` as the run stored it."""
@@ -44,7 +53,8 @@ class RecordRow:
         info = RecordInfo(adaptive=adaptive, hands_free=hands_free is not None,
                           pid=os.getpid(), pid_start=process_start(os.getpid()),
                           host=socket.gethostname(), fingerprint=fingerprint,
-                          iteration_checkpoints=keep, tags=TAGS)
+                          iteration_checkpoints=keep, tags=TAGS,
+                          threads_asked=_threads_asked())
         if resume is None:
             diff = None
             if script is not None:
