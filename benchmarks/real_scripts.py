@@ -77,7 +77,7 @@ CASES = {
     # The project's own modules: a directory whose train.py is the script;
     # the training loop is in mylib/trainer.py, and both probes too (a
     # probe is (file, anchor, statement) where it is not in the script)
-    "project_trainer/train.py": (["--epochs", "8"],
+    "project_trainer/train.py": (["--epochs", "8", "--width", "64"],
                                  ("mylib/trainer.py", "self.accuracies.append(accuracy)",
                                   WNORM % "self.model"),
                                  ("mylib/trainer.py", "loss.backward()",

@@ -27,7 +27,6 @@ def main():
     parser.add_argument("--limit", type=int, default=1797)
     args = parser.parse_args()
     torch.manual_seed(1)
-    torch.set_num_threads(2)
     train, test = digits(args.limit)
     model = Net(args.width)
     trainer = Trainer(model, train, test, lr=1.0, callbacks=[report])
