@@ -81,9 +81,10 @@ class RecordInfo(Info):
     rank: int | None = None
     world_size: int | None = None
     failed_writes: list = field(default_factory=list)  # checkpoint files not written
-    threads: int | None = None  # torch's thread count
-    # OMP_NUM_THREADS as the record started (None: unset or not a count); a
-    # thread count other than it is the script's own (torch.set_num_threads)
+    threads: int | None = None  # torch's thread count as the main loop began
+    # The count OMP_NUM_THREADS made as the record started (at most the CPU
+    # count; None: unset or not a count); a main loop that ran another count
+    # ran the script's own (torch.set_num_threads)
     threads_asked: int | None = None
     cuda: bool = False  # whether the script initialised CUDA
     deterministic: bool = False

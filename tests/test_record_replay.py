@@ -482,6 +482,33 @@ def test_a_script_that_sets_its_own_thread_count_is_planned_with_it(tmp_path):
             "cores are available: replaying with 1 worker\n") in rep.stderr
 
 
+def test_a_count_torch_caps_or_one_set_after_the_main_loop_is_not_the_script_s_own(tmp_path):
+    """OMP_NUM_THREADS above the CPU count makes torch take the CPU count,
+    and a count the script sets after its main loop is not the one the loop
+    ran: neither makes the planner override --threads."""
+    d = str(tmp_path)
+    write_script(d, "after.py", """
+        import torch
+        w = torch.zeros(4)
+        for epoch in range(4):
+            for step in range(3):
+                w += torch.ones(4) * step
+            print(epoch, w.sum().item())
+        torch.set_num_threads(1)
+    """)
+    cpus = os.cpu_count()
+    flor(d, "record", "--no-adaptive", "after.py", env={"OMP_NUM_THREADS": str(cpus + 2)})
+    st = store(d)
+    info = runs(st, "record")[-1]["info"]
+    assert (info.threads, info.threads_asked) == (cpus, cpus)
+    edit(os.path.join(d, "after.py"), "w += torch.ones", "print(step)")
+    env = {"FLOR_REPLAY_CORES": "2", "FLOR_ALL_JOBS": "1"}
+    rep = flor(d, "replay", "--jobs", "2", "--threads", "1", "after.py", env=env)
+    parts = st.parts(runs(st, "replay")[-1]["run_id"])
+    assert [p["info"].threads for p in parts] == [1, 1], rep.stderr
+    assert "sets its own" not in rep.stderr
+
+
 def test_one_replay_worker_sees_every_gpu(tmp_path):
     """A script that uses several GPUs replays with --jobs 1 as it runs:
     its one worker is not restricted to the first of them."""

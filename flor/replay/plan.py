@@ -319,7 +319,7 @@ def worker_threads(rec, jobs: int, threads=None, cores=None):
     if own and threads and threads != recorded:
         notes.append(f"the script sets its own torch thread count ({recorded} in the record, "
                      f"where OMP_NUM_THREADS asked for {info.threads_asked}): each worker "
-                     f"runs {recorded} threads, not {threads}")
+                     f"runs {recorded} thread{'s' if recorded > 1 else ''}, not {threads}")
         threads = None
     chosen = threads or recorded
     if cores is not None:

@@ -12,6 +12,7 @@ carries (carry.py), and the session flushes what the iteration stored.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -59,6 +60,9 @@ class Loops:
         self.blocks_run = 0  # blocks entered in the current top-level iteration
         self.resumed = None  # (loop, values to rebind) after an iteration restore
         self.began: dict = {}  # top-level (loop, run) -> when its first iteration here began
+        # top-level (loop, run) -> torch's thread count as it began (the
+        # script may set another after the loop)
+        self.threads: dict = {}
         self._main = None  # (loop, run, iterations) of the main loop so far
 
     def loop(self, iterable, name, frame, carrier=None):
@@ -97,6 +101,9 @@ class Loops:
                 s.context.set_index(frame, n)
                 if depth == 0 and n == 0:
                     s.logbook.random_state(frame)
+                    torch = sys.modules.get("torch")
+                    if torch is not None:
+                        self.threads[(key, run)] = torch.get_num_threads()
                 try:
                     x = next(it)
                 except StopIteration:

@@ -31,12 +31,13 @@ def versions() -> dict:
 
 
 def _threads_asked() -> int | None:
-    """The torch thread count OMP_NUM_THREADS asks for, or None."""
+    """The torch thread count OMP_NUM_THREADS makes, or None: what it asks
+    for, at most the machine's CPU count (torch takes no more)."""
     try:
         threads = int(os.environ.get("OMP_NUM_THREADS", ""))
     except ValueError:
         return None
-    return threads if threads >= 1 else None
+    return min(threads, os.cpu_count() or threads) if threads >= 1 else None
 
 
 class RecordRow:
@@ -101,7 +102,9 @@ class RecordRow:
         empty = main is None and not any(st["n"] for st in machine.stats())
         info = self.info
         info.failed_writes = [f[0] for f in failures]
-        info.threads = torch.get_num_threads() if torch is not None else None
+        info.threads = session.loops.threads.get((main.loop, main.run)) if main else None
+        if info.threads is None and torch is not None:
+            info.threads = torch.get_num_threads()
         # is_initialized() never initialises CUDA itself
         info.cuda = torch is not None and torch.cuda.is_initialized()
         info.deterministic = torch is not None and torch.are_deterministic_algorithms_enabled()
