@@ -1174,6 +1174,23 @@ def test_callables_held_in_variables_may_run_the_projects_callbacks_and_forwards
     assert "self.best" in block_effects(script, [epoch.body[0]], fit).paths
 
 
+def test_a_model_called_as_an_item_runs_the_projects_forwards():
+    """models["G"](z) and heads[k](h) run a forward that counts its calls:
+    the item (or, by a variable key, its container) changes."""
+    e = effects("""
+        class Counted:
+            def forward(self, x):
+                self.calls += 1
+        models = {"G": Counted(), "D": Counted()}
+        heads = [Counted(), Counted()]
+        for ep in range(2):
+            for z in data:
+                fake = models["G"](z)
+                out = heads[k](fake)
+        """, "print(models, heads)")
+    assert "models['G'].calls" in e.paths and "heads" in e.paths, e.paths
+
+
 def test_a_subclass_override_of_a_method_the_base_class_calls_counts():
     e = effects("""
         class Base:

@@ -273,11 +273,18 @@ class Calls:
         resolve may run: for ``obj.name(...)`` on an object of no known
         class, every method `name` of the project's classes; for a call of
         a callable held in a variable or an attribute (``cb(self)``,
-        ``self.model(x)``, ``net(x)``), every function of the project that
-        some code hands over as a value (a callback) and every ``forward``
-        and ``__call__`` of its classes.  Not a module's function
+        ``self.model(x)``, ``net(x)``) or an item (``models["G"](z)``,
+        ``self.heads[k](h)``), every function of the project that some code
+        hands over as a value (a callback) and every ``forward`` and
+        ``__call__`` of its classes.  Not a module's function
         (``torch.save``), a class, or a builtin."""
         func = call.func
+        if isinstance(func, ast.Subscript):
+            held = path_of(func.value)
+            if held is None or root(held) in self.imports or \
+                    (root(held) in self.not_state and root(held) not in self.classes):
+                return []
+            return self._callables()
         if isinstance(func, ast.Name):
             name = func.id
             if name in self.defs(scope) or name in self.functions or name in self.classes \
