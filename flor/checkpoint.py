@@ -143,24 +143,32 @@ def restore(live, saved):
     return _restore(live, saved, "obj", _as_is)
 
 
-def restore_placed(live, saved, place=None):
+def restore_placed(live, saved, place=None, loaded=None):
     """:func:`restore`, with `place` (if any) applied to each part of
     `saved` that becomes live as it is (a new dict key, a replaced list, a
     value that cannot change in place, a state dict an object may keep)
-    rather than being copied into a live object."""
-    return _restore(live, saved, "obj", place or _as_is)
+    rather than being copied into a live object.  `loaded` (a dict), if
+    given, receives ``id(state dict): live object`` for each object restored
+    through its state dict, to find the live object that another name for
+    it (saved as the same state dict) stands for."""
+    return _restore(live, saved, "obj", place or _as_is, loaded)
 
 
 def _as_is(value):
     return value
 
 
-def _restore(live, saved, where, place):
+def _restore(live, saved, where, place, loaded=None):
     if isinstance(saved, Handle):
         return saved.apply(live, where)
     torch = sys.modules.get("torch")
-    load_sd = getattr(live, "load_state_dict", None)
+    try:
+        load_sd = getattr(live, "load_state_dict", None)
+    except Exception:  # noqa: BLE001 -- a __getattr__ that raises other than AttributeError
+        load_sd = None
     if callable(load_sd) and isinstance(saved, Mapping) and not isinstance(live, Mapping):
+        if loaded is not None:
+            loaded[id(saved)] = live
         if place is _as_is:
             load_sd(saved)
         elif torch is not None and isinstance(live, torch.nn.Module):
@@ -206,13 +214,13 @@ def _restore(live, saved, where, place):
         for key in [k for k in live if k not in saved]:
             del live[key]
         for key, value in saved.items():
-            live[key] = _restore(live[key], value, f"{where}[{key!r}]", place) \
+            live[key] = _restore(live[key], value, f"{where}[{key!r}]", place, loaded) \
                 if key in live else _fresh(value, f"{where}[{key!r}]", place)
         return live
     if isinstance(live, list) and isinstance(saved, list):
         if len(live) == len(saved):
             for i, value in enumerate(saved):
-                live[i] = _restore(live[i], value, f"{where}[{i}]", place)
+                live[i] = _restore(live[i], value, f"{where}[{i}]", place, loaded)
         else:
             live[:] = [_fresh(value, f"{where}[{i}]", place) for i, value in enumerate(saved)]
         return live
@@ -221,7 +229,7 @@ def _restore(live, saved, where, place):
         live.update(place(saved))
         return live
     if isinstance(live, tuple) and isinstance(saved, tuple) and len(live) == len(saved):
-        items = [_restore(a, b, f"{where}[{i}]", place)
+        items = [_restore(a, b, f"{where}[{i}]", place, loaded)
                  for i, (a, b) in enumerate(zip(live, saved))]
         if all(a is b for a, b in zip(items, live)):
             return live
@@ -237,7 +245,7 @@ def _restore(live, saved, where, place):
         and not isinstance(live, type)
         and hasattr(saved, "__dict__")
     ):
-        _restore(live.__dict__, dict(saved.__dict__), where, place)
+        _restore(live.__dict__, dict(saved.__dict__), where, place, loaded)
         return live
     return place(saved)
 

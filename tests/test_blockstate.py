@@ -78,3 +78,30 @@ def test_held_looks_through_attributes_and_small_containers_only():
     paths = [p for p, _ in blockstate.held(box, torch.nn.Module)]
     assert paths == [[["a", "a"], ["i", "x"], ["i", 0]]]
     assert blockstate.held(m, torch.nn.Module) == []
+
+
+def test_held_names_tuple_keys_and_passes_over_objects_that_raise_when_inspected():
+    import weakref
+
+    class Config:
+        __slots__ = ("lr",)
+
+        def __getattr__(self, name):
+            raise KeyError(name)
+
+    class Gone:
+        pass
+
+    m = torch.nn.Linear(1, 1)
+    gone = Gone()
+    proxy = weakref.proxy(gone)
+    del gone
+    box = {("ema", 0): m, "cfg": Config(), "proxy": proxy}
+    assert blockstate.held(box, torch.nn.Module) == [([["i", ("ema", 0)]], m)]
+
+
+def test_held_visits_a_bounded_number_of_objects():
+    tree = [[[[object() for _ in range(20)] for _ in range(20)] for _ in range(20)]]
+    tree.append(torch.nn.Linear(1, 1))  # past the budget
+    assert blockstate.held(tree, torch.nn.Module) == []
+    assert blockstate.held([torch.nn.Linear(1, 1)] + tree, torch.nn.Module)

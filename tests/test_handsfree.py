@@ -284,6 +284,27 @@ def test_training_idioms_replay_like_a_plain_run(tmp_path, name):
     assert "deferred checks passed" in rep.stderr, rep.stderr
 
 
+def test_a_gan_kept_in_dicts_resumes_a_worker_from_an_iteration_checkpoint(tmp_path):
+    """Models called as items of a dict (models["G"](z)) whose forward
+    counts its calls, and a loop variable (m) that names one of them: a
+    restored block keeps the counter, and the second worker restores and
+    verifies the iteration checkpoint (m names the restored model again)."""
+    d = str(tmp_path)
+    path = os.path.join(d, "train.py")
+    shutil.copy(os.path.join(IDIOMS, "gan_dict.py"), path)
+    rec = flor(d, "record", "--no-adaptive", "train.py")
+    assert rec.stdout == plain(d, "train.py").stdout
+    edit(path, "lg.backward()", 'print("  lg", round(lg.item(), 6))', after=True)
+    want = plain(d, "train.py").stdout
+    rep = flor(d, "replay", "--jobs", "2", "train.py",
+               env={"FLOR_SEGMENTS": "2", "FLOR_ALL_JOBS": "1"})
+    assert rep.stdout == want
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+    st = store(d)
+    parts = st.parts(runs(st, "replay")[-1]["run_id"])
+    assert [p["info"].resumed_from is not None for p in parts] == [False, True], rep.stderr
+
+
 def test_a_hands_free_script_gets_the_globals_plain_python_gives_it(tmp_path):
     # dir(__builtins__) is the builtins module's names under plain python,
     # a dict's methods if flor ran the script with the builtins dict.

@@ -120,56 +120,75 @@ def module_modes(objs):
 
 
 def set_module_modes(objs, modes):
+    # (A name rebound to a module's state dict, with no live module it
+    # stands for, has no modes to set.)
     for o, mode in zip(objs, modes or []):
-        if mode:
+        if mode and _is_module(o):
             for name, m in o.named_modules():
                 if name in mode:
                     m.training = mode[name]
 
 
 #: How far `held` looks for what an object holds: attributes, dict
-#: values and list or tuple items, this many steps deep, in containers of
-#: at most HELD_ITEMS items (a large list of numbers is not walked at each
-#: checkpoint).
+#: values and list or tuple items, HELD_DEPTH steps deep, in containers of
+#: at most HELD_ITEMS items, HELD_VISITS objects in all (a large list of
+#: numbers or a deep structure is not walked at each checkpoint).
 HELD_DEPTH = 4
 HELD_ITEMS = 256
+HELD_VISITS = 4096
+
+
+def _key(k) -> bool:
+    """A dict key a path can name: a string, an int, or a tuple of them."""
+    return isinstance(k, (str, int)) or (
+        isinstance(k, tuple) and all(isinstance(x, (str, int)) for x in k))
+
+
+def _steps(x) -> list:
+    """The ([kind, key], value) steps out of `x` that `held` follows."""
+    if isinstance(x, dict):
+        return [(["i", k], v) for k, v in x.items() if _key(k)] if len(x) <= HELD_ITEMS else []
+    if isinstance(x, (list, tuple)):
+        return [(["i", i], v) for i, v in enumerate(x)] if len(x) <= HELD_ITEMS else []
+    d = getattr(x, "__dict__", None)
+    if type(d) is not dict or len(d) > HELD_ITEMS:
+        return []
+    return [(["a", k], v) for k, v in d.items() if isinstance(k, str)]
 
 
 def held(o, kinds) -> list:
     """The objects of `kinds` that `o` (not one of them) holds, as
     [(path, object)], each once: what flor.checkpoint's restore reaches in
     place (an object's attributes, dict values, list and tuple items), not
-    looking inside objects of `kinds`, tensors or classes.  A path is a
-    list of ["a", attribute] and ["i", key or index] steps."""
+    looking inside objects of `kinds`, tensors or classes, nor into an
+    object whose inspection raises (a dead weak proxy).  A path is a list
+    of ["a", attribute] and ["i", key or index] steps."""
     torch = sys.modules.get("torch")
-    if torch is None or isinstance(o, kinds):
+    if torch is None:
         return []
     out, seen = [], set()
+    plain = (str, bytes, int, float, bool, complex, type(None))
 
     def walk(x, path, depth):
-        if id(x) in seen or isinstance(x, (type, torch.Tensor, Handle)):
+        if id(x) in seen or len(seen) >= HELD_VISITS:
             return
-        seen.add(id(x))
-        if isinstance(x, kinds):
-            out.append((path, x))
+        try:
+            if isinstance(x, plain):
+                return
+            seen.add(id(x))
+            if isinstance(x, (type, torch.Tensor, Handle)):
+                return
+            if isinstance(x, kinds):
+                out.append((path, x))
+                return
+            steps = _steps(x) if depth < HELD_DEPTH else []
+        except Exception:  # noqa: BLE001 -- an object whose __getattr__ raises: not walked
             return
-        if depth == HELD_DEPTH:
-            return
-        if isinstance(x, dict):
-            steps = [(["i", k], v) for k, v in x.items()
-                     if isinstance(k, (str, int))] if len(x) <= HELD_ITEMS else []
-        elif isinstance(x, (list, tuple)):
-            steps = [(["i", i], v) for i, v in enumerate(x)] if len(x) <= HELD_ITEMS else []
-        else:
-            d = getattr(x, "__dict__", None)
-            steps = [(["a", k], v) for k, v in d.items() if isinstance(k, str)] \
-                if type(d) is dict and len(d) <= HELD_ITEMS else []
         for step, v in steps:
-            if not isinstance(v, (str, bytes, int, float, bool, type(None))):
-                walk(v, path + [step], depth + 1)
+            walk(v, path + [step], depth + 1)
 
     walk(o, [], 0)
-    return out
+    return [] if out and out[0][0] == [] else out  # `o` is one of them itself
 
 
 def _at(o, path):
@@ -177,7 +196,7 @@ def _at(o, path):
     try:
         for kind, key in path:
             o = getattr(o, key) if kind == "a" else o[key]
-    except (AttributeError, LookupError, TypeError):
+    except Exception:  # noqa: BLE001 -- not there in the live object (or it raises)
         return None
     return o
 
@@ -244,8 +263,15 @@ def module_attributes(objs):
     return out
 
 
+def _is_module(o) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(o, torch.nn.Module)
+
+
 def set_module_attributes(objs, attrs):
     for o, found in zip(objs, attrs or []):
+        if not _is_module(o):
+            continue
         for name, values in (found or {}).items():
             try:
                 m = o.get_submodule(name)
@@ -268,7 +294,7 @@ def ddp_flags(objs):
 
 def set_ddp_flags(objs, flags):
     for o, flag in zip(objs, flags or []):
-        if isinstance(flag, bool):
+        if isinstance(flag, bool) and _is_module(o):
             o.require_forward_param_sync = flag
 
 
@@ -405,8 +431,12 @@ def _rebind(live, saved, place):
     """A rebound name's restored value: the saved one, on its recorded
     devices, except that an object restored through its state dict is
     loaded into the live object, and a handle's values are set on it."""
-    if (callable(getattr(live, "load_state_dict", None)) and isinstance(saved, dict)
-            and not isinstance(live, dict)) or isinstance(saved, Handle):
+    try:
+        loads = callable(getattr(live, "load_state_dict", None))
+    except Exception:  # noqa: BLE001 -- a __getattr__ that raises other than AttributeError
+        loads = False
+    if (loads and isinstance(saved, dict) and not isinstance(live, dict)) \
+            or isinstance(saved, Handle):
         return restore_placed(live, saved, place)
     return saved if place is None else place(saved)
 
@@ -420,9 +450,18 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
     rebind = rebind or [False] * len(objs)
     devices = saved.get("devices")
     place = devices.placer() if devices is not None else None
+    loaded: dict = {}  # id(a state dict saved): the live object loaded from it
+    items = list(zip(objs, saved["objs"], rebind))
+    out = [None] * len(items)
     try:
-        out = [_rebind(live, s, place) if again else restore_placed(live, s, place)
-               for live, s, again in zip(objs, saved["objs"], rebind)]
+        for i, (live, s, again) in enumerate(items):
+            if not again:
+                out[i] = restore_placed(live, s, place, loaded)
+        for i, (live, s, again) in enumerate(items):
+            if again:
+                # A name for an object restored in place above (m after
+                # `for m in models.values()`) names that object again.
+                out[i] = loaded[id(s)] if id(s) in loaded else _rebind(live, s, place)
     finally:
         if devices is not None:
             devices.done()

@@ -149,6 +149,8 @@ def restore(saved, carrier, loop, run, i, scope, where):
         raise FlorReplayError(f"{where} holds {saved['sig']}, and the loop at {loop} now "
                               f"carries {sig}: the program changed; it cannot be used")
     values, objs = carrier.apply(saved, scope)
+    if values is not None:  # as the body will see it, with the names it rebinds
+        scope = carrier.scope_after(values, scope)
     got = fingerprint(scope, blockstate.fingerprint_version(saved["fingerprint"]))
     if got != saved["fingerprint"]:
         raise FlorReplayError(

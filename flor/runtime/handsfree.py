@@ -34,7 +34,7 @@ import threading
 import types
 
 from ..program.syntax import root as root_of
-from .blockstate import UNHELD
+from .blockstate import UNHELD, held
 from .session import Session
 
 __all__ = ["UNBOUND", "loop", "resume", "step_into", "end", "abandon", "count"]
@@ -122,6 +122,15 @@ class _Carried:
         items, captured, objs, _, rebind = self._read(scope)
         out = apply(saved, objs, rebind, scope)
         return _put_back(items, captured, out, len(self.sets[0]), scope), out
+
+    def scope_after(self, values, scope):
+        """`scope` as the loop's body will see it once the names it rebinds
+        take `values` (from apply): what the record fingerprinted."""
+        ns, g = scope.f_locals, scope.f_globals
+        bound = {n: v for n, v in zip(self.sets[0], values) if v is not UNBOUND}
+        f_locals = {**ns, **bound}
+        return types.SimpleNamespace(f_locals=f_locals,
+                                     f_globals=f_locals if ns is g else g)
 
 
 def step_into(key, owner, names, paths, globals_, rebound, dead=(), iterated=()) -> bool:
@@ -232,12 +241,18 @@ def _completion(values, ns, g):
             have.add(id(obj))
             extra.append((label, obj))
 
-    optimizers = [v for v in values if isinstance(v, torch.optim.Optimizer)]
     scheduler_types = tuple(t for t in (getattr(torch.optim.lr_scheduler, "LRScheduler", None),
                                         getattr(torch.optim.lr_scheduler, "_LRScheduler", None),
                                         getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau",
                                                 None)) if t is not None)
-    for v in values:
+    # The optimizers and schedulers captured, or held by what is captured
+    # (a dict of them, a trainer's attributes).
+    kinds = (torch.optim.Optimizer,) + scheduler_types
+    found = [o for v in values
+             for o in ([v] if isinstance(v, kinds) else [o for _, o in held(v, kinds)])]
+    have |= {id(o) for o in found}  # restored with what holds them
+    optimizers = [v for v in found if isinstance(v, torch.optim.Optimizer)]
+    for v in found:
         if isinstance(v, scheduler_types) and isinstance(
                 getattr(v, "optimizer", None), torch.optim.Optimizer):
             add(f"{name_of(v.optimizer, 'optimizer')}: the optimizer of a scheduler",
@@ -259,9 +274,10 @@ def _completion(values, ns, g):
             if id(obj) not in subs:
                 add(f"{name}: a module whose parameters an optimizer holds", obj)
                 covered |= {id(p) for p in obj.parameters()}
-        for v in values:
-            if isinstance(v, torch.nn.Module):
-                covered |= {id(p) for p in v.parameters()}
+        for v in values:  # a module captured, or one a captured dict or object holds
+            for _, m in [((), v)] if isinstance(v, torch.nn.Module) else \
+                    held(v, torch.nn.Module):
+                covered |= {id(p) for p in m.parameters()}
         loose = [p for group in opt.param_groups for p in group["params"]
                  if id(p) not in covered]
         if loose:
