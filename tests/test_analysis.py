@@ -1191,6 +1191,25 @@ def test_a_model_called_as_an_item_runs_the_projects_forwards():
     assert "models['G'].calls" in e.paths and "heads" in e.paths, e.paths
 
 
+def test_a_comprehension_s_own_variable_is_never_state():
+    """p in a probe's sum(p.grad.norm() for p in ...) is the generator's own:
+    a path under it is dropped, so the probe leaves the loop's carried set
+    (and its iteration checkpoints) as they were."""
+    e = effects("""
+        class Counted:
+            def forward(self, x):
+                self.calls += 1
+        p = make_parser()  # another p, of the script's scope
+        for ep in range(2):
+            for x in data:
+                loss = model(x)
+                print(sum(p.grad.norm() for p in model.parameters()))
+                print([q.norm() for q in ws], {k: v.norm() for k, v in d.items()})
+        """, "print(loss)")
+    assert not [p for p in e.paths if p.split(".")[0] in ("p", "q", "k", "v")], e.paths
+    assert "p.grad.norm.calls" in e.dropped
+
+
 def test_a_subclass_override_of_a_method_the_base_class_calls_counts():
     e = effects("""
         class Base:

@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 
 from .calls import MISSING, Calls, Modules
 from .iterators import advanced, iterated
-from .syntax import (assigned_names, called_names, free_names, own_nodes, path_of, root,
-                     simple_statements, stops, walk_scope)
+from .syntax import (assigned_names, called_names, comprehension_names, free_names, own_nodes,
+                     path_of, root, simple_statements, stops, walk_scope)
 from .syntax import targets as single_targets
 
 __all__ = ["Effects", "GiveUp", "MISSING", "Modules", "Script", "block_effects", "globals_changed",
@@ -547,8 +547,14 @@ def block_effects(script: Script, block: list, scope) -> Effects:
     declared = {g for n in ast.walk(scope) if isinstance(n, (ast.Global, ast.Nonlocal))
                 for g in n.names} if not isinstance(scope, ast.Module) else set()
     module_level = isinstance(scope, ast.Module)
+    # A comprehension's own variable (p in sum(p.grad.norm() for p in ...)),
+    # where the block uses that name nowhere else.
+    own = comprehension_names(block)
+
     def scoped(p):
         r = root(p)
+        if r in own:
+            return True
         return (r in inside and r not in outside and r not in declared
                 and not (module_level and r in script.global_reads))
 

@@ -101,6 +101,23 @@ def assigned_names(nodes) -> set[str]:
     return out
 
 
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def comprehension_names(nodes) -> set[str]:
+    """Names that appear under `nodes` only inside comprehensions that bind
+    them (``p`` in ``sum(p.norm() for p in ps)``): there each is the
+    comprehension's own, never a name of the scope around it."""
+    own = set()  # ids of the Name nodes a comprehension around them binds
+    for n in walk_scope(nodes):
+        if isinstance(n, _COMPREHENSIONS):
+            bound = {t.id for g in n.generators for t in ast.walk(g.target)
+                     if isinstance(t, ast.Name)}
+            own |= {id(x) for x in ast.walk(n) if isinstance(x, ast.Name) and x.id in bound}
+    names = [x for x in walk_scope(nodes) if isinstance(x, ast.Name)]
+    return {x.id for x in names if id(x) in own} - {x.id for x in names if id(x) not in own}
+
+
 def loaded_names(nodes) -> set[str]:
     """Names read under `nodes`, nested functions included."""
     out = set()
