@@ -32,6 +32,7 @@ from ..program.source import (Comparison, FileMap, changed_functions, changed_ou
 from ..runinfo import ReplayInfo
 from ..runtime import ranks as ranking
 from ..runtime.project import modules_of
+from ..seal import check_plan, check_run, seal_plan
 from ..store import Store, new_run_id
 from .estimate import ALL_JOBS_ENV, planning_notes, workers_that_pay
 from .segments import (SEGMENTS_ENV, Costs, forced_segments, iteration_costs, main_iteration,
@@ -107,23 +108,28 @@ class Plan:
 
     def save(self, path: str):
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        code = None  # the compiled script beside the plan, which its seal covers
         if self.instrumented is not None:
             try:
                 data = marshal.dumps(self.instrumented)
             except ValueError:  # a constant marshal cannot write: workers instrument
                 data = None
             if data is not None:
-                _write(_code_path(path), importlib.util.MAGIC_NUMBER + data)
-        _write(path, json.dumps(self.to_json()).encode())
+                code = importlib.util.MAGIC_NUMBER + data
+                _write(_code_path(path), code)
+        _write(path, json.dumps(seal_plan(self.to_json(), code)).encode())
 
     @classmethod
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
-            plan = cls.from_json(json.load(f))
+            text = json.load(f)
         try:
             with open(_code_path(path), "rb") as f:
                 data = f.read()
         except FileNotFoundError:
+            data = None
+        plan = cls.from_json(check_plan(text, data, path))
+        if data is None:
             return plan
         magic = importlib.util.MAGIC_NUMBER
         if not plan.hands_free or not data.startswith(magic):
@@ -354,12 +360,13 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     rec = _pick_record(store, script, run_id)
     args = _arguments(rec, script, args, args_differ_ok)
     rec, group = _this_rank(store, script, args, rec)
+    unsealed = check_run(store, rec)  # raises where the store changed since the record
     if group is not None and part is not None:
         raise FlorError("a data-parallel record is replayed by local workers under torchrun: "
                         "--part, --parts and --backend ray do not replay it")
     asked_threads = threads
     threads, jobs, notes = worker_threads(rec, jobs, threads, cores)
-    notes += _interrupted(store, rec)
+    notes += _interrupted(store, rec) + ([unsealed] if unsealed else [])
     cmp, hands_free, code, new = _compare(store, script, rec)
     recorded = store.rows("decisions", rec["run_id"])
     epochs = {d["block"] for d in recorded if is_epoch(d["block"])}

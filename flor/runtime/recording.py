@@ -22,6 +22,7 @@ from ..errors import INTERRUPTIONS, CheckpointWriteError, FlorError, note
 from ..layout import checkpoint_path
 from ..program.gradients import manual_gradients, manual_loop_gradients
 from ..schema import DECISIONS
+from ..seal import seal_run
 from . import blockstate, carry, charge, ranks
 from .charge import Charges, StateReads
 from .logbook import FingerprintBudget
@@ -96,6 +97,7 @@ class Recording(Policy):
         # summaries by path, and the sources to keep at the next flush.
         self.modules = store.layout.handsfree_modules(self.run_id) if resume else {}
         self._module_sources: list[tuple[str, str]] = []
+        self._sealed_main = None  # the main loop so far the run's seal covers
         self.writes = Writes(store, self.run_id, adaptive)
 
     # -- identity -----------------------------------------------------------
@@ -138,6 +140,11 @@ class Recording(Policy):
             main, self.progress = self.progress, None
             self.store.update_run(self.run_id, main_loop=main[0], main_run=main[1],
                                   iterations=main[2])
+            if (main[0], main[1]) != self._sealed_main:
+                self._sealed_main = (main[0], main[1])
+                pending.append(self._sealed_main)
+        if pending or modules:  # what replay takes from the store changed
+            seal_run(self.store, self.run_id)
 
     # -- the main loop ------------------------------------------------------
 

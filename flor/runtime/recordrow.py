@@ -14,6 +14,7 @@ import time
 from .. import codeversion
 from ..errors import SegmentDone, note
 from ..runinfo import RecordInfo
+from ..seal import seal_run
 from ..store import new_run_id, process_start
 from ..version import __version__
 from .blockstate import TAGS
@@ -79,6 +80,7 @@ class RecordRow:
         self.info = info
         if hands_free is not None:
             store.layout.save_instrumented(self.run_id, hands_free.text, hands_free.summary())
+        seal_run(store, self.run_id)
 
     def interrupted(self):
         """The run stays interrupted, as far as it committed."""
@@ -119,3 +121,4 @@ class RecordRow:
             status="empty" if empty else "failed" if failed else "finished",
             main_loop=main.loop if main else None, main_run=main.run if main else None,
             iterations=main.iterations if main else 0, versions=versions(), info=info)
+        seal_run(self.store, self.run_id)
