@@ -1210,6 +1210,41 @@ def test_a_comprehension_s_own_variable_is_never_state():
     assert "p.grad.norm.calls" in e.dropped
 
 
+def test_a_comprehension_that_changes_its_items_changes_what_it_draws_from():
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                [o.step() for o in opts]
+                [m.train() for m in models.values()]
+                {k: p.add_(1) for net in nets for k, p in net.named_parameters()}
+                total = sum(w for w in weights)
+        """, "print(total)")
+    assert {"opts", "models", "nets"} <= set(e.paths) and "weights" not in e.paths, e.paths
+
+
+def test_a_model_a_trainer_method_calls_runs_the_projects_forwards():
+    """self.nets[k](h) inside a method the block calls: the forward's change
+    of self counts (not inside a forward itself, where every layer's call
+    would run every forward)."""
+    tree, script = _project_script("""
+        class Block:
+            def forward(self, x):
+                self.calls += 1
+                return self.lin(x)
+        class Trainer:
+            def train_epoch(self, X):
+                for k in range(2):
+                    X = self.nets[k](X)
+                return X
+        trainer = Trainer()
+        for ep in range(2):
+            for x in data:
+                trainer.train_epoch(x)
+        print(trainer)
+        """, {})
+    assert "trainer.nets" in _loop_effects(tree, script).paths
+
+
 def test_a_subclass_override_of_a_method_the_base_class_calls_counts():
     e = effects("""
         class Base:

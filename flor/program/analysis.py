@@ -212,6 +212,9 @@ def _same(a, b) -> bool:
     return norm(a) == norm(b)
 
 
+_FORWARDS = ("forward", "__call__")
+
+
 def _apply_call(script, call, eff, scope, depth, stack):
     """The effects of a call to a function of the script, on the caller's
     names (a method's first parameter is the receiver)."""
@@ -223,11 +226,14 @@ def _apply_call(script, call, eff, scope, depth, stack):
                          "cannot find")
         # A call it cannot resolve may run the project's functions (a
         # trainer's callbacks, a model's forward).
+        inside_forward = isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+            scope.name in _FORWARDS
         for candidate in script.may_run(call, scope):
-            # A model's forward and __call__ only where the block itself calls
-            # it: inside them, every layer's call would run every forward
-            # again (a fixpoint over all of them, too slow to reach).
-            if depth == 0 or candidate.name not in ("forward", "__call__"):
+            # A model's forward and __call__ where the block or a function it
+            # calls (a trainer's train_epoch) calls a model, but not inside a
+            # forward: there every layer's call would run every forward again
+            # (a fixpoint over all of them, too slow to reach).
+            if candidate.name not in _FORWARDS or depth == 0 or not inside_forward:
                 _apply_fn(script, candidate, call, eff, scope, depth, stack)
         return False
     _apply_fn(script, fn, call, eff, scope, depth, stack)
@@ -332,6 +338,7 @@ def _collect(script, stmts, eff, scope, depth, stack):
     for s in simple_statements(stmts):
         handled = set()
         _rule(script, s, eff, scope, depth, stack, handled)
+        _comprehensions(script, s, eff)
         # Calls to the script's own functions anywhere in the statement.
         for n in walk_scope(own_nodes(s)):
             if isinstance(n, ast.Call) and id(n) not in handled:
@@ -404,6 +411,42 @@ def _named(value) -> list:
         return _named(value.value)
     p = path_of(value)
     return [(p, stops(value))] if p is not None else []
+
+
+def _drawn_from(it) -> list[str]:
+    """The paths of the objects a loop over `it` draws from: the receivers
+    in it (``model.parameters()``, ``opts.values()``), or the container it
+    names (``opts``)."""
+    out = []
+    for n in ast.walk(it):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            out.append(path_of(n.func.value))
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
+            out.append(path_of(n.value))
+    if not out and isinstance(it, (ast.Name, ast.Attribute, ast.Subscript)):
+        out.append(path_of(it))
+    return [p for p in out if p is not None]
+
+
+def _comprehensions(script, s, eff):
+    """A comprehension whose element changes its variable in place
+    (``[o.step() for o in opts]``, ``[m.train() for m in models.values()]``):
+    the objects it draws from change, as a for loop's do (rule 1).  The
+    variable itself is the comprehension's own (dropped, block_effects)."""
+    for n in walk_scope(own_nodes(s)):
+        if not isinstance(n, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        parts = [n.key, n.value] if isinstance(n, ast.DictComp) else [n.elt]
+        parts += [c for g in n.generators for c in g.ifs]
+        changed = set()  # the comprehension's names whose objects it changes
+        for g in reversed(n.generators):  # an inner generator draws from an outer's name
+            names = {t.id for t in ast.walk(g.target) if isinstance(t, ast.Name)}
+            if not (names & changed or _mutates(parts, names)):
+                continue
+            for obj in _drawn_from(g.iter):
+                changed.add(root(obj))
+                if script.state(obj):
+                    eff.add(obj, 1)
 
 
 def _mutates(stmts, names) -> bool:
