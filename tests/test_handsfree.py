@@ -261,6 +261,13 @@ IDIOM_CASES = {
                            'print("  seen", Meter.updates, Meter.resets, CFG.examples, '
                            'STATS["batches"], PARITY)',
                            True),
+    # a model made in the first training step (ema = copy.deepcopy(model)):
+    # that execution's checkpoint cannot bind ema, so replay runs it
+    "lazy_ema.py": (["--no-adaptive"], [], 'print(f"epoch',
+                    'print("  w", round(float(model[0].weight.sum()), 6))', False),
+    # optimizers stepped in comprehensions: the weights they change are state
+    "comprehension_steps.py": (["--no-adaptive"], [], 'print(f"epoch',
+                               'print("  w", round(models[0].weight.sum().item(), 6))', False),
     # a trainer class of the script: the block changes self through a method
     "trainer_class.py": ([], [], "self.log.append(total)",
                          'print("  w", self.model.weight.sum().item())', True),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import sys
+from typing import NamedTuple
 
 from .. import _core, trust
 from ..checkpoint import read, restore_placed
@@ -173,11 +174,9 @@ def held(o, kinds) -> list:
         if id(x) in seen or len(seen) >= HELD_VISITS:
             return
         try:
-            if isinstance(x, plain):
-                return
+            if isinstance(x, plain) or isinstance(x, (type, torch.Tensor, Handle)):
+                return  # (not counted against the budget: a list of metric tensors)
             seen.add(id(x))
-            if isinstance(x, (type, torch.Tensor, Handle)):
-                return
             if isinstance(x, kinds):
                 out.append((path, x))
                 return
@@ -425,6 +424,59 @@ def read_own(path: str, expect: bytes, devices: bool = True):
 def belongs(loaded, key: str, ctx: str, occurrence: int) -> bool:
     return (isinstance(loaded, dict) and loaded.get("block") == key
             and loaded.get("ctx") == ctx and loaded.get("occurrence") == occurrence)
+
+
+class Expected(NamedTuple):
+    """What replay knows of a hands-free block at its start: the labels its
+    end() will hand (`sig`), and the objects captured now with whether the
+    block rebinds each (`live`, `rebind`)."""
+
+    sig: list
+    live: list
+    rebind: list
+
+
+def _saved_inside(objs, depth=HELD_DEPTH) -> set:
+    """The ids of what the saved `objs` hold (dict values, list and tuple
+    items, attributes), `depth` steps deep."""
+    out: set = set()
+    todo = [(o, 0) for o in objs]
+    while todo and len(out) < HELD_VISITS:
+        x, d = todo.pop()
+        if id(x) in out:
+            continue
+        out.add(id(x))
+        if d < depth:
+            todo += [(v, d + 1) for _, v in _steps(x)]
+    return out
+
+
+def unrestorable(saved: dict, expected: Expected) -> str | None:
+    """Why the checkpoint `saved` cannot put back what the block rebinds,
+    given the objects it starts with, or None.  A module the block binds a
+    name to (``ema = copy.deepcopy(model)``, the first time) is saved as
+    its state dict: a restore loads it into the module the name holds, and
+    with none there (None, or a state dict's ModuleDict) it would bind the
+    state dict.  A name for a module that another object restored in place
+    holds (``m`` after ``for m in models.values()``) is put back as that
+    module (apply), and is restorable."""
+    torch = sys.modules.get("torch")
+    modes = saved.get("modes") or []
+    if torch is None:
+        return None
+    in_place = None
+    for i, (live, again) in enumerate(zip(expected.live, expected.rebind)):
+        if not again or i >= len(modes) or modes[i] is None or \
+                isinstance(live, torch.nn.Module):
+            continue
+        if in_place is None:
+            in_place = _saved_inside([o for o, a in zip(saved["objs"], expected.rebind)
+                                      if not a])
+        if id(saved["objs"][i]) not in in_place:
+            return (f"{expected.sig[i]} is bound to a module in the block, which its "
+                    "checkpoint holds as a state dict, and there is no module here to load "
+                    "it into")
+    return None
 
 
 def _rebind(live, saved, place):

@@ -34,7 +34,7 @@ import threading
 import types
 
 from ..program.syntax import root as root_of
-from .blockstate import UNHELD, held
+from .blockstate import UNHELD, Expected, held
 from .session import Session
 
 __all__ = ["UNBOUND", "loop", "resume", "step_into", "end", "abandon", "count"]
@@ -143,7 +143,10 @@ def step_into(key, owner, names, paths, globals_, rebound, dead=(), iterated=())
     frame = sys._getframe(1)
     expect = None
     if s.replaying:  # what end() would capture if the block were skipped
-        expect = _capture(s, names, paths, globals_, rebound, frame, dead, iterated)[3]
+        items, captured, _, labels = _capture(s, names, paths, globals_, rebound, frame, dead,
+                                              iterated)
+        expect = Expected(labels, [items[i][1] for i in captured],
+                          [items[i][2] for i in captured])
     return s.step_into(key, False, frame, expect_sig=expect)
 
 

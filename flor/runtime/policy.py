@@ -101,7 +101,8 @@ class Policy:
     def checkpoint_for(self, session, key, ctx, occurrence, probed, expect_sig):
         """(checkpoint payload or None, seconds to load it, probed) for the
         execution `occurrence` of block `key` in context `ctx`: a block with
-        a checkpoint (and not probed) is skipped."""
+        a checkpoint (and not probed) is skipped.  `expect_sig` (hands-free,
+        a blockstate.Expected): what its end() will capture."""
         return None, 0.0, probed
 
     def entered(self, session, key, ctx, occurrence, state):

@@ -155,13 +155,19 @@ class Replaying(Policy):
                     note(f"block {key}: {why}; re-executing it")
                 payload = None
                 self.reexecuted += 1
-        if payload is not None and expect_sig is not None and payload["sig"] != expect_sig:
-            if key not in self._sig_noted:
-                self._sig_noted.add(key)
-                note(f"block {key}: its checkpoints hold {payload['sig']}, the edited "
-                     f"script needs {expect_sig}; re-executing it")
-            payload = None
-            self.reexecuted += 1
+        if payload is not None and expect_sig is not None:
+            why = None
+            if payload["sig"] != expect_sig.sig:
+                why = (f"its checkpoints hold {payload['sig']}, the edited script needs "
+                       f"{expect_sig.sig}")
+            else:
+                why = blockstate.unrestorable(payload, expect_sig)
+            if why is not None:
+                if key not in self._sig_noted:
+                    self._sig_noted.add(key)
+                    note(f"block {key}: {why}; re-executing it")
+                payload = None
+                self.reexecuted += 1
         return payload, load_s, probed
 
     def _load(self, key, ctx, occurrence):
