@@ -1208,6 +1208,15 @@ def test_a_comprehension_s_own_variable_is_never_state():
         """, "print(loss)")
     assert not [p for p in e.paths if p.split(".")[0] in ("p", "q", "k", "v")], e.paths
     assert "p.grad.norm.calls" in e.dropped
+    # A probe that only reads what it draws from changes none of it.
+    e = effects("""
+        for ep in range(2):
+            for x in data:
+                print(sum(p.grad.norm() ** 2 for p in model.parameters()).item())
+                for p in model.parameters():
+                    print(p.norm().item())
+        """)
+    assert "model" not in e.paths, e.paths
 
 
 def test_a_comprehension_that_changes_its_items_changes_what_it_draws_from():

@@ -441,7 +441,7 @@ def _comprehensions(script, s, eff):
         changed = set()  # the comprehension's names whose objects it changes
         for g in reversed(n.generators):  # an inner generator draws from an outer's name
             names = {t.id for t in ast.walk(g.target) if isinstance(t, ast.Name)}
-            if not (names & changed or _mutates(parts, names)):
+            if not (names & changed or _mutates(parts, names, script)):
                 continue
             for obj in _drawn_from(g.iter):
                 changed.add(root(obj))
@@ -449,8 +449,29 @@ def _comprehensions(script, s, eff):
                     eff.add(obj, 1)
 
 
-def _mutates(stmts, names) -> bool:
-    """Whether `stmts` change an object bound to one of `names` in place."""
+#: Methods that read what they are called on (a tensor's, a container's, a
+#: module's), unless a class of the project has a method of that name: a
+#: loop or comprehension calling only these on its variable changes nothing
+#: it draws from (a probe's sum(p.grad.norm() for p in model.parameters())).
+READS = frozenset({
+    "norm", "sum", "mean", "std", "var", "abs", "max", "min", "amax", "amin", "item",
+    "tolist", "numpy", "numel", "nelement", "dim", "size", "detach", "clone", "cpu",
+    "float", "double", "half", "to", "pow", "sqrt", "square", "flatten", "view",
+    "reshape", "isnan", "isinf", "isfinite", "all", "any", "count_nonzero", "get", "keys",
+    "values", "items", "copy", "count", "index", "parameters", "named_parameters",
+    "buffers", "named_buffers", "modules", "named_modules", "children", "state_dict"})
+
+
+def _reads_only(script, call) -> bool:
+    """Whether `call` (obj.name(...)) is of a method that only reads."""
+    name = call.func.attr
+    return name in READS and not script.has_method(name)
+
+
+def _mutates(stmts, names, script=None) -> bool:
+    """Whether `stmts` change an object bound to one of `names` in place
+    (a call of a method that only reads, READS, does not, where `script`
+    says which methods its project has)."""
     for n in walk_scope(stmts):
         target = None
         if isinstance(n, ast.AugAssign):
@@ -460,7 +481,8 @@ def _mutates(stmts, names) -> bool:
                 for tt in single_targets(t):
                     if isinstance(tt, (ast.Attribute, ast.Subscript)):
                         target = tt
-        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                not (script is not None and _reads_only(script, n)):
             target = n.func.value
         p = path_of(target) if target is not None else None
         if p is not None and root(p) in names:
@@ -526,7 +548,8 @@ def _rule(script, s, eff, scope, depth, stack, handled):
         # The loop variable is an assignment (rule 3).  When the body changes
         # what it refers to (for p in model.parameters(): p -= ...), the
         # objects it is drawn from change: their receivers count (as rule 1).
-        if _mutates(s.body, {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)}):
+        if _mutates(s.body, {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)},
+                    script):
             for n in ast.walk(s.iter):
                 obj = None
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):

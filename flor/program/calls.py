@@ -264,6 +264,10 @@ class Calls:
                         todo.append(other)
         self.modules.closed = len(self.modules.by_path)
 
+    def has_method(self, name) -> bool:
+        """Whether a class of the project has a method `name`."""
+        return bool(self._methods(name))
+
     def _methods(self, name) -> list:
         return [m for s in self._scripts() for c in s.classes.values() for m in c.body
                 if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == name]
