@@ -105,3 +105,17 @@ def test_held_visits_a_bounded_number_of_objects():
     tree.append(torch.nn.Linear(1, 1))  # past the budget
     assert blockstate.held(tree, torch.nn.Module) == []
     assert blockstate.held([torch.nn.Linear(1, 1)] + tree, torch.nn.Module)
+
+
+def test_a_block_that_binds_a_name_to_new_modules_is_not_restored_where_none_are_there():
+    """ema = copy.deepcopy(model), or emas = (copy, copy), the first time:
+    the checkpoint holds state dicts, and with no module there to load them
+    into the execution runs instead; where modules are there they load."""
+    one, pair = torch.nn.Linear(2, 2), (torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    saved = blockstate.payload("k", "[]", 0, ["ema", "emas"], [one, pair])
+    fresh = blockstate.Expected(["ema", "emas"], [None, None], [True, True])
+    assert "ema is bound to a module" in blockstate.unrestorable(saved, fresh)
+    assert "emas is bound in the block" in blockstate.unrestorable(
+        saved, fresh._replace(live=[torch.nn.Linear(2, 2), None]))
+    live = [torch.nn.Linear(2, 2), (torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))]
+    assert blockstate.unrestorable(saved, fresh._replace(live=live)) is None

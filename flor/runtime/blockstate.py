@@ -462,12 +462,21 @@ def unrestorable(saved: dict, expected: Expected) -> str | None:
     module (apply), and is restorable."""
     torch = sys.modules.get("torch")
     modes = saved.get("modes") or []
+    inner = saved.get("held") or []
     if torch is None:
         return None
     in_place = None
     for i, (live, again) in enumerate(zip(expected.live, expected.rebind)):
-        if not again or i >= len(modes) or modes[i] is None or \
-                isinstance(live, torch.nn.Module):
+        if not again:
+            continue
+        # Modules a rebound tuple, list or object holds (emas = (copy, copy)):
+        # loaded into the live ones at the same places, if there are any.
+        for path, state in (inner[i] if i < len(inner) else None) or []:
+            if "modes" in state and not isinstance(_at(live, path), torch.nn.Module):
+                return (f"{expected.sig[i]} is bound in the block to what holds a module, "
+                        "which its checkpoint holds as a state dict, and there is no module "
+                        "here to load it into")
+        if i >= len(modes) or modes[i] is None or isinstance(live, torch.nn.Module):
             continue
         if in_place is None:
             in_place = _saved_inside([o for o, a in zip(saved["objs"], expected.rebind)
@@ -479,16 +488,18 @@ def unrestorable(saved: dict, expected: Expected) -> str | None:
     return None
 
 
-def _rebind(live, saved, place):
+def _rebind(live, saved, place, holds=False):
     """A rebound name's restored value: the saved one, on its recorded
     devices, except that an object restored through its state dict is
-    loaded into the live object, and a handle's values are set on it."""
+    loaded into the live object, a handle's values are set on it, and what
+    holds modules (`holds`: a tuple of EMA copies) is restored into the live
+    one, its modules loaded in place."""
     try:
         loads = callable(getattr(live, "load_state_dict", None))
     except Exception:  # noqa: BLE001 -- a __getattr__ that raises other than AttributeError
         loads = False
     if (loads and isinstance(saved, dict) and not isinstance(live, dict)) \
-            or isinstance(saved, Handle):
+            or isinstance(saved, Handle) or holds:
         return restore_placed(live, saved, place)
     return saved if place is None else place(saved)
 
@@ -509,11 +520,14 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
         for i, (live, s, again) in enumerate(items):
             if not again:
                 out[i] = restore_placed(live, s, place, loaded)
+        inner = saved.get("held") or []
         for i, (live, s, again) in enumerate(items):
             if again:
                 # A name for an object restored in place above (m after
                 # `for m in models.values()`) names that object again.
-                out[i] = loaded[id(s)] if id(s) in loaded else _rebind(live, s, place)
+                holds = bool(inner[i]) if i < len(inner) else False
+                out[i] = loaded[id(s)] if id(s) in loaded else \
+                    _rebind(live, s, place, holds)
     finally:
         if devices is not None:
             devices.done()
