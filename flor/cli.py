@@ -44,6 +44,8 @@ ENV_RECORD = ENV_STORE + (
 ENV_REPLAY = ENV_STORE + (
     "  FLOR_REPLAY_CORES    cores the replay workers may use (default: this process's)\n"
     "  FLOR_ALL_JOBS=1      start every worker --jobs allows, even where fewer would do\n"
+    "  FLOR_TRUST_STORE=1   replay a record whose seal is missing or does not verify (made\n"
+    "                       before flor sealed runs, or copied from another user)\n"
     "  FLOR_FORKSERVER=0    start each worker afresh, not forked from a process that\n"
     "                       imported the script's installed modules once\n"
     "  OMP_NUM_THREADS      as --threads\n"

@@ -15,10 +15,11 @@ HMAC-SHA256, under the key that signs its checkpoints, of
 
 made again whenever one of them changes (the record's start, a flush that
 stored a module's source or the main loop so far, its end), and replay
-recomputes it before it plans: a seal that does not verify is refused,
-naming the run and what replay would have trusted.  A run with no seal (a
-record made before flor sealed runs, or without a usable key) replays as
-before, and replay says that it trusts the store.
+recomputes it before it plans: a seal that is missing or does not verify
+is refused, naming the run and what replay would have trusted, unless
+FLOR_TRUST_STORE=1 says to trust the store (a record made before flor
+sealed runs, a store copied from another user); where no key is here to
+verify it, replay says that it trusts the store.
 
 A replay's plan, which its workers read from the store, is sealed the same
 way (`seal_plan`, `check_plan`), with the compiled script saved beside it.
@@ -33,7 +34,8 @@ import os
 from . import trust
 from .errors import FlorError
 
-__all__ = ["SEAL_FILE", "seal_run", "check_run", "seal_plan", "check_plan", "Tampered"]
+__all__ = ["SEAL_FILE", "TRUST_ENV", "seal_run", "check_run", "seal_plan", "check_plan",
+           "Tampered"]
 
 SEAL_FILE = "seal"
 _RUN_CONTEXT = b"flor run v1\0"
@@ -96,32 +98,39 @@ def seal_run(store, run_id):
     os.replace(path + ".tmp", path)
 
 
+TRUST_ENV = "FLOR_TRUST_STORE"  # "1": replay a record its seal cannot vouch for, with a note
+
+
 def check_run(store, row) -> str | None:
-    """Verify the seal of the record `row`: None if it verifies, a note if
-    the run has no seal or no key is here to verify it; raises Tampered if
-    it does not verify."""
+    """Verify the seal of the record `row`: None if it verifies, a note
+    where no key is here to verify it (or FLOR_TRUST_STORE=1 says to trust
+    the store); raises Tampered where it does not verify or is missing."""
+    run_id = row["run_id"]
+    trusted = os.environ.get(TRUST_ENV) == "1"
     try:
-        with open(os.path.join(store.layout.run_dir(row["run_id"]), SEAL_FILE)) as f:
+        with open(os.path.join(store.layout.run_dir(run_id), SEAL_FILE)) as f:
             sealed = f.read().strip()
     except FileNotFoundError:
-        return (f"run {row['run_id']} is not sealed (recorded before flor sealed runs, or "
-                "without a signing key): replay trusts its arguments and sources as the "
-                "store holds them")
+        sealed = None
     key = _key()
     if key is None:
-        return (f"no signing key here ({trust.key_path()}) to verify the seal of run "
-                f"{row['run_id']}: replay trusts its arguments and sources as the store holds "
-                "them")
-    now = _contents(store.layout, row)
-    if hmac.compare_digest(_mac(key, _RUN_CONTEXT, now), sealed):
+        return (f"no signing key here ({trust.key_path()}) to verify run {run_id}: replay "
+                "trusts its arguments and sources as the store holds them")
+    if sealed is not None and hmac.compare_digest(
+            _mac(key, _RUN_CONTEXT, _contents(store.layout, row)), sealed):
         return None
-    raise Tampered(
-        f"run {row['run_id']} is not as its record left it: its arguments "
-        f"({' '.join(now['argv'])!r}), main loop or stored sources (source.py, the "
-        "instrumented script and analysis, modules/) in flor.db or "
-        f"{store.layout.run_dir(row['run_id'])} changed since, and its seal does not verify "
-        "with your key. Replay would run what the store now says, so it refuses; record the "
-        "script again")
+    why = (f"run {run_id} has no seal (a record made before flor sealed runs, or its seal "
+           "was removed)" if sealed is None else
+           f"the seal of run {run_id} does not verify with your key: its arguments "
+           f"({' '.join(row['argv'])!r}), main loop or stored sources (source.py, the "
+           "instrumented script and analysis, modules/) changed after the record stored "
+           "them, or another user's key sealed it (a copied store), or the record was killed "
+           "while it stored them")
+    if trusted:
+        return f"{why}; {TRUST_ENV}=1: replay trusts the store as it holds them"
+    raise Tampered(f"{why}. Replay would run what the store now says, so it refuses; if you "
+                   f"trust this store, replay it with {TRUST_ENV}=1, or record the script "
+                   "again")
 
 
 def seal_plan(data: dict, code: bytes | None) -> dict:
@@ -136,16 +145,16 @@ def seal_plan(data: dict, code: bytes | None) -> dict:
 
 def check_plan(data: dict, code: bytes | None, path: str) -> dict:
     """The plan's JSON `data` read from `path` without its seal; raises
-    Tampered where the seal does not verify (a plan with no seal, or where
-    no key is here, is taken as it is: workers on a machine without the key
+    Tampered where the seal is missing or does not verify (where no key is
+    here the plan is taken as it is: workers on a machine without the key
     load checkpoints in safe mode anyway)."""
     data = dict(data)
     sealed = data.pop("seal", None)
     key = _key()
-    if sealed is None or key is None:
+    if key is None:
         return data
     body = dict(data, code=hashlib.sha256(code).hexdigest() if code is not None else None)
-    if not hmac.compare_digest(_mac(key, _PLAN_CONTEXT, body), sealed):
+    if sealed is None or not hmac.compare_digest(_mac(key, _PLAN_CONTEXT, body), sealed):
         raise Tampered(f"the replay plan {path} (or the compiled script beside it) changed "
                        "after the replay wrote it, and its seal does not verify with your key: "
                        "the worker refuses it")

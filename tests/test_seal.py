@@ -39,6 +39,14 @@ def test_a_plan_or_the_code_beside_it_changed_after_it_was_written_is_refused(tm
     code.write_bytes(code.read_bytes() + b"\0")
     with pytest.raises(seal.Tampered):
         Plan.load(path)
+    _plan(tmp_path, None).save(path)  # a plan whose seal was taken out
+    with open(path) as f:
+        data = json.load(f)
+    del data["seal"]
+    with open(path, "w") as f:
+        json.dump(data, f)
+    with pytest.raises(seal.Tampered):
+        Plan.load(path)
 
 
 SCRIPT = """
@@ -68,7 +76,7 @@ def test_a_record_whose_store_changed_after_it_is_refused(tmp_path):
         db.execute("UPDATE runs SET argv = ? WHERE run_id = ?",
                    (json.dumps(["train.py", "--lr", "2"]), run_id))
     rep = flor(d, "replay", "--run", run_id, "train.py", "--lr", "2", check=False)
-    assert rep.returncode == 2 and f"run {run_id} is not as its record left it" in rep.stderr
+    assert rep.returncode == 2 and f"the seal of run {run_id} does not verify" in rep.stderr
     with db:
         db.execute("UPDATE runs SET argv = ? WHERE run_id = ?",
                    (json.dumps(["train.py", "--lr", "1"]), run_id))
@@ -80,15 +88,20 @@ def test_a_record_whose_store_changed_after_it_is_refused(tmp_path):
     with open(path) as f, open(source, "w") as g:
         g.write(f.read())
     rep = flor(d, "replay", "train.py", check=False)
-    assert rep.returncode == 2 and "is not as its record left it" in rep.stderr, rep.stderr
+    assert rep.returncode == 2 and "does not verify with your key" in rep.stderr, rep.stderr
 
 
-def test_a_record_without_a_seal_replays_and_says_it_trusts_the_store(tmp_path):
+def test_a_record_without_a_seal_is_refused_unless_the_store_is_trusted(tmp_path):
+    """A seal taken out (or a record made before flor sealed runs) is
+    refused where a key is here to verify it; FLOR_TRUST_STORE=1 replays it
+    and says so."""
     d = str(tmp_path)
     path = write_script(d, "train.py", SCRIPT)
     flor(d, "record", "train.py")
     st = store(d)
     run_id = st.records(path)[0]["run_id"]
     os.remove(os.path.join(st.layout.run_dir(run_id), seal.SEAL_FILE))
-    rep = flor(d, "replay", "train.py")
-    assert f"run {run_id} is not sealed" in rep.stderr, rep.stderr
+    rep = flor(d, "replay", "train.py", check=False)
+    assert rep.returncode == 2 and f"run {run_id} has no seal" in rep.stderr, rep.stderr
+    rep = flor(d, "replay", "train.py", env={"FLOR_TRUST_STORE": "1"})
+    assert "FLOR_TRUST_STORE=1: replay trusts the store" in rep.stderr, rep.stderr
