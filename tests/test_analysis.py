@@ -1254,6 +1254,43 @@ def test_a_model_a_trainer_method_calls_runs_the_projects_forwards():
     assert "trainer.nets" in _loop_effects(tree, script).paths
 
 
+def test_a_method_taken_for_one_on_its_own_attribute_converges():
+    """self.opt.step() on an optimizer of no known class may be Trainer.step,
+    which changes self.opt: the paths it makes (self.opt.opt...) are capped,
+    and the analysis of a transformer-sized model ends at once."""
+    import time
+
+    tree, script = _project_script("""
+        class Attn:
+            def forward(s, x):
+                return s.o(s.q(x) @ s.k(x))
+        class Block:
+            def forward(s, x):
+                x = x + s.at(s.n1(x))
+                return x + s.ml(s.n2(x))
+        class Net:
+            def forward(s, x):
+                for b in s.blocks:
+                    x = b(x)
+                return s.head(x)
+        class Trainer:
+            def step(s, x):
+                s.opt.zero_grad()
+                loss = s.model(x)
+                loss.backward()
+                s.opt.step()
+                s.steps += 1
+        trainer = Trainer()
+        for ep in range(2):
+            for x in data:
+                trainer.step(x)
+        print(trainer)
+        """, {})
+    t0 = time.perf_counter()
+    paths = _loop_effects(tree, script).paths
+    assert time.perf_counter() - t0 < 10 and "trainer" in paths, paths
+
+
 def test_a_subclass_override_of_a_method_the_base_class_calls_counts():
     e = effects("""
         class Base:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import ast
 import copy
 import os
+import re
 from dataclasses import dataclass, field
 
 from .calls import MISSING, Calls, Modules
@@ -298,7 +299,21 @@ def _apply_fn(script, fn, call, eff, scope, depth, stack):
             continue  # a temporary: the change is not visible to the caller
         whole = isinstance(arg, ast.Subscript) and not isinstance(arg.slice, ast.Constant)
         for suffix in suffixes:
-            eff.add(base if whole else base + suffix, 2)
+            eff.add(base if whole else _capped(base + suffix), 2)
+
+
+#: The most steps a path a call's effects make may have past its root; a
+#: longer one stands for its prefix (what holds it).  A method applied to
+#: its own attribute (self.opt.step() taken for a Trainer.step that changes
+#: self.opt) would otherwise make self.opt.opt.opt... and never converge.
+MAX_STEPS = 6
+_STEP = re.compile(r"\.[A-Za-z_]\w*|\[[^\[\]]*\]")
+
+
+def _capped(path: str) -> str:
+    r = root(path)
+    steps = _STEP.findall(path[len(r):])
+    return r + "".join(steps[:MAX_STEPS]) if len(steps) > MAX_STEPS else path
 
 
 def _method_kind(fn) -> str:
