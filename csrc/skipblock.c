@@ -17,10 +17,14 @@
  *         def leave(i):                             # SkipBlock.end
  *             pop (must be i); if the body ran: n += 1, compute += elapsed
  *
- *         def decide(i, nbytes, M, W):              # record: checkpoint now?
+ *         def ran(i, seconds):       # record: an execution timed without enter/leave
+ *             n += 1, compute += seconds
+ *
+ *         def decide(i, nbytes, M, W, B=0):         # record: checkpoint now?
  *             C = compute / n          # M: what training pays per checkpoint,
  *             R = c * W                # W: its write time, R: a restore's
- *             cheap = (k + 1) * M < n * epsilon * C
+ *                                      # B: flor's other time at its executions
+ *             cheap = (k + 1) * M + B < n * epsilon * C
  *             worth = (k + 1) * (M + R) < n * C
  *             if cheap and worth or not adaptive:
  *                 k += 1; materialize += W; return True, terms
@@ -222,6 +226,37 @@ sm_leave(FlorSkipMachine *m, PyObject *arg)
     return Py_BuildValue("(id)", f.state, dt);
 }
 
+PyDoc_STRVAR(sm_ran_doc,
+             "ran($self, handle, seconds, /)\n--\n\n"
+             "Record mode: account an execution of the block that ran for `seconds` without\n"
+             "enter() and leave() (an iteration of a step loop at which the rule is not asked).");
+
+static PyObject *
+sm_ran(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t i;
+    double s;
+    if (flor_check_nargs("ran", nargs, 2, 2) < 0) {
+        return NULL;
+    }
+    i = PyLong_AsSsize_t(args[0]);
+    s = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred() || check_handle(m, i) < 0) {
+        return NULL;
+    }
+    if (m->mode != SB_RECORD) {
+        PyErr_SetString(PyExc_RuntimeError, "ran() outside record mode");
+        return NULL;
+    }
+    if (!(s >= 0.0 && isfinite(s))) {
+        PyErr_SetString(PyExc_ValueError, "seconds must be finite, at least 0");
+        return NULL;
+    }
+    m->blocks[i].n++;
+    m->blocks[i].compute += s;
+    Py_RETURN_NONE;
+}
+
 /* Eq. 4: checkpoint iff M/C < n/(k+1) * min(1/(1+c), epsilon). */
 static int
 joint_invariant(double M, double C, uint64_t n, uint64_t k, double c, double eps, double *ratio,
@@ -261,12 +296,14 @@ rule(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(sm_decide_doc,
-             "decide($self, handle, nbytes, M, write_s, /)\n--\n\n"
+             "decide($self, handle, nbytes, M, write_s, spent=0.0, /)\n--\n\n"
              "Record mode, after leave(): whether to checkpoint this execution of nbytes,\n"
-             "iff M/C < n/(k+1) * epsilon (record overhead) and (M + c*write_s)/C < n/(k+1)\n"
-             "(replay from checkpoints cheaper than re-running), with M the seconds a\n"
-             "checkpoint costs training, write_s the seconds its background write takes\n"
-             "(accounted as its materialize time) and C the mean compute time. Returns\n"
+             "iff (M + spent/(k+1))/C < n/(k+1) * epsilon (record overhead) and\n"
+             "(M + c*write_s)/C < n/(k+1) (replay from checkpoints cheaper than\n"
+             "re-running), with M the seconds a checkpoint costs training, spent the\n"
+             "seconds flor's other work at the block's n executions cost it, write_s the\n"
+             "seconds its background write takes (accounted as its materialize time) and\n"
+             "C the mean compute time. Returns\n"
              "(checkpoint, ratio, limit, M, terms): ratio and limit of the half that\n"
              "binds (the overhead half when both hold); terms = (cheap, worth, C, n, k,\n"
              "overhead ratio, overhead limit, replay ratio, replay limit), each half and\n"
@@ -277,12 +314,12 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t i;
     unsigned long long nbytes, n, k;
-    double write_s, M, C, ratio, limit, oratio, olimit, rratio, rlimit;
+    double write_s, M, C, ratio, limit, oratio, olimit, rratio, rlimit, spent = 0.0;
     int yes, cheap, worth;
     sb_block *b;
     PyObject *terms;
 
-    if (flor_check_nargs("decide", nargs, 4, 4) < 0) {
+    if (flor_check_nargs("decide", nargs, 4, 5) < 0) {
         return NULL;
     }
     i = PyLong_AsSsize_t(args[0]);
@@ -301,8 +338,16 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     if ((write_s == -1.0 && PyErr_Occurred()) || check_handle(m, i) < 0) {
         return NULL;
     }
-    if (!(M >= 0.0 && isfinite(M)) || !(write_s >= 0.0 && isfinite(write_s))) {
-        PyErr_SetString(PyExc_ValueError, "M and write_s must be finite seconds, at least 0");
+    if (nargs == 5) {
+        spent = PyFloat_AsDouble(args[4]);
+        if (spent == -1.0 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    if (!(M >= 0.0 && isfinite(M)) || !(write_s >= 0.0 && isfinite(write_s)) ||
+        !(spent >= 0.0 && isfinite(spent))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "M, write_s and spent must be finite seconds, at least 0");
         return NULL;
     }
     b = &m->blocks[i];
@@ -313,8 +358,10 @@ sm_decide(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     n = (unsigned long long)b->n;
     k = (unsigned long long)b->k;
     C = b->compute / (double)b->n;
-    /* the overhead half: the paper's rule with c = 0 puts epsilon in the floor */
-    cheap = joint_invariant(M, C, b->n, b->k, 0.0, m->epsilon, &oratio, &olimit);
+    /* the overhead half: the paper's rule with c = 0 puts epsilon in the floor;
+     * flor's other work at the executions shares the bound with the checkpoints */
+    cheap = joint_invariant(M + spent / (double)(b->k + 1), C, b->n, b->k, 0.0, m->epsilon, &oratio,
+                            &olimit);
     /* the replay half: (M + R)/C < n/(k+1) */
     worth = joint_invariant(M + m->c * write_s, C, b->n, b->k, 0.0, 1.0, &rratio, &rlimit);
     yes = (cheap && worth) || !m->adaptive;
@@ -602,6 +649,7 @@ static PyMethodDef sm_methods[] = {
     {"wants", FLOR_CFUNC(sm_wants), METH_O, sm_wants_doc},
     {"enter", FLOR_CFUNC(sm_enter), METH_FASTCALL, sm_enter_doc},
     {"leave", FLOR_CFUNC(sm_leave), METH_O, sm_leave_doc},
+    {"ran", FLOR_CFUNC(sm_ran), METH_FASTCALL, sm_ran_doc},
     {"decide", FLOR_CFUNC(sm_decide), METH_FASTCALL, sm_decide_doc},
     {"overruled", FLOR_CFUNC(sm_overruled), METH_FASTCALL, sm_overruled_doc},
     {"restored", FLOR_CFUNC(sm_restored), METH_FASTCALL, sm_restored_doc},

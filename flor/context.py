@@ -179,7 +179,12 @@ class LoopFrame(list):
     """["L", loop, run, i]: the index is updated in place as the loop runs.
     `scope` is the frame running the loop, while it runs."""
 
-    __slots__ = ("scope", "carrier", "handle")
+    # handle: of the block an iteration of a main loop is, while it runs;
+    # t0: when an iteration the rule is not asked at began (recording.py);
+    # ran: the blocks that ran in its last iteration; own: flor's seconds at
+    # its iterations (loops.py); ask: whether the rule is asked at the end of
+    # the iteration running
+    __slots__ = ("scope", "carrier", "handle", "t0", "ran", "own", "ask")
 
 
 class BlockFrame(list):
@@ -217,6 +222,7 @@ class Context:
     def __init__(self, on_change=None):
         self.frames: list = []  # LoopFrame, BlockFrame and PLAIN, outermost first
         self.counts: dict[tuple, int] = {}
+        self._top_counts = 0  # of them, those of the top level ("[]")
         self.on_change = on_change or (lambda: None)  # called after every change of identity
 
     def _identity(self):
@@ -232,12 +238,17 @@ class Context:
         k = (kind, ctx, key)
         n = self.counts.get(k, 0)
         self.counts[k] = n + 1
+        if n == 0 and ctx == "[]":
+            self._top_counts += 1
         return n
 
     def forget_finished(self):
         """Counters of contexts inside a finished main-loop iteration are
         never needed again."""
-        self.counts = {k: v for k, v in self.counts.items() if k[1] == "[]"}
+        counts = self.counts
+        if len(counts) > self._top_counts:
+            self.counts = {k: v for k, v in counts.items() if k[1] == "[]"}
+            self._top_counts = len(self.counts)
 
     def depth(self) -> int:
         """Open loops and blocks, not counting plain ones."""
@@ -254,6 +265,15 @@ class Context:
     def indices(self) -> list[int]:
         return [f[3] for f in self.frames if f is not PLAIN and f[0] == LOOP]
 
+    def where(self, phase) -> "Where":
+        """The Where of the context as it is now, in `phase`."""
+        frames = self.frames
+        if len(frames) == 1 and type(frames[0]) is LoopFrame:  # a step loop's every iteration
+            f = frames[0]
+            return Where(phase, "[" + _frame_text(f) + "]", top_key(f[1], f[2]), f[3], (f[3],))
+        top, it = self.top()
+        return Where(phase, self.encode(), top, it, tuple(self.indices()))
+
     def top(self):
         """(encoded [loop, run], index) of the outermost loop, or (None, None)."""
         frames = self._identity()
@@ -266,6 +286,7 @@ class Context:
     def push_loop(self, key, run, scope=None) -> LoopFrame:
         frame = LoopFrame([LOOP, key, run, -1])
         frame.scope, frame.carrier, frame.handle = scope, None, None
+        frame.t0, frame.ran, frame.own, frame.ask = None, 0, 0.0, True
         self.frames.append(frame)
         self.on_change()
         return frame

@@ -511,3 +511,67 @@ def test_a_state_is_read_to_measure_it_at_most_once_per_interval():
     # Known to be all held: read again before the checkpoint the rule wants.
     assert seldom.unheld_of("b", lambda: asked.append(1) or ["it"], False, True) == ["it"]
     assert len(asked) == 3
+
+
+def test_flors_other_time_shares_the_bound_with_the_checkpoints():
+    """decide(..., spent): (k+1) * M + B < n * epsilon * C, with B flor's
+    own seconds at the n executions (a step loop's bookkeeping); ran()
+    counts an execution timed without enter() and leave()."""
+    m = machine()
+    h = m.block("loop (iteration)")
+    for _ in range(10):
+        m.ran(h, 0.01)  # n * epsilon * C = 10 * 0.01 / 15 = 0.00667
+    st = m.stats(h)
+    assert st["n"] == 10 and st["compute_s"] == pytest.approx(0.1) and st["k"] == 0
+    assert m.decide(h, 1, 0.003, 0.0)[0]  # 0.003 < 0.00667
+    assert not m.decide(h, 1, 0.0034, 0.0, 0.0)[0]  # k = 1: 0.0068 >= 0.00667
+    m2 = machine()
+    h2 = m2.block("loop (iteration)")
+    for _ in range(10):
+        m2.ran(h2, 0.01)
+    decided = m2.decide(h2, 1, 0.003, 0.0, 0.004)  # 0.003 + 0.004 >= 0.00667
+    ok, ratio, limit, M, (cheap, worth, C, n, k, oratio, *_) = decided
+    assert not ok and not cheap and M == 0.003 and oratio == pytest.approx(0.7) and n == 10
+    reason = charge.reason(m2, 1, 0.0, decided, 0.004)
+    assert reason.startswith("no checkpoint: (M + B/(k+1))/C = 0.7 (M = 0.003 s for 1 B, B = "
+                             "0.004 s of flor's own at 10 iterations, C = 0.01 s) >= n/(k+1)")
+    assert m2.decide(h2, 1, 0.003, 0.0, 0.003)[0]  # 0.006 < 0.00667
+    with pytest.raises(ValueError, match="finite seconds"):
+        m2.decide(h2, 1, 0.0, 0.0, float("inf"))
+    with pytest.raises(ValueError, match="finite"):
+        m2.ran(h2, -1.0)
+    rep = machine(_core.REPLAY)
+    with pytest.raises(RuntimeError, match="record mode"):
+        rep.ran(rep.block("b"), 1.0)
+
+
+def _asks(M, C, iterations, spent_per=0.0, every=False):
+    """The iterations at which the rule is asked and what it said, asking
+    where Waits says to (or at every one)."""
+    m, w = machine(), charge.Waits()
+    h = m.block("loop (iteration)")
+    out = []
+    for n in range(1, iterations + 1):
+        m.ran(h, C)
+        if not every and w.waiting("loop (iteration)"):
+            continue
+        decided = m.decide(h, 1, M, 0.0, spent_per * n)
+        out.append((n, decided[0]))
+        w.asked("loop (iteration)", decided, EPS, spent_per * n)
+    return out
+
+
+def test_the_rule_is_not_asked_where_it_cannot_say_yes():
+    """runtime/charge.py Waits: asking where the numbers say the rule can
+    say yes takes the same checkpoints as asking at every iteration, with
+    a few asks per checkpoint."""
+    for M, C, spent in ((0.01, 0.001, 0.0), (0.002, 0.0005, 0.00001), (0.02, 0.001, 0.00003)):
+        every = _asks(M, C, 5000, spent, every=True)
+        waited = _asks(M, C, 5000, spent)
+        assert [n for n, ok in waited if ok] == [n for n, ok in every if ok]
+        assert sum(ok for _, ok in every) >= 5
+        assert len(waited) <= 12 * sum(ok for _, ok in every), len(waited)
+    # Where flor's bookkeeping alone is all the bound allows, never, asked
+    # about once each time the loop's length grows by three quarters.
+    waited = _asks(0.001, 0.001, 20000, spent_per=0.001 / 14)
+    assert not any(ok for _, ok in waited) and len(waited) <= 25, waited

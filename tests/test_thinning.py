@@ -1,6 +1,7 @@
 """A record keeps a bounded number of iteration checkpoints of each loop,
 spread over it (flor/runtime/thinning.py): the files it removes are gone,
 their decisions say so, and replay and resume start only from files kept."""
+import copy
 import os
 import random
 
@@ -53,6 +54,28 @@ def test_the_kept_checkpoints_stay_spread_over_the_loop(limit, shape):
         gaps = [b - a for a, b in zip([-1] + kept, kept)]
         had = max(b - a for a, b in zip([-1] + points[:end], points[:end]))
         assert max(gaps) <= max(2 * (points[end - 1] + 1) / limit, had), (end, kept)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("limit", [2, 3, 8])
+def test_a_checkpoint_before_due_would_only_take_the_newest_ones_place(limit):
+    """Thinning.due(): the record does not ask the rule below it, where a
+    checkpoint would displace the newest kept one and buy no start point."""
+    rng = random.Random(limit)
+    t, at = Thinning(limit), 0
+    for n in range(200):
+        at += rng.randint(1, 30)
+        t.written("loop", 0, at, f"ck{at}", n)
+        kept = [i for i, _, _ in t._kept[("loop", 0)]]
+        due = t.due("loop", 0)
+        if len(kept) < limit:
+            assert due == 0
+            continue
+        for x in range(at + 1, at + 80):
+            trial = copy.deepcopy(t)
+            trial.written("loop", 0, x, f"ck{x}", n + 1)
+            displaced = at not in [i for i, _, _ in trial._kept[("loop", 0)]]
+            assert displaced == (x < due), (kept, x, due)
 
 
 class _Mat:
@@ -161,3 +184,27 @@ def test_the_bound_must_be_a_whole_number(tmp_path):
     assert bad.returncode == 2 and "at least 1" in bad.stderr
     bad = flor(d, "record", "train.py", env={"FLOR_ITERATION_CHECKPOINTS": "many"}, check=False)
     assert bad.returncode == 2 and "FLOR_ITERATION_CHECKPOINTS" in bad.stderr
+
+
+def test_a_step_loop_asks_the_rule_at_few_of_its_iterations(tmp_path):
+    """A record does not ask the adaptive rule where it cannot say yes
+    (runtime/charge.py Waits): with an epsilon so small that it never can,
+    a loop of 2000 steps makes a few dozen decisions, each counting every
+    iteration before it; the replay of a probe in the loop is exact."""
+    d = str(tmp_path)
+    write_script(d, "train.py", STEP_LOOP.replace("while step < 30:", "while step < 2000:"))
+    flor(d, "record", "--epsilon", "1e-7", "train.py")
+    st = store(d)
+    (run,) = runs(st, "record")
+    rows = _iteration_rows(st, run["run_id"])
+    assert 5 <= len(rows) <= 40 and not any(r["checkpoint"] for r in rows), len(rows)
+    assert all(r["n"] == r["top_iter"] + 1 for r in rows)
+    assert all("of flor's own at" in r["reason"] for r in rows[1:])
+    with open(os.path.join(d, "train.py")) as f:
+        src = f.read()
+    with open(os.path.join(d, "train.py"), "w") as f:
+        f.write(src.replace("    step += 1\n", "    if step % 250 == 0:\n"
+                            "        print('loss', step, round(loss.item(), 6))\n"
+                            "    step += 1\n"))
+    rep = flor(d, "replay", "train.py")
+    assert rep.stdout == plain(d, "train.py").stdout, rep.stderr

@@ -52,7 +52,7 @@ import time
 
 from .. import _core
 
-__all__ = ["Charges", "StateReads", "reason", "UNCAPTURED"]
+__all__ = ["Charges", "StateReads", "Waits", "reason", "UNCAPTURED"]
 
 #: How the reason of a decision not to checkpoint a state that cannot be
 #: read or copied says so (recording.py notes it once, when it happens).
@@ -170,6 +170,13 @@ class Charges:
         if parent is not None:
             parent.granted += frame.granted + max(extra, 0.0)
 
+    def clean(self, key, seconds: float):
+        """An execution of `key` took `seconds`, timed alone: no write was
+        in progress as it started, and no block ran in it."""
+        b = self._block(key)
+        b.clean_s += seconds
+        b.clean_n += 1
+
     def cost(self, key, nbytes: int, copy_bw: float, write_s: float,
              on_device: float = 0.0) -> float:
         """M for the rule: the block's training overhead after one more
@@ -192,6 +199,11 @@ class Charges:
         else:
             marginal = b.least + b.slowdown / k
         return (b.spent + b.nested + marginal) / (k + 1)
+
+    def blocked(self, key) -> float:
+        """What the block's checkpoints have blocked training so far."""
+        b = self._blocks.get(key)
+        return b.total if b is not None else 0.0
 
     def paid(self, key, seconds: float):
         """Training paid `seconds` more for the checkpoint of the block just
@@ -229,23 +241,74 @@ class Charges:
             self._block(outer).nested += seconds
 
 
-def reason(machine, nbytes: int, write_s: float, decided) -> str:
+def reason(machine, nbytes: int, write_s: float, decided, spent: float = 0.0) -> str:
     """The adaptive rule's decision for one block execution, in words, from
     what SkipMachine.decide() returned (`decided`: the decision, the ratio
     and limit of the half that binds, M, and the terms both halves
-    compared; the C rule gives numbers, this gives the words)."""
+    compared; the C rule gives numbers, this gives the words); `spent`, B:
+    flor's other seconds at the block's executions."""
     _, ratio, limit, M, (cheap, worth, C, n, k, oratio, _, rratio, rlimit) = decided
     if not machine.adaptive:
         would = "checkpoint" if cheap and worth else "not checkpoint"
         return f"checkpoint: adaptivity off (the rule would {would}: M/C = {ratio:.4g} " \
                f"vs limit {limit:.4g})"
-    measured = f"M/C = {oratio:.4g} (M = {M:.4g} s for {nbytes} B, C = {C:.4g} s)"
+    if spent:
+        measured = f"(M + B/(k+1))/C = {oratio:.4g} (M = {M:.4g} s for {nbytes} B, B = " \
+                   f"{spent:.4g} s of flor's own at {n} iterations, C = {C:.4g} s)"
+    else:
+        measured = f"M/C = {oratio:.4g} (M = {M:.4g} s for {nbytes} B, C = {C:.4g} s)"
     if not cheap:
         return f"no checkpoint: {measured} >= n/(k+1) * eps = {n}/{k + 1} * " \
                f"{machine.epsilon:.4g} = {limit:.4g}"
     return f"{'checkpoint' if worth else 'no checkpoint'}: {measured} < n/(k+1) * eps; " \
            f"(M + c*W)/C = {rratio:.4g} (c = {machine.c:.4g}, W = {write_s:.4g} s) " \
            f"{'<' if worth else '>='} n/(k+1) = {n}/{k + 1} = {rlimit:.4g}"
+
+
+class Waits:
+    """Iterations of a step loop at which the rule is not asked.
+
+    Asking the rule at every iteration of a loop costs its decision and
+    stored row each time; on a loop of millisecond steps that alone is
+    several times what the bound allows.  Each time it is asked, the
+    executions it needs before it can say yes (again) follow from the numbers
+    it compared, as long as M, C and flor's other time per execution,
+    b = B/n, stay as they are: the overhead half,
+    (k+1) * M + b * n < n * epsilon * C, holds from
+    n >= (k+1) * M / (epsilon * C - b) (never where b is at least
+    epsilon * C: flor's bookkeeping alone is then all the bound allows),
+    the replay half from n >= (k+1) * (M + R) / C.  The rule is asked again
+    after three quarters of them, and by 2n at the latest: M only grows until
+    the next checkpoint (the slowdown of executions overlapping a write is
+    charged as they end), so an earlier ask says no again; C may grow (a
+    drifting step, a slow evaluation step), and asking after three quarters
+    of what is left each time keeps a checkpoint that became due from
+    waiting long.  An iteration the rule is not asked at leaves no decision
+    row; its execution is counted (n, C) all the same."""
+
+    SHARE = 0.75
+
+    def __init__(self):
+        self._left: dict[str, int] = {}
+
+    def waiting(self, key) -> bool:
+        """Whether the rule is not asked at this execution of `key`."""
+        left = self._left.get(key, 0)
+        if left <= 0:
+            return False
+        self._left[key] = left - 1
+        return True
+
+    def asked(self, key, decided, epsilon: float, spent: float = 0.0):
+        """The rule was asked about `key` (`decided`: what
+        SkipMachine.decide() returned, given `spent`, B): skip the next asks
+        that cannot say yes (after a yes, with one checkpoint more)."""
+        yes, _, _, M, (_, _, C, n, k, _, _, rratio, _) = decided
+        k += bool(yes)
+        room = epsilon * C - spent / n
+        need = max((k + 1) * M / room if room > 0 else math.inf, rratio * (k + 1))
+        gap = min(need - n, n)  # (at most n: asked again by 2n, whatever M/C was)
+        self._left[key] = int(gap * self.SHARE) if gap > 1 else 0
 
 
 class StateReads:

@@ -64,6 +64,9 @@ class Loops:
         # script may set another after the loop)
         self.threads: dict = {}
         self._main = None  # (loop, run, iterations) of the main loop so far
+        # top-level loop -> flor's seconds at the iterations of its runs that
+        # ended (LoopFrame.own: the one running)
+        self.own: dict[str, float] = {}
 
     def loop(self, iterable, name, frame, carrier=None):
         """A tracked loop; `carrier` (carry.py) says what it carries from one
@@ -83,7 +86,7 @@ class Loops:
         frame.carrier = carrier if depth == 0 else None
         if span is not None and span.phases:
             s.phase = MAIN
-        t0, n = time.perf_counter(), 0
+        t0, n, back = time.perf_counter(), 0, None
         it = iter(iterable)
         positioned = True  # False while a restore that positions the loop has not succeeded
         try:
@@ -104,17 +107,24 @@ class Loops:
                     torch = sys.modules.get("torch")
                     if torch is not None:
                         self.threads[(key, run)] = torch.get_num_threads()
+                if back is not None:  # flor's time since the body ended, less drawing the item
+                    frame.own += time.perf_counter() - back
+                    back = None
                 try:
                     x = next(it)
                 except StopIteration:
                     self.ended.add((key, run))
                     break
                 if depth == 0:
-                    self.began.setdefault((key, run), time.time())
+                    got = time.perf_counter()
+                    if (key, run) not in self.began:
+                        self.began[(key, run)] = time.time()
                     s.policy.iteration_started(s, frame)
+                    frame.own += time.perf_counter() - got
                 n += 1
                 yield x
                 if depth == 0:
+                    back = time.perf_counter()
                     self.end_iteration(frame, progress=span is not None and n > span.start)
             else:
                 if span.drain:
@@ -125,6 +135,10 @@ class Loops:
             if span is not None and positioned:  # (a refused restore leaves discard as it was)
                 s.discard = False
                 s.machine.phase = _core.WORK
+            if back is not None:
+                frame.own += time.perf_counter() - back
+            if depth == 0:
+                self.own[key] = self.own.get(key, 0.0) + frame.own
             s.context.remove(frame)
             self.stats.append(LoopRun(key, run, depth, n, time.perf_counter() - t0))
             if span is not None and span.phases:
@@ -179,6 +193,7 @@ class Loops:
         s = self.s
         with s.own_time:
             ran, self.blocks_run = self.blocks_run, 0
+            frame.ran = ran
 
             def state():
                 return s.logbook.iteration_state(frame) if ran else None
@@ -191,15 +206,23 @@ class Loops:
                 with s.store.transaction():  # one commit per flush
                     s.flush()
 
+    def own_seconds(self, frame) -> float:
+        """Flor's seconds at the iterations of top-level loop `frame`'s
+        runs so far, outside what the iterations' bodies run (drawing the
+        items is the script's): a step loop's bookkeeping."""
+        return self.own.get(frame[1], 0.0) + frame.own
+
     def main_so_far(self, frame):
         """Top-level iteration `frame` is done: (loop, run, iterations done)
         if its loop is the main loop so far (the top-level loop running
         longest), else None."""
         loop, run, i = frame[1:4]
-        now = time.time()
-        mine = now - self.began.get((loop, run), now)
         best = self._main
-        if best is None or best[:2] == (loop, run) or mine >= now - self.began[best[:2]]:
+        if best is None or (best[0] == loop and best[1] == run):
+            self._main = (loop, run, i + 1)
+            return self._main
+        now = time.time()
+        if now - self.began.get((loop, run), now) >= now - self.began[best[:2]]:
             self._main = (loop, run, i + 1)
             return self._main
         return None

@@ -7,7 +7,10 @@ the time to write and restore it (a file's fixed time, plus its bytes,
 measured by the snapshot walk, over this machine's write bandwidth:
 runtime/writes.py's Speeds), against C, the block's mean compute time;
 a checkpoint that passes is handed, with the random state, to a background
-Materializer.  Each decision and its reason is stored.  The run's row in
+Materializer.  Each decision and its reason is stored.  At a main loop's
+iterations the rule also weighs flor's own time there (B), and is not asked
+where it cannot say yes (charge.py's Waits) nor where the checkpoint would
+only take the place of the newest one kept (thinning.py).  The run's row in
 the store is recordrow.py's.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..program.gradients import manual_gradients, manual_loop_gradients
 from ..schema import DECISIONS
 from ..seal import seal_run
 from . import blockstate, carry, charge, ranks
-from .charge import Charges, StateReads
+from .charge import Charges, StateReads, Waits
 from .logbook import FingerprintBudget
 from .loops import Span
 from .policy import FLUSH_S, Policy
@@ -92,6 +95,12 @@ class Recording(Policy):
         self.checkpointed = False  # whether the last top-level iteration was checkpointed
         self.progress = None  # (main loop, run, iterations) for the run row's next flush
         self.charges = Charges()
+        self.waits = Waits()
+        # The rule is asked at every iteration without adaptivity (it says yes
+        # to each), and by every rank of a data-parallel group (each follows
+        # the first to get there).
+        self.waiting = adaptive and self.group is None
+        self._iterations: dict[str, tuple] = {}  # loop: (key, handle) of its iterations' block
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         # The project's modules instrumented (runtime/project.py): their
         # summaries by path, and the sources to keep at the next flush.
@@ -173,12 +182,30 @@ class Recording(Policy):
 
     def iteration_started(self, session, frame):
         """An iteration of a loop that carries state is a block of its own,
-        which the rule may checkpoint at its end."""
-        if frame.carrier is not None:
-            key = iteration_key(frame[1])
-            frame.handle = self.machine.block(key)
-            self.machine.enter(frame.handle, False, False)
-            self.charges.started(key, self.writes.writing())
+        which the rule may checkpoint at its end.  At an iteration where the
+        rule is not asked (Waits, Thinning.due) of a loop whose last
+        iteration ran no block, with no checkpoint being written, the
+        iteration is only timed: a step loop's every step pays that alone."""
+        if frame.carrier is None:
+            return
+        key, handle = self._iteration_block(frame[1])
+        frame.ask = not self.waiting or not (
+            self.waits.waiting(key) or frame[3] < self.thinning.due(frame[1], frame[2]))
+        if not frame.ask and not frame.ran and self.writes.idle():
+            frame.t0 = time.perf_counter()
+            return
+        frame.handle = handle
+        self.machine.enter(handle, False, False)
+        self.charges.started(key, self.writes.writing())
+
+    def _iteration_block(self, loop):
+        """(key, handle) of the block an iteration of `loop` is (looked up
+        once: a step loop starts one at every step)."""
+        got = self._iterations.get(loop)
+        if got is None:
+            key = iteration_key(loop)
+            got = self._iterations[loop] = (key, self.machine.block(key))
+        return got
 
     def iteration_abandoned(self, session, frame):
         try:
@@ -195,6 +222,12 @@ class Recording(Policy):
         """Fingerprint the state (`state()`), and checkpoint what the main
         loop carries out of this iteration if the adaptive rule says so."""
         if frame.handle is None:
+            if frame.t0 is not None:  # an iteration the rule is not asked at
+                seconds, frame.t0 = time.perf_counter() - frame.t0, None
+                key, handle = self._iteration_block(frame[1])
+                self.machine.ran(handle, seconds)
+                if not frame.ran:  # (the blocks in it are not timed apart)
+                    self.charges.clean(key, seconds)
             state()
             self.checkpointed = False
             return
@@ -202,6 +235,11 @@ class Recording(Policy):
         _, seconds = self.machine.leave(handle)
         fp = state()
         loop, run, i = frame[1:4]
+        key = self._iteration_block(loop)[0]
+        if not frame.ask:  # timed as the slowdown of a write in progress, not decided
+            self.charges.ended(key, seconds, self.writes.writing())
+            self.checkpointed = False
+            return
         # What the loop carries, read from its scope when first needed.
         captured = []
 
@@ -221,17 +259,18 @@ class Recording(Policy):
 
         # The checkpoint is charged its fingerprint, wherever it was taken.
         name = self._checkpoint(
-            session, iteration_key(loop), handle, session.where.ctx, 0, seconds,
+            session, key, handle, session.where.ctx, 0, seconds,
             lambda: carried()[0], make, session.logbook.fingerprint_s if fp is not None else 0.0,
             unheld=lambda: blockstate.unheld(carried()[1]),
-            named=lambda: zip(frame.carrier.labels(carried()[1]), carried()[0]))
+            named=lambda: zip(frame.carrier.labels(carried()[1]), carried()[0]),
+            spent=max(0.0, session.loops.own_seconds(frame) - self.charges.blocked(key)))
         self.checkpointed = name is not None
         if name is not None:
             self.thinning.written(loop, run, i, name, len(self.writes.submitted) - 1)
         if self.thinning.pending():  # removing files is part of what the checkpoints cost
             t0 = time.perf_counter()
             self.writes.thin(self.thinning)
-            self.charges.paid(iteration_key(loop), time.perf_counter() - t0)
+            self.charges.paid(key, time.perf_counter() - t0)
 
     def flush_due(self, session) -> bool:
         """At an iteration checkpoint (`record --resume` starts after the last
@@ -277,7 +316,7 @@ class Recording(Policy):
             self.charges.paid(b.key, time.perf_counter() - t0)
 
     def _checkpoint(self, session, key, handle, ctx, occurrence, seconds, objs, make,
-                    made_s=0.0, unheld=list, named=list, refused=None):
+                    made_s=0.0, unheld=list, named=list, refused=None, spent=0.0):
         """The adaptive rule for this execution of `key` (of `seconds`,
         changing `objs()`); if it says yes, submit the checkpoint `make()`
         (`made_s`: what training already paid towards it).  Stores the
@@ -289,7 +328,9 @@ class Recording(Policy):
         loop carries.  A state that cannot be read or copied (`named()` says
         which object) is never checkpointed: the script runs on as it would
         without flor, and replay runs it again; so is an execution whose
-        writes to files replay could not write again (`refused`, why)."""
+        writes to files replay could not write again (`refused`, why).
+        `spent`: flor's other seconds at the executions of `key` (a main
+        loop's bookkeeping at each iteration), which share the bound."""
         self.charges.ended(key, seconds, self.writes.writing())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
@@ -298,25 +339,31 @@ class Recording(Policy):
         # whichever rank decides, the rule holds for the rank that writes.
         stand_in = self.group is not None and not self.group.owner
         nbytes, fresh = self.states.nbytes.get(key, 0), False
+        t_read = time.perf_counter()
         if key not in self.states.uncaptured:
             try:
                 nbytes, fresh = self.states.size(key, objs, lambda o: _core.measure(o, True),
                                                  keep=not stand_in)
             except Exception as e:  # noqa: BLE001 -- reading it for flor must not end the script
                 self._uncaptured(key, named, e)
+        read_s = time.perf_counter() - t_read
         speeds = self.writes.speeds()
         bw, copy_bw, write_s = speeds.write_bps, speeds.copy_bps, speeds.write_seconds(nbytes)
         M = self.charges.cost(key, nbytes, copy_bw, write_s, self.states.on_device.get(key, 0.0))
-        decided = self.machine.decide(handle, nbytes, M, write_s)
+        decided = self.machine.decide(handle, nbytes, M, write_s, spent)
         ok, ratio, limit, M, _ = decided
-        reason = charge.reason(self.machine, nbytes, write_s, decided)
+        reason = charge.reason(self.machine, nbytes, write_s, decided, spent)
+        t_read = time.perf_counter()
         held_by_none = self.states.unheld_of(key, unheld, fresh, ok)
+        read_s += time.perf_counter() - t_read
         if held_by_none:  # replay runs it again (a worker: the iterations before its segment)
             ok, reason = False, f"no checkpoint: none holds {'; '.join(held_by_none)}"
         if key in self.states.uncaptured:
             ok, reason = False, f"no checkpoint: {self.states.uncaptured[key]}"
         elif refused is not None:
             ok, reason = False, f"no checkpoint: {refused}"
+        if self.waiting and is_iteration(key):
+            self.waits.asked(key, decided, self.machine.epsilon, spent)
         if decided[0] and not ok:  # the rule's accounting (k, bytes) follows
             self.machine.overruled(handle, False, write_s, nbytes)
         if self.group is not None:  # every rank follows the first to get here
@@ -327,6 +374,7 @@ class Recording(Policy):
         if ok:
             fname = checkpoint_name(key, ctx, occurrence, indices)
             self.writes.materializer()  # made before the clock starts: once per run
+            made_s += read_s  # reading the state (what make() copies) is the checkpoint's
             t0 = time.perf_counter()
             try:
                 payload = make()

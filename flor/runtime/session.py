@@ -202,9 +202,7 @@ class Session:
 
     def _context_changed(self):
         """Keep `where`, what every value and output row is stored with, current."""
-        top, it = self.context.top()
-        self.where = Where(self._phase, self.context.encode(), top, it,
-                           tuple(self.context.indices()))
+        self.where = self.context.where(self._phase)
         self.logbook.journal.info = self.where
 
     @property

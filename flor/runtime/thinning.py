@@ -79,6 +79,7 @@ class Thinning:
         self._referred: list[str] = []  # going, but a file refers to them: tried again
         self.removed: list[str] = []  # names removed, not yet told to the store
         self._tried = None  # the writes done at the last collect, until another goes
+        self._due: dict[tuple, int] = {}  # (loop, run): due()
 
     def resumed_at(self, loop, run, i):
         """``record --resume`` restored iteration i of (loop, run): the files
@@ -91,10 +92,23 @@ class Thinning:
         the run's `number`-th (from 0)."""
         kept = self._kept.setdefault((loop, run), [])
         kept.append((i, name, number))
+        origin = self._origin.get((loop, run), -1)
         if len(kept) > self.limit:
-            _, gone, n = kept.pop(victim([p[0] for p in kept], self._origin.get((loop, run), -1)))
+            _, gone, n = kept.pop(victim([p[0] for p in kept], origin))
             self._going.append((gone, n, name, number))
             self._tried = None
+        if len(kept) == self.limit > 1:
+            points = [origin] + [p[0] for p in kept]
+            self._due[(loop, run)] = points[-2] + min(
+                b - a for a, b in zip(points, points[2:]))
+
+    def due(self, loop, run) -> int:
+        """The first iteration of (loop, run) whose checkpoint would not just
+        take the place of the newest kept one: below it, the newest one's
+        removal leaves the smallest gap, and a checkpoint buys no start
+        point, only a newer one for ``record --resume`` (the newest is at
+        most one gap behind).  0 until the loop has its limit."""
+        return self._due.get((loop, run), 0)
 
     def pending(self) -> bool:
         return bool(self._going)

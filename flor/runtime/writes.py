@@ -94,6 +94,10 @@ class Writes:
         self.submitted.append(key)
         return nbytes
 
+    def idle(self) -> bool:
+        """Whether no checkpoint is being written (as last asked)."""
+        return self._mat is None or self._idle is not None
+
     def _stats(self) -> dict:
         """The materializer's counters.  Once nothing is pending (every
         write finished and counted) they cannot change until the next
