@@ -146,15 +146,17 @@ class Store(Database):
     def notable_decisions(self, run_id, always: str, first: str) -> list[dict]:
         """A record's decisions in order, less most of its main loop's:
         every block decision, every iteration checkpoint taken, every
-        iteration decision whose reason holds `always`, and of those whose
-        reason holds `first` and not `always`, the first of each loop.  A step loop makes a
-        decision at each of its many iterations, and a record's closing
-        summary wants none of the rest."""
+        iteration decision whose reason holds `always`, of those whose
+        reason holds `first` and not `always`, the first of each loop, and
+        the last of each loop.  A step loop makes many decisions, and a
+        record's closing summary wants none of the rest."""
         return [dict(r) for r in self.db.execute(
             "SELECT * FROM decisions WHERE run_id = ?1 AND (block NOT GLOB '* (iteration)' "
             "OR checkpoint = 1 OR instr(reason, ?2) > 0 OR rowid IN (SELECT min(rowid) "
             "FROM decisions WHERE run_id = ?1 AND block GLOB '* (iteration)' AND "
-            "instr(reason, ?3) > 0 AND instr(reason, ?2) = 0 GROUP BY block)) ORDER BY rowid",
+            "instr(reason, ?3) > 0 AND instr(reason, ?2) = 0 GROUP BY block) OR rowid IN "
+            "(SELECT max(rowid) FROM decisions WHERE run_id = ?1 AND block GLOB "
+            "'* (iteration)' GROUP BY block)) ORDER BY rowid",
             (run_id, always, first))]
 
     def checkpoints_removed(self, run_id, files, why):

@@ -444,3 +444,10 @@ def test_a_part_prints_only_its_own_output(d):
     assert "training on" not in p1.stdout and "epoch 0:" not in p1.stdout
     assert "epoch 1:" in p1.stdout and "final test accuracy" in p1.stdout
     assert p0.stdout + p1.stdout == flor(d, "merge").stdout
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf"])
+def test_a_bad_flor_epsilon_is_refused_naming_it(d, value):
+    bad = flor(d, "record", "train.py", *ARGS, env={"FLOR_EPSILON": value}, check=False)
+    assert bad.returncode == 2 and "FLOR_EPSILON must be a number above 0" in bad.stderr
+    assert repr(value) in bad.stderr

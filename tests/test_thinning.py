@@ -193,7 +193,9 @@ def test_a_step_loop_asks_the_rule_at_few_of_its_iterations(tmp_path):
     iteration before it; the replay of a probe in the loop is exact."""
     d = str(tmp_path)
     write_script(d, "train.py", STEP_LOOP.replace("while step < 30:", "while step < 2000:"))
-    flor(d, "record", "--epsilon", "1e-7", "train.py")
+    rec = flor(d, "record", "--epsilon", "1e-7", "train.py")
+    assert "flor: the main loop train.py:9 was never checkpointed, so replay workers reach " \
+           "their segments by running the iterations before them" in rec.stderr, rec.stderr
     st = store(d)
     (run,) = runs(st, "record")
     rows = _iteration_rows(st, run["run_id"])

@@ -131,7 +131,7 @@ def never_checkpointed(decisions):
     """A note for each outermost block that ran but was never checkpointed:
     what the adaptive rule weighed at its last execution, and the way out.
     (A state that cannot be checkpointed was noted when the record met it.)"""
-    last, taken, unheld_loops = {}, set(), {}
+    last, taken, unheld_loops, loops = {}, set(), {}, {}
     for d in decisions:
         if UNCAPTURED in (d["reason"] or ""):
             taken.add(d["block"])
@@ -139,8 +139,18 @@ def never_checkpointed(decisions):
             last[d["block"]] = d
             if d["checkpoint"]:
                 taken.add(d["block"])
-        elif is_iteration(d["block"]) and blockstate.UNHELD in (d["reason"] or ""):
-            unheld_loops.setdefault(d["block"], d)
+        elif is_iteration(d["block"]):
+            loops[d["block"]] = d
+            if d["checkpoint"]:
+                taken.add(d["block"])
+            if blockstate.UNHELD in (d["reason"] or ""):
+                unheld_loops.setdefault(d["block"], d)
+    for block, d in loops.items():
+        if block not in taken and block not in unheld_loops:
+            yield (f"the main loop {block[:-len(' (iteration)')]} was never checkpointed, so "
+                   "replay workers reach their segments by running the iterations before them "
+                   f"(the rule at its last decision, after {d['n']} iterations: {d['reason']}); "
+                   "a larger --epsilon allows more record overhead")
     unheld_loops = unheld_loops.values()
     for block, d in last.items():
         if block in taken:

@@ -41,6 +41,21 @@ DEFAULT_EPSILON = 1 / 15
 DEFAULT_C = 1.38
 
 
+def epsilon_from_env() -> float:
+    """FLOR_EPSILON (as --epsilon), else DEFAULT_EPSILON."""
+    text = os.environ.get("FLOR_EPSILON", "").strip()
+    if not text:
+        return DEFAULT_EPSILON
+    try:
+        eps = float(text)
+    except ValueError:
+        eps = math.nan
+    if not 0 < eps < math.inf:
+        raise FlorError(f"FLOR_EPSILON must be a number above 0 (the record overhead the "
+                        f"adaptive rule allows, as --epsilon), not {text!r}")
+    return eps
+
+
 def estimate_c(store, script_name) -> float:
     """Restore time over materialize time, from earlier replays of this
     script: the median over blocks of (seconds per restore) / (estimated
@@ -58,8 +73,7 @@ class Recording(Policy):
     def __init__(self, store, script, argv, epsilon=None, adaptive=None, hands_free=None,
                  resume=None, keep=None):
         self.store = store
-        eps = epsilon if epsilon is not None else float(
-            os.environ.get("FLOR_EPSILON", DEFAULT_EPSILON))
+        eps = epsilon if epsilon is not None else epsilon_from_env()
         if adaptive is None:
             adaptive = os.environ.get("FLOR_ADAPTIVE", "1") not in ("0", "false", "off")
         if keep is None:  # a resumed record keeps what its previous part kept
