@@ -183,8 +183,9 @@ class LoopFrame(list):
     # t0: when an iteration the rule is not asked at began (recording.py);
     # ran: the blocks that ran in its last iteration; own: flor's seconds at
     # its iterations (loops.py); ask: whether the rule is asked at the end of
-    # the iteration running
-    __slots__ = ("scope", "carrier", "handle", "t0", "ran", "own", "ask")
+    # the iteration running; encoded: (head, top) of Context.where(), as one
+    # loop frame alone makes it (None: made as any other)
+    __slots__ = ("scope", "carrier", "handle", "t0", "ran", "own", "ask", "encoded")
 
 
 class BlockFrame(list):
@@ -268,9 +269,12 @@ class Context:
     def where(self, phase) -> "Where":
         """The Where of the context as it is now, in `phase`."""
         frames = self.frames
-        if len(frames) == 1 and type(frames[0]) is LoopFrame:  # a step loop's every iteration
+        if len(frames) == 1 and type(frames[0]) is LoopFrame and frames[0].encoded is not None \
+                and type(frames[0][3]) is int:  # a step loop's every iteration
             f = frames[0]
-            return Where(phase, "[" + _frame_text(f) + "]", top_key(f[1], f[2]), f[3], (f[3],))
+            head, top = f.encoded
+            i = f[3]
+            return Where(phase, f"{head}{i}]]", top, i, (i,))
         top, it = self.top()
         return Where(phase, self.encode(), top, it, tuple(self.indices()))
 
@@ -287,6 +291,8 @@ class Context:
         frame = LoopFrame([LOOP, key, run, -1])
         frame.scope, frame.carrier, frame.handle = scope, None, None
         frame.t0, frame.ran, frame.own, frame.ask = None, 0, 0.0, True
+        frame.encoded = ("[" + _head(LOOP, key, run) + ",", top_key(key, run)) \
+            if type(key) is str and type(run) is int else None
         self.frames.append(frame)
         self.on_change()
         return frame

@@ -191,6 +191,11 @@ class Loops:
         measured: it is flor's time, not the iteration's.  `progress`: an
         iteration of the process's own (not pseudoresumed)."""
         s = self.s
+        if frame.t0 is not None and not self.blocks_run:  # maybe quiet (recording.py)
+            t0 = time.perf_counter()
+            if s.policy.quiet_end(s, frame):
+                s.own_time.add(time.perf_counter() - t0)
+                return
         with s.own_time:
             ran, self.blocks_run = self.blocks_run, 0
             frame.ran = ran

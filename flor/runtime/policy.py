@@ -77,6 +77,12 @@ class Policy:
 
     _flushed = 0.0  # time.monotonic() of the last flush
 
+    def quiet_end(self, session, frame) -> bool:
+        """A top-level iteration in which no block ran ended: whether the
+        policy did all there is to do at its end (else Loops.end_iteration
+        does it)."""
+        return False
+
     def flushed_a_while_ago(self) -> bool:
         """Whether FLUSH_S passed since the last flush (and if so, one
         starts now): a commit per iteration of a step loop costs about what

@@ -221,6 +221,22 @@ class Recording(Policy):
             got = self._iterations[loop] = (key, self.machine.block(key))
         return got
 
+    def quiet_end(self, session, frame) -> bool:
+        """An iteration the rule is not asked at, in which no block ran, ends:
+        it is accounted, and the run's progress noted, unless a flush or the
+        removal of a thinned checkpoint is due (iteration_done then)."""
+        if time.monotonic() - self._flushed >= FLUSH_S or self.thinning.pending():
+            return False
+        seconds, frame.t0 = time.perf_counter() - frame.t0, None
+        key, handle = self._iterations[frame[1]]
+        self.machine.ran(handle, seconds)
+        self.charges.clean(key, seconds)
+        frame.ran = 0
+        self.checkpointed = False
+        session.context.forget_finished()
+        self.iteration_stored(session, frame)
+        return True
+
     def iteration_abandoned(self, session, frame):
         try:
             self.machine.leave(frame.handle)

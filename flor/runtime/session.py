@@ -58,6 +58,11 @@ class OwnTime:
         if self._depth == 0:
             self.seconds += time.perf_counter() - self._t0
 
+    def add(self, seconds):
+        """flor's work took `seconds`, timed apart (unless within a `with`)."""
+        if self._depth == 0:
+            self.seconds += seconds
+
 
 def _accounted(method):
     """A session method whose time is flor's own (OwnTime)."""
