@@ -240,8 +240,11 @@ sm_ran(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     i = PyLong_AsSsize_t(args[0]);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
     s = PyFloat_AsDouble(args[1]);
-    if (PyErr_Occurred() || check_handle(m, i) < 0) {
+    if ((s == -1.0 && PyErr_Occurred()) || check_handle(m, i) < 0) {
         return NULL;
     }
     if (m->mode != SB_RECORD) {

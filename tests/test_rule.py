@@ -544,6 +544,16 @@ def test_flors_other_time_shares_the_bound_with_the_checkpoints():
     with pytest.raises(RuntimeError, match="record mode"):
         rep.ran(rep.block("b"), 1.0)
 
+    class Bad:
+        def __float__(self):
+            raise KeyError("seconds")
+
+    with pytest.raises(TypeError):  # the first bad argument is the one reported
+        m2.ran("handle", Bad())
+    with pytest.raises(KeyError):
+        m2.ran(h2, Bad())
+    assert m2.stats(h2)["n"] == 10
+
 
 def _asks(M, C, iterations, spent_per=0.0, every=False):
     """The iterations at which the rule is asked and what it said, asking

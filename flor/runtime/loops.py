@@ -207,9 +207,11 @@ class Loops:
             s.context.forget_finished()
             s.policy.iteration_stored(s, frame)
             if s.policy.flush_due(s):
+                t0 = time.perf_counter()
                 s.logbook.settle()  # any wait for the GPU before the store's lock is taken
                 with s.store.transaction():  # one commit per flush
                     s.flush()
+                s.policy.flushed(s, frame, time.perf_counter() - t0)
 
     def own_seconds(self, frame) -> float:
         """Flor's seconds at the iterations of top-level loop `frame`'s

@@ -77,6 +77,9 @@ class Policy:
 
     _flushed = 0.0  # time.monotonic() of the last flush
 
+    def flushed(self, session, frame, seconds):
+        """The flush at the end of top-level iteration `frame` took `seconds`."""
+
     def quiet_end(self, session, frame) -> bool:
         """A top-level iteration in which no block ran ended: whether the
         policy did all there is to do at its end (else Loops.end_iteration

@@ -115,6 +115,9 @@ class Recording(Policy):
         # the first to get there).
         self.waiting = adaptive and self.group is None
         self._iterations: dict[str, tuple] = {}  # loop: (key, handle) of its iterations' block
+        # iteration key: (flor's own time, what checkpoints blocked, one-time
+        # work) as its loop's second iteration began (_bookkeeping)
+        self._base: dict[str, tuple] = {}
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         # The project's modules instrumented (runtime/project.py): their
         # summaries by path, and the sources to keep at the next flush.
@@ -203,6 +206,8 @@ class Recording(Policy):
         if frame.carrier is None:
             return
         key, handle = self._iteration_block(frame[1])
+        if frame[3] == 1:
+            self._base[key] = self._spent(session, frame, key)
         frame.ask = not self.waiting or not (
             self.waits.waiting(key) or frame[3] < self.thinning.due(frame[1], frame[2]))
         if not frame.ask and not frame.ran and self.writes.idle():
@@ -220,6 +225,22 @@ class Recording(Policy):
             key = iteration_key(loop)
             got = self._iterations[loop] = (key, self.machine.block(key))
         return got
+
+    def _spent(self, session, frame, key) -> tuple:
+        return (session.loops.own_seconds(frame), self.charges.blocked(key),
+                self.writes.setup_s)
+
+    def _bookkeeping(self, session, frame, key) -> float:
+        """B for the rule at `key`, the iterations of `frame`'s loop: flor's
+        own time at them less what their checkpoints blocked (charged as M)
+        and one-time work (calibrating the disk, making the materializer),
+        from the end of the loop's first iteration on (whose end holds the
+        first calls of flor's code and the first reads of the state)."""
+        base = self._base.get(key)
+        if base is None:
+            return 0.0
+        own, blocked, setup = self._spent(session, frame, key)
+        return max(0.0, own - base[0] - (blocked - base[1]) - (setup - base[2]))
 
     def quiet_end(self, session, frame) -> bool:
         """An iteration the rule is not asked at, in which no block ran, ends:
@@ -293,7 +314,7 @@ class Recording(Policy):
             lambda: carried()[0], make, session.logbook.fingerprint_s if fp is not None else 0.0,
             unheld=lambda: blockstate.unheld(carried()[1]),
             named=lambda: zip(frame.carrier.labels(carried()[1]), carried()[0]),
-            spent=max(0.0, session.loops.own_seconds(frame) - self.charges.blocked(key)))
+            spent=self._bookkeeping(session, frame, key))
         self.checkpointed = name is not None
         if name is not None:
             self.thinning.written(loop, run, i, name, len(self.writes.submitted) - 1)
@@ -308,6 +329,12 @@ class Recording(Policy):
         record keeps what it committed, and resumes from its last iteration
         checkpoint anyway."""
         return self.flushed_a_while_ago() or self.checkpointed
+
+    def flushed(self, session, frame, seconds):
+        """A flush at an iteration checkpoint is part of what the checkpoint
+        costs (the store learns of it, for `record --resume`)."""
+        if self.checkpointed:
+            self.charges.paid(self._iterations[frame[1]][0], seconds)
 
     def iteration_stored(self, session, frame):
         """How far the run got (the main loop so far: the top-level loop

@@ -70,9 +70,13 @@ class Writes:
         self._speeds = None  # calibrated
         self._idle = None  # the materializer's counters, while it has nothing to write
         self._measured = (None, None)  # (write counters, the speeds they gave)
+        # Seconds of one-time work (calibrating the disk, making the
+        # materializer): not what a loop's iterations cost flor each time.
+        self.setup_s = 0.0
 
     def materializer(self) -> Materializer:
         if self._mat is None:
+            t0 = time.perf_counter()
             # batch_count=1: fork mode writes each checkpoint now, not at exit,
             # so that a killed record keeps what it checkpointed.  Incremental:
             # a checkpoint refers to the unchanged tensor bytes of earlier ones.
@@ -84,6 +88,7 @@ class Writes:
                 signed = False
             self._mat = Materializer(self.store.layout.ckpt_dir(self.run_id), mode=mode_from_env(),
                                      batch_count=1, incremental=True, signed=signed)
+            self.setup_s += time.perf_counter() - t0
         return self._mat
 
     def submit(self, key, name, payload, tag) -> int:
@@ -126,7 +131,9 @@ class Writes:
         """How fast checkpoints are written and copied: calibrated once per
         store and host, the writes corrected by the run's own."""
         if self._speeds is None:
+            t0 = time.perf_counter()
             self._speeds = calibration(self.store, self.adaptive)
+            self.setup_s += time.perf_counter() - t0
         if self._mat is None:
             return self._speeds
         st = self._stats()
