@@ -555,9 +555,9 @@ def test_flors_other_time_shares_the_bound_with_the_checkpoints():
     assert m2.stats(h2)["n"] == 10
 
 
-def _asks(M, C, iterations, spent_per=0.0, every=False):
+def _asks(M, C, iterations, spent_per=0.0, every=False, ask_s=0.0):
     """The iterations at which the rule is asked and what it said, asking
-    where Waits says to (or at every one)."""
+    where Waits says to (or at every one); an ask costs `ask_s`."""
     m, w = machine(), charge.Waits()
     h = m.block("loop (iteration)")
     out = []
@@ -567,7 +567,7 @@ def _asks(M, C, iterations, spent_per=0.0, every=False):
             continue
         decided = m.decide(h, 1, M, 0.0, spent_per * n)
         out.append((n, decided[0]))
-        w.asked("loop (iteration)", decided, EPS, spent_per * n)
+        w.asked("loop (iteration)", decided, EPS, spent_per * n, ask_s)
     return out
 
 
@@ -585,3 +585,9 @@ def test_the_rule_is_not_asked_where_it_cannot_say_yes():
     # about once each time the loop's length grows by three quarters.
     waited = _asks(0.001, 0.001, 20000, spent_per=0.001 / 14)
     assert not any(ok for _, ok in waited) and len(waited) <= 25, waited
+    # An ask that costs flor time comes at most every so many iterations
+    # that asks take a tenth of what the bound allows (here 15).
+    waited = _asks(0.002, 0.0005, 5000, 0.00001, ask_s=5e-5)
+    assert min(b - a for (a, _), (b, _) in zip(waited[4:], waited[5:])) >= 15
+    assert sum(ok for _, ok in waited) >= 0.8 * sum(ok for _, ok in _asks(
+        0.002, 0.0005, 5000, 0.00001, every=True))

@@ -283,10 +283,15 @@ class Waits:
     charged as they end), so an earlier ask says no again; C may grow (a
     drifting step, a slow evaluation step), and asking after three quarters
     of what is left each time keeps a checkpoint that became due from
-    waiting long.  An iteration the rule is not asked at leaves no decision
-    row; its execution is counted (n, C) all the same."""
+    waiting long.  An ask costs flor time too, which B holds: near the
+    point where the rule can say yes, asks come at most every so many
+    iterations that they take ASKS of what the bound allows (asked at every
+    one, they would push that point on as fast as the loop nears it).  An
+    iteration the rule is not asked at leaves no decision row; its
+    execution is counted (n, C) all the same."""
 
     SHARE = 0.75
+    ASKS = 0.1  # of epsilon * C, at most, for asking the rule
 
     def __init__(self):
         self._left: dict[str, int] = {}
@@ -299,16 +304,18 @@ class Waits:
         self._left[key] = left - 1
         return True
 
-    def asked(self, key, decided, epsilon: float, spent: float = 0.0):
+    def asked(self, key, decided, epsilon: float, spent: float = 0.0, ask_s: float = 0.0):
         """The rule was asked about `key` (`decided`: what
-        SkipMachine.decide() returned, given `spent`, B): skip the next asks
-        that cannot say yes (after a yes, with one checkpoint more)."""
+        SkipMachine.decide() returned, given `spent`, B; the ask took
+        `ask_s`): skip the next asks that cannot say yes (after a yes, with
+        one checkpoint more)."""
         yes, _, _, M, (_, _, C, n, k, _, _, rratio, _) = decided
         k += bool(yes)
         room = epsilon * C - spent / n
         need = max((k + 1) * M / room if room > 0 else math.inf, rratio * (k + 1))
         gap = min(need - n, n)  # (at most n: asked again by 2n, whatever M/C was)
-        self._left[key] = int(gap * self.SHARE) if gap > 1 else 0
+        least = ask_s / (self.ASKS * epsilon * C) if C > 0 else 0.0
+        self._left[key] = int(min(max(gap * self.SHARE, least), n))
 
 
 class StateReads:

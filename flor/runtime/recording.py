@@ -388,6 +388,7 @@ class Recording(Policy):
         writes to files replay could not write again (`refused`, why).
         `spent`: flor's other seconds at the executions of `key` (a main
         loop's bookkeeping at each iteration), which share the bound."""
+        t_ask = time.perf_counter()
         self.charges.ended(key, seconds, self.writes.writing())
         if session.discard:  # record --resume, before the main loop: stored already
             return None
@@ -420,7 +421,8 @@ class Recording(Policy):
         elif refused is not None:
             ok, reason = False, f"no checkpoint: {refused}"
         if self.waiting and is_iteration(key):
-            self.waits.asked(key, decided, self.machine.epsilon, spent)
+            self.waits.asked(key, decided, self.machine.epsilon, spent,
+                             time.perf_counter() - t_ask)
         if decided[0] and not ok:  # the rule's accounting (k, bytes) follows
             self.machine.overruled(handle, False, write_s, nbytes)
         if self.group is not None:  # every rank follows the first to get here
