@@ -248,15 +248,31 @@ class Recording(Policy):
         removal of a thinned checkpoint is due (iteration_done then)."""
         if time.monotonic() - self._flushed >= FLUSH_S or self.thinning.pending():
             return False
-        seconds, frame.t0 = time.perf_counter() - frame.t0, None
-        key, handle = self._iterations[frame[1]]
-        self.machine.ran(handle, seconds)
-        self.charges.clean(key, seconds)
         frame.ran = 0
+        self._timed_end(frame)
         self.checkpointed = False
         session.context.forget_finished()
         self.iteration_stored(session, frame)
         return True
+
+    def _timed_end(self, frame) -> str:
+        """An iteration the rule is not asked at, only timed, ended: it counts
+        in n and C (and as an execution no write overlapped, unless blocks
+        ran in it, which are not timed apart).  Returns its block's key."""
+        seconds, frame.t0 = time.perf_counter() - frame.t0, None
+        key, handle = self._iterations[frame[1]]
+        self.machine.ran(handle, seconds)
+        if not frame.ran:
+            self.charges.clean(key, seconds)
+        return key
+
+    def _thin(self, key):
+        """Remove the iteration checkpoints thinning no longer keeps whose
+        writes finished: part of what the checkpoints cost."""
+        if self.thinning.pending():
+            t0 = time.perf_counter()
+            self.writes.thin(self.thinning)
+            self.charges.paid(key, time.perf_counter() - t0)
 
     def iteration_abandoned(self, session, frame):
         try:
@@ -274,11 +290,7 @@ class Recording(Policy):
         loop carries out of this iteration if the adaptive rule says so."""
         if frame.handle is None:
             if frame.t0 is not None:  # an iteration the rule is not asked at
-                seconds, frame.t0 = time.perf_counter() - frame.t0, None
-                key, handle = self._iteration_block(frame[1])
-                self.machine.ran(handle, seconds)
-                if not frame.ran:  # (the blocks in it are not timed apart)
-                    self.charges.clean(key, seconds)
+                self._thin(self._timed_end(frame))
             state()
             self.checkpointed = False
             return
@@ -290,6 +302,7 @@ class Recording(Policy):
         if not frame.ask:  # timed as the slowdown of a write in progress, not decided
             self.charges.ended(key, seconds, self.writes.writing())
             self.checkpointed = False
+            self._thin(key)
             return
         # What the loop carries, read from its scope when first needed.
         captured = []
@@ -318,10 +331,7 @@ class Recording(Policy):
         self.checkpointed = name is not None
         if name is not None:
             self.thinning.written(loop, run, i, name, len(self.writes.submitted) - 1)
-        if self.thinning.pending():  # removing files is part of what the checkpoints cost
-            t0 = time.perf_counter()
-            self.writes.thin(self.thinning)
-            self.charges.paid(key, time.perf_counter() - t0)
+        self._thin(key)
 
     def flush_due(self, session) -> bool:
         """At an iteration checkpoint (`record --resume` starts after the last
