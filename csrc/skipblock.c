@@ -226,6 +226,30 @@ sm_leave(FlorSkipMachine *m, PyObject *arg)
     return Py_BuildValue("(id)", f.state, dt);
 }
 
+/* The (handle, seconds) arguments of ran() and restored(): each converted and
+ * checked in turn; seconds finite and at least 0.  -1 with an exception set. */
+static int
+handle_and_seconds(FlorSkipMachine *m, const char *name, PyObject *const *args, Py_ssize_t nargs,
+                   Py_ssize_t *i, double *s)
+{
+    if (flor_check_nargs(name, nargs, 2, 2) < 0) {
+        return -1;
+    }
+    *i = PyLong_AsSsize_t(args[0]);
+    if (*i == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *s = PyFloat_AsDouble(args[1]);
+    if ((*s == -1.0 && PyErr_Occurred()) || check_handle(m, *i) < 0) {
+        return -1;
+    }
+    if (!(*s >= 0.0 && isfinite(*s))) {
+        PyErr_Format(PyExc_ValueError, "%s: seconds must be finite, at least 0", name);
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(sm_ran_doc,
              "ran($self, handle, seconds, /)\n--\n\n"
              "Record mode: account an execution of the block that ran for `seconds` without\n"
@@ -236,23 +260,11 @@ sm_ran(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t i;
     double s;
-    if (flor_check_nargs("ran", nargs, 2, 2) < 0) {
-        return NULL;
-    }
-    i = PyLong_AsSsize_t(args[0]);
-    if (i == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    s = PyFloat_AsDouble(args[1]);
-    if ((s == -1.0 && PyErr_Occurred()) || check_handle(m, i) < 0) {
+    if (handle_and_seconds(m, "ran", args, nargs, &i, &s) < 0) {
         return NULL;
     }
     if (m->mode != SB_RECORD) {
         PyErr_SetString(PyExc_RuntimeError, "ran() outside record mode");
-        return NULL;
-    }
-    if (!(s >= 0.0 && isfinite(s))) {
-        PyErr_SetString(PyExc_ValueError, "seconds must be finite, at least 0");
         return NULL;
     }
     m->blocks[i].n++;
@@ -451,12 +463,7 @@ sm_restored(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t i;
     double s;
-    if (flor_check_nargs("restored", nargs, 2, 2) < 0) {
-        return NULL;
-    }
-    i = PyLong_AsSsize_t(args[0]);
-    s = PyFloat_AsDouble(args[1]);
-    if (PyErr_Occurred() || check_handle(m, i) < 0) {
+    if (handle_and_seconds(m, "restored", args, nargs, &i, &s) < 0) {
         return NULL;
     }
     m->blocks[i].restores++;

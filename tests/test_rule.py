@@ -543,6 +543,8 @@ def test_flors_other_time_shares_the_bound_with_the_checkpoints():
     rep = machine(_core.REPLAY)
     with pytest.raises(RuntimeError, match="record mode"):
         rep.ran(rep.block("b"), 1.0)
+    with pytest.raises(ValueError, match="restored: seconds must be finite"):
+        rep.restored(rep.block("b"), float("nan"))  # (the same arguments, checked alike)
 
     class Bad:
         def __float__(self):
