@@ -116,8 +116,11 @@ class Recording(Policy):
         self.waiting = adaptive and self.group is None
         self._iterations: dict[str, tuple] = {}  # loop: (key, handle) of its iterations' block
         # iteration key: (flor's own time, what checkpoints blocked, one-time
-        # work) as its loop's second iteration began (_bookkeeping)
+        # work) as the second iteration of its loop this process runs began
+        # (_bookkeeping; `record --resume` starts mid-loop), and the loop
+        # frame whose first iteration it waits for
         self._base: dict[str, tuple] = {}
+        self._first: dict[str, object] = {}
         self._sources: list[tuple[str, str]] = []  # files to keep with the run
         # The project's modules instrumented (runtime/project.py): their
         # summaries by path, and the sources to keep at the next flush.
@@ -154,6 +157,7 @@ class Recording(Policy):
             self.store.layout.save_module_source(self.run_id, rel, text)
         if modules:
             self.store.layout.save_handsfree_modules(self.run_id, self.modules)
+        changed = bool(pending or modules)  # what replay takes from the store
         removed = {name + ".flor" for name in self.thinning.take_removed()}
         if removed:  # rows of this flush among them too
             why = (f"; removed later: a record keeps {self.thinning.limit} iteration "
@@ -168,8 +172,8 @@ class Recording(Policy):
                                   iterations=main[2])
             if (main[0], main[1]) != self._sealed_main:
                 self._sealed_main = (main[0], main[1])
-                pending.append(self._sealed_main)
-        if pending or modules:  # what replay takes from the store changed
+                changed = True
+        if changed:  # seal the run again
             seal_run(self.store, self.run_id)
 
     # -- the main loop ------------------------------------------------------
@@ -206,8 +210,12 @@ class Recording(Policy):
         if frame.carrier is None:
             return
         key, handle = self._iteration_block(frame[1])
-        if frame[3] == 1:
-            self._base[key] = self._spent(session, frame, key)
+        if key not in self._base:  # B counts from the second iteration this process runs
+            if self._first.get(key) is frame:
+                self._base[key] = self._spent(session, frame, key)
+                del self._first[key]
+            else:
+                self._first[key] = frame
         frame.ask = not self.waiting or not (
             self.waits.waiting(key) or frame[3] < self.thinning.due(frame[1], frame[2]))
         if not frame.ask and not frame.ran and self.writes.idle():
@@ -234,8 +242,9 @@ class Recording(Policy):
         """B for the rule at `key`, the iterations of `frame`'s loop: flor's
         own time at them less what their checkpoints blocked (charged as M)
         and one-time work (calibrating the disk, making the materializer),
-        from the end of the loop's first iteration on (whose end holds the
-        first calls of flor's code and the first reads of the state)."""
+        from the end of the first iteration of it this process ran on (whose
+        end holds the first calls of flor's code and the first reads of the
+        state)."""
         base = self._base.get(key)
         if base is None:
             return 0.0

@@ -150,25 +150,26 @@ class Replaying(Policy):
             why = filewrites.unrewritable(session.effects.files, self._recorded(
                 session, block_context(ctx, key, occurrence), "writes"))
             if why is not None:
-                if key not in self._rewrite_noted:
-                    self._rewrite_noted.add(key)
-                    note(f"block {key}: {why}; re-executing it")
-                payload = None
-                self.reexecuted += 1
+                payload = self._reexecuted(key, why, self._rewrite_noted)
         if payload is not None and expect_sig is not None:
-            why = None
             if payload["sig"] != expect_sig.sig:
                 why = (f"its checkpoints hold {payload['sig']}, the edited script needs "
                        f"{expect_sig.sig}")
             else:
                 why = blockstate.unrestorable(payload, expect_sig)
             if why is not None:
-                if key not in self._sig_noted:
-                    self._sig_noted.add(key)
-                    note(f"block {key}: {why}; re-executing it")
-                payload = None
-                self.reexecuted += 1
+                payload = self._reexecuted(key, why, self._sig_noted)
         return payload, load_s, probed
+
+    def _reexecuted(self, key, why, noted) -> None:
+        """An execution of block `key` runs although it has a checkpoint
+        (`why`): said once per block and reason (`noted`), and counted.
+        Returns the payload it restores: None."""
+        if key not in noted:
+            noted.add(key)
+            note(f"block {key}: {why}; re-executing it")
+        self.reexecuted += 1
+        return None
 
     def _load(self, key, ctx, occurrence):
         fname = self.plan.checkpoints.get((key, ctx, occurrence))
