@@ -239,10 +239,14 @@ flor_pool_give(flor_state *st, flor_arena *a)
     flor_pool_trim(st, 2 * round_grain(st->pool.high_water));
 }
 
+/* Unmap every free arena and forget the largest request: after a one-time
+ * large snapshot (the store's calibration), small ones keep no more than
+ * they need. */
 void
 flor_pool_clear(flor_state *st)
 {
     flor_pool_trim(st, 0);
+    st->pool.high_water = 0;
 }
 
 void
@@ -293,7 +297,8 @@ mod_pool_stats(PyObject *module, PyObject *Py_UNUSED(ignored))
 
 PyDoc_STRVAR(trim_pool_doc,
              "trim_pool()\n--\n\n"
-             "Unmap every free staging buffer.");
+             "Unmap every free staging buffer and forget the largest request (the\n"
+             "pool keeps up to twice it free).");
 
 static PyObject *
 mod_trim_pool(PyObject *module, PyObject *Py_UNUSED(ignored))

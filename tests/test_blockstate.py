@@ -3,6 +3,8 @@ optimizers (a class-based trainer, a dict of models) puts back what their
 state dicts leave out: the training flags and counters of the modules, and
 whether an LR scheduler saw its optimizer step.  A replay worker verifies a
 restored iteration by its digest, which reads them."""
+import random
+
 import pytest
 import torch
 
@@ -119,3 +121,24 @@ def test_a_block_that_binds_a_name_to_new_modules_is_not_restored_where_none_are
         saved, fresh._replace(live=[torch.nn.Linear(2, 2), None]))
     live = [torch.nn.Linear(2, 2), (torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))]
     assert blockstate.unrestorable(saved, fresh._replace(live=live)) is None
+
+
+def test_the_random_state_is_held_packed_and_put_back_exactly():
+    """A checkpoint holds `random`'s 625 words as 2.5 KB of bytes (not 625
+    int objects while it waits for the writer); putting it back, or one
+    written as a tuple of ints, continues the same sequence."""
+    random.seed(11)
+    random.gauss(0, 1)  # a cached gauss_next is part of the state
+    saved = blockstate.rng_state()
+    version, words, gauss = saved["random"]
+    assert isinstance(words, bytes) and len(words) == 625 * 4 and gauss is not None
+    want = [random.random() for _ in range(5)] + [random.gauss(0, 1)]
+    random.seed(99)
+    blockstate.set_rng_state(saved)
+    assert [random.random() for _ in range(5)] + [random.gauss(0, 1)] == want
+    random.seed(11)
+    random.gauss(0, 1)
+    older = {"random": random.getstate()}  # as flor wrote it before: a tuple of ints
+    random.seed(99)
+    blockstate.set_rng_state(older)
+    assert [random.random() for _ in range(5)] + [random.gauss(0, 1)] == want

@@ -3,6 +3,7 @@ tables only in a new database, keeps using its own older stores, and leaves
 a database of another program or another schema untouched with an error
 that names it."""
 import json
+import os
 import sqlite3
 
 import pytest
@@ -222,3 +223,19 @@ def test_a_records_notable_decisions_leave_out_its_step_loops_ordinary_ones(tmp_
     assert [(d["block"], d["checkpoint"], d["reason"]) for d in got] == [
         (r.block, r.checkpoint, r.reason)
         for r in (rows[0], rows[2], rows[4], rows[6], rows[7], rows[8])]
+
+
+def test_a_calibration_leaves_no_staging_buffer_behind(tmp_path):
+    """Measuring the disk snapshots 32 MiB: its staging buffers are unmapped
+    after it, and the pool forgets that request (it keeps up to twice the
+    largest request free, which would hold 64 MiB for a run of small
+    checkpoints)."""
+    from flor import _core
+    from flor.runtime.writes import calibration
+
+    st = Store(str(tmp_path / ".flor"))
+    os.makedirs(st.root, exist_ok=True)  # as a record's first run directory makes it
+    speeds = calibration(st, adaptive=True)
+    assert speeds.write_bps > 0 and os.path.isfile(tmp_path / ".flor" / "calibration.json")
+    stats = _core.pool_stats()
+    assert stats["free_bytes"] == 0 and stats["high_water"] == 0, stats

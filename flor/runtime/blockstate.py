@@ -25,6 +25,7 @@ not copy into a live object.
 """
 from __future__ import annotations
 
+import array
 import random
 import sys
 from typing import NamedTuple
@@ -74,7 +75,9 @@ def fingerprint_version(value) -> int:
 
 
 def rng_state() -> dict:
-    state = {"random": random.getstate()}
+    """The global random states, as a checkpoint holds them (`random`'s
+    packed: see _packed_random)."""
+    state = {"random": _packed_random(random.getstate())}
     np = sys.modules.get("numpy")
     if np is not None:
         state["numpy"] = np.random.get_state()
@@ -86,10 +89,34 @@ def rng_state() -> dict:
     return state
 
 
+def _packed_random(state):
+    """random.getstate() with its 625 words as 2.5 KB of bytes: as a tuple
+    of ints, a checkpoint waiting for the writer held 20 KB of objects for
+    it (and each was pickled one by one)."""
+    version, words, gauss = state
+    packed = array.array("I", words)  # 32-bit words: "I" is 4 bytes where flor builds
+    if sys.byteorder == "big":
+        packed.byteswap()  # little-endian in the file
+    return version, packed.tobytes(), gauss
+
+
+def _unpacked_random(state):
+    """random.setstate's argument from a checkpoint's (packed, or a tuple of
+    ints as flor wrote it before it packed them)."""
+    version, words, gauss = state
+    if isinstance(words, bytes):
+        unpacked = array.array("I")
+        unpacked.frombytes(words)
+        if sys.byteorder == "big":
+            unpacked.byteswap()
+        words = tuple(unpacked)
+    return version, words, gauss
+
+
 def random_fingerprint() -> dict:
     """CRC-32C of each global random state: random, numpy, torch."""
     state = rng_state()
-    out = {"random": _core.crc32c(repr(state["random"]).encode())}
+    out = {"random": _core.crc32c(repr(random.getstate()).encode())}
     if "numpy" in state:
         out["numpy"] = _core.crc32c(repr(state["numpy"][2:]).encode() +
                                     state["numpy"][1].tobytes())
@@ -99,7 +126,7 @@ def random_fingerprint() -> dict:
 
 
 def set_rng_state(state: dict):
-    random.setstate(state["random"])
+    random.setstate(_unpacked_random(state["random"]))
     np = sys.modules.get("numpy")
     if np is not None and "numpy" in state:
         np.random.set_state(state["numpy"])

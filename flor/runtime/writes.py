@@ -181,6 +181,8 @@ def calibration(store, adaptive) -> Speeds:
              f"{FALLBACK_LATENCY_S * 1e3:.0f} ms per file until this run's own checkpoints "
              "measure it")
         return fallback
+    finally:
+        _core.trim_pool()  # the staging buffers of its 32 MiB snapshots are not the run's
     return Speeds(cal["write_latency_s"], cal["write_bytes_per_s"], cal["copy_bytes_per_s"])
 
 
