@@ -91,7 +91,9 @@ def dataframe(*names: str, script: str | None = None, run: str | None = None,
     or a file name; default: the script of the latest run), oldest first;
     `run` (an id) or `runs` (ids) picks runs instead.  Columns: ``run``,
     ``kind`` ("record" or "replay": a replay holds the hindsight values),
-    the script's arguments (``--epochs 4`` makes a column ``epochs``),
+    the script's configuration (what argparse parsed, defaults included,
+    or its config object: docs/results.md; else its command line's words,
+    ``--epochs 4`` making a column ``epochs``),
     ``iteration`` for the outermost flor.generator, ``iteration_1`` for the
     next and so on, ``seq`` numbering the values of a name within one
     iteration when it has several, then one column per name (every logged

@@ -93,12 +93,12 @@ def series(store, name, runs=None, script=None) -> tuple[list[Series], bool]:
     if not out:
         raise FlorError(f"{name!r} has no numeric values to draw (a number, or a tensor "
                         "of one element, logged with flor.log)")
-    _label(out)
+    _label(out, store)
     return out, is_flat
 
 
-def _label(out: list[Series]):
-    args = {s.run["run_id"]: script_args(s.run) for s in out}
+def _label(out: list[Series], store):
+    args = {s.run["run_id"]: script_args(s.run, store) for s in out}
     keys = list(dict.fromkeys(k for a in args.values() for k in a))
     differ = [k for k in keys if len({repr(a.get(k)) for a in args.values()}) > 1]
     for s in out:

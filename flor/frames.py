@@ -81,17 +81,39 @@ def _current_record():
     return None
 
 
-def script_args(run) -> dict:
-    """The arguments a run's script ran with, as {column: value}:
-    ``--epochs 4`` and ``--epochs=4`` give epochs = 4 (numbers converted),
-    ``--batch-size 8`` batch_size = 8, an option followed by another option
-    or by nothing True, other words arg0, arg1, ... (all words after
-    ``--`` too).  An option given twice keeps its values in a tuple."""
+def script_args(run, store=None) -> dict:
+    """The arguments a run's script ran with, as {column: value}: the
+    configuration its record stored (flor/config.py: what argparse parsed,
+    defaults included, or a config object, by dotted key), which a replay
+    with the record's arguments shares (`store` finds its record); else the
+    words of its command line (`_words`)."""
+    config = None
+    if run["kind"] == "record":
+        config = getattr(run.get("info"), "config", None)
+    elif store is not None and run.get("parent"):
+        record = store.run(run["parent"])
+        if record is not None and _args(record) == _args(run):
+            config = getattr(record["info"], "config", None)
+    return dict(config) if config else _words(_args(run))
+
+
+def _args(run) -> list:
+    """The words after the script's name: a record stores [script, *args];
+    a replay its arguments only."""
     argv = run["argv"]
-    # A record stores [script, *args]; a replay its arguments only.
     if argv and (run["kind"] == "record"
                  or os.path.basename(argv[0]) == (run["script_name"] or "")):
         argv = argv[1:]
+    return list(argv)
+
+
+def _words(argv) -> dict:
+    """{column: value} from command-line words: ``--epochs 4`` and
+    ``--epochs=4`` give epochs = 4 (numbers converted), ``--batch-size 8``
+    batch_size = 8, an option followed by another option or by nothing
+    True, other words arg0, arg1, ... (all words after ``--`` too).  An
+    option given twice keeps its values in a tuple.  Defaults are not on
+    the command line: a run that took them has no value here."""
     out, positional, rest, i = {}, [], False, 0
     while i < len(argv):
         word = argv[i]
@@ -202,14 +224,14 @@ def _read(store, names, script, run, runs):
     return selected, values, wanted
 
 
-def arg_columns(runs, taken=()) -> tuple[list[str], dict]:
+def arg_columns(runs, taken=(), store=None) -> tuple[list[str], dict]:
     """(argument columns in order of first appearance, {run id: {column:
     value}}).  An argument whose name is taken by another column is
     prefixed ``arg_``."""
     columns, per_run = [], {}
     for run in runs:
         args = {}
-        for key, value in script_args(run).items():
+        for key, value in script_args(run, store).items():
             col = f"arg_{key}" if key in taken or re.fullmatch(r"iteration(_\d+)?", key) else key
             args[col] = value
             if col not in columns:
@@ -234,7 +256,7 @@ def _frame(store, runs, values, names):
             key = (order[run_id], vec, s if repeats else None)
             rows.setdefault(key, {})[name] = store.layout.value(run_id, raw)
     present = [runs[i] for i in sorted({key[0] for key in rows})]
-    args, per_run = arg_columns(present, {"run", "kind", "seq", *names})
+    args, per_run = arg_columns(present, {"run", "kind", "seq", *names}, store)
     records = []
     for key in sorted(rows, key=lambda k: (k[0], [-1 if v is None else v for v in k[1]],
                                            -1 if k[2] is None else k[2])):
@@ -268,7 +290,7 @@ def dataframe(store, names=(), script=None, run=None, runs=None, level=None):
                              "flor.dataframes(...) for one frame per level")
         if not groups:
             pd = _pandas()
-            args, _ = arg_columns(selected, {"run", "kind"})
+            args, _ = arg_columns(selected, {"run", "kind"}, store)
             return pd.DataFrame(columns=["run", "kind", *args])
         level = next(iter(groups))
     if level not in groups:

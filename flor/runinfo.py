@@ -97,6 +97,9 @@ class RecordInfo(Info):
     # (flor/codeversion.py): root, commit, branch, dirty, untracked, and
     # diff, the file in the run directory holding the diff against commit.
     code: dict | None = None
+    # What the script parsed from its command line, defaults included, or
+    # the config object it built (flor/config.py): {dotted key: value}
+    config: dict | None = None
 
     @property
     def follower(self) -> bool:

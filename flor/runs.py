@@ -128,6 +128,9 @@ def print_show(d: dict) -> None:
         elif isinstance(v, list):
             v = " ".join(str(x) for x in v)
         print(f"{k + ':':20} {v}")
+    config = d["info"].get("config")
+    if config:
+        print(f"{'config:':20} " + " ".join(f"{k}={v}" for k, v in config.items()))
     code = d["info"].get("code")
     if code:
         print(f"{'code:':20} {_code_line(code, d.get('directory'))}")

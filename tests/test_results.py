@@ -80,18 +80,20 @@ def test_the_command_line_becomes_columns():
 def test_dataframe_has_every_finished_run_of_the_script_with_its_arguments(here):
     r = here
     df = flor.dataframe("val_acc")  # no script: the latest run's
-    assert list(df.columns) == ["run", "kind", "epochs", "limit", "width", "lr",
-                                "iteration", "val_acc"]
+    # The arguments argparse parsed, defaults included, in the order it has them.
+    assert list(df.columns) == ["run", "kind", "epochs", "batch_size", "lr", "width", "limit",
+                                "seed", "threads", "iteration", "val_acc"]
     assert list(df["run"]) == [r.rec1] * 2 + [r.rec2] * 2 + [r.rep] * 2
     assert list(df["kind"]) == ["record"] * 4 + ["replay"] * 2
     assert list(df["epochs"]) == [2] * 6 and list(df["iteration"]) == [0, 1] * 3
-    assert np.isnan(df["lr"][0]) and list(df["lr"][2:]) == [0.01] * 4
+    assert list(df["lr"]) == [1e-3] * 2 + [0.01] * 4  # the first run took the default
+    assert list(df["batch_size"]) == [64] * 6 and list(df["limit"]) == [200] * 6
     for run_id in (r.rec1, r.rec2, r.rep):
         assert list(df[df["run"] == run_id]["val_acc"]) == stored(r, run_id, "val_acc")
     assert df.equals(flor.dataframe("val_acc", script="train.py"))
     assert df.equals(flor.dataframe("val_acc", script=os.path.join(r.dir, "train.py")))
     one = flor.dataframe("val_acc", run=r.rec1)
-    assert list(one["run"]) == [r.rec1] * 2 and "lr" not in one.columns
+    assert list(one["run"]) == [r.rec1] * 2 and list(one["lr"]) == [1e-3] * 2
     assert list(flor.dataframe("val_acc", runs=[r.rep, r.rec2])["run"]) == [r.rec2] * 2 + [r.rep] * 2
     with pytest.raises(LookupError, match="flor.names"):
         flor.dataframe("val_accuracy")
@@ -208,7 +210,7 @@ def test_plot_draws_one_line_per_run(here, tmp_path, monkeypatch):
     # The replay logged val_acc again, as its record did: one line per training run.
     (ax,) = plot_figure(r.store, "val_acc").axes
     lines = ax.get_lines()
-    assert [line.get_label() for line in lines] == [f"{r.rec1} (lr=(default))",
+    assert [line.get_label() for line in lines] == [f"{r.rec1} (lr=0.001)",
                                                     f"{r.rec2} (lr=0.01)"]
     assert [list(line.get_ydata()) for line in lines] == [stored(r, r.rec1, "val_acc"),
                                                           stored(r, r.rec2, "val_acc")]

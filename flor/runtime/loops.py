@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from .. import _core
+from .. import _core, config
 from ..context import MAIN, POST
 from ..errors import FlorError, FlorReplayError, SegmentDone, note
 from . import carry
@@ -52,6 +52,16 @@ class Span:
     phases: bool = False  # the session's phase is "main" while it runs, "post" after
 
 
+def _config_of(frame) -> dict | None:
+    """The script's configuration (flor/config.py), or None with a note
+    where reading it failed: that never stops the script."""
+    try:
+        return config.capture(frame)
+    except Exception as e:  # a config object whose attributes raise when read
+        note(f"the script's configuration was not stored: reading it raised {e!r}")
+        return None
+
+
 class Loops:
     def __init__(self, session):
         self.s = session
@@ -63,6 +73,10 @@ class Loops:
         # top-level (loop, run) -> torch's thread count as it began (the
         # script may set another after the loop)
         self.threads: dict = {}
+        # The script's configuration as its first top-level loop began
+        # (flor/config.py); None where none was found
+        self.config: dict | None = None
+        self._config_read = False
         self._main = None  # (loop, run, iterations) of the main loop so far
         # top-level loop -> flor's seconds at the iterations of its runs that
         # ended (LoopFrame.own: the one running)
@@ -107,6 +121,9 @@ class Loops:
                     torch = sys.modules.get("torch")
                     if torch is not None:
                         self.threads[(key, run)] = torch.get_num_threads()
+                    if not self._config_read and not s.replaying:  # a replay has its record's
+                        self._config_read = True
+                        self.config = _config_of(sys._getframe(1))
                 if back is not None:  # flor's time since the body ended, less drawing the item
                     frame.own += time.perf_counter() - back
                     back = None
