@@ -84,17 +84,20 @@ def _current_record():
 def script_args(run, store=None) -> dict:
     """The arguments a run's script ran with, as {column: value}: the
     configuration its record stored (flor/config.py: what argparse parsed,
-    defaults included, or a config object, by dotted key), which a replay
-    with the record's arguments shares (`store` finds its record); else the
-    words of its command line (`_words`)."""
-    config = None
-    if run["kind"] == "record":
-        config = getattr(run.get("info"), "config", None)
-    elif store is not None and run.get("parent"):
+    defaults included, and config objects, by dotted key), which a replay
+    with the record's arguments shares (`store` finds its record); where
+    that holds no parse of the command line, its words too (`_words`)."""
+    record = run if run["kind"] == "record" else None
+    if record is None and store is not None and run.get("parent"):
         record = store.run(run["parent"])
-        if record is not None and _args(record) == _args(run):
-            config = getattr(record["info"], "config", None)
-    return dict(config) if config else _words(_args(run))
+        if record is not None and _args(record) != _args(run):
+            record = None
+    info = record.get("info") if record is not None else None
+    config = getattr(info, "config", None) or {}
+    if getattr(info, "config_parsed", False):
+        return dict(config)
+    # No parse of the command line was found: its words, and a config object
+    return {**_words(_args(run)), **config}
 
 
 def _args(run) -> list:

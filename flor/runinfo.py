@@ -100,6 +100,7 @@ class RecordInfo(Info):
     # What the script parsed from its command line, defaults included, or
     # the config object it built (flor/config.py): {dotted key: value}
     config: dict | None = None
+    config_parsed: bool = False  # whether it holds the command line's parse
 
     @property
     def follower(self) -> bool:

@@ -9,6 +9,7 @@ data-parallel record, the runs of its other ranks.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -130,7 +131,9 @@ def print_show(d: dict) -> None:
         print(f"{k + ':':20} {v}")
     config = d["info"].get("config")
     if config:
-        print(f"{'config:':20} " + " ".join(f"{k}={v}" for k, v in config.items()))
+        print(f"{'config:':20} " + " ".join(
+            f"{k}={json.dumps(v) if isinstance(v, str) and not v.isprintable() else v}"
+            for k, v in config.items()))
     code = d["info"].get("code")
     if code:
         print(f"{'code:':20} {_code_line(code, d.get('directory'))}")

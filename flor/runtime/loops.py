@@ -52,7 +52,7 @@ class Span:
     phases: bool = False  # the session's phase is "main" while it runs, "post" after
 
 
-def _config_of(frame) -> dict | None:
+def _config_of(frame) -> config.Config | None:
     """The script's configuration (flor/config.py), or None with a note
     where reading it failed: that never stops the script."""
     try:
@@ -73,9 +73,9 @@ class Loops:
         # top-level (loop, run) -> torch's thread count as it began (the
         # script may set another after the loop)
         self.threads: dict = {}
-        # The script's configuration as its first top-level loop began
-        # (flor/config.py); None where none was found
-        self.config: dict | None = None
+        # The script's configuration as the first top-level iteration this
+        # process runs began (flor/config.py); None where none was found
+        self.config: config.Config | None = None
         self._config_read = False
         self._main = None  # (loop, run, iterations) of the main loop so far
         # top-level loop -> flor's seconds at the iterations of its runs that
@@ -116,14 +116,14 @@ class Loops:
                 # What runs while the item is drawn (a generator's code)
                 # belongs to the iteration that gets it.
                 s.context.set_index(frame, n)
+                if depth == 0 and not self._config_read and not s.replaying:
+                    self._config_read = True  # (a replay has its record's)
+                    self.config = _config_of(sys._getframe(1))
                 if depth == 0 and n == 0:
                     s.logbook.random_state(frame)
                     torch = sys.modules.get("torch")
                     if torch is not None:
                         self.threads[(key, run)] = torch.get_num_threads()
-                    if not self._config_read and not s.replaying:  # a replay has its record's
-                        self._config_read = True
-                        self.config = _config_of(sys._getframe(1))
                 if back is not None:  # flor's time since the body ended, less drawing the item
                     frame.own += time.perf_counter() - back
                     back = None

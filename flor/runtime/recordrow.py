@@ -114,7 +114,7 @@ class RecordRow:
         info.flor_seconds = session.own_time.seconds
         info.startup_s = session.loops.startup_s()
         if session.loops.config is not None:
-            info.config = session.loops.config
+            info.config, info.config_parsed = session.loops.config
         info.captured = session.block_labels
         info.main_ended = main is not None and (main.loop, main.run) in session.loops.ended
         info.error = repr(error) if failed else None
