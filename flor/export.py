@@ -3,7 +3,9 @@ and TensorBoard event files of every value.
 
 Both take the runs that flor.dataframe reads (flor/frames.py) and draw or
 write numbers only: a value logged as a number (a one-element tensor is
-one), not a list, a large array or a printed line.  A replay logs again
+one), not a list or a large array, and the numbers of printed lines
+(flor/printed.py): ``stdout@train.py:24/loss`` for `loss 0.23`, and the
+statement's own name for a line with one number.  A replay logs again
 what its record logged, and its deferred checks compare the two: where
 the replayed record is among the runs and has the name too, the replay's
 values of it are left out, so a replay adds only its hindsight values.
@@ -26,6 +28,10 @@ from dataclasses import dataclass
 from .context import PRINTED, STATE, TB
 from .errors import FlorError, note
 from .frames import Values, script_args, select_runs
+from .printed import field_name as printed_field
+from .printed import fields as printed_fields
+from .printed import number as printed_number
+from .printed import split as split_printed
 
 __all__ = ["Series", "series", "plot_figure", "plot", "export_tensorboard"]
 
@@ -42,6 +48,16 @@ class Series:
 
 def _number(value) -> bool:
     return isinstance(value, (int, float))
+
+
+def _numeric(rows, name, unnamed=False) -> list:
+    """The rows of `name` with a number: a printed statement's lines hold
+    theirs as text (flor/printed.py), where a line has one number (with
+    `unnamed`, only where it is not also a named field of the line)."""
+    if name.startswith(PRINTED) and split_printed(name)[1] is None:
+        rows = [r[:3] + (None if unnamed and printed_fields(r[3]) else printed_number(r[3]),)
+                + r[4:] for r in rows]
+    return [r for r in rows if _number(r[3])]
 
 
 def _steps(rows, flat: bool) -> list:
@@ -87,12 +103,17 @@ def series(store, name, runs=None, script=None) -> tuple[list[Series], bool]:
     skip, by_run, is_flat = _replayed(values, name), _by_run(values, name), _flat(values, name)
     out = []
     for run in selected:
-        rows = [r for r in by_run.get(run["run_id"], ()) if _number(r[3])]
+        rows = _numeric(by_run.get(run["run_id"], ()), name)
         if rows and run["run_id"] not in skip:
             out.append(Series(run, _steps(rows, is_flat), [float(r[3]) for r in rows]))
     if not out:
+        fields = sorted({f for rows in by_run.values() for r in rows if isinstance(r[3], str)
+                         for f in printed_fields(r[3])})
+        hint = (f"; its lines name the numbers {', '.join(fields)}: plot "
+                f"{printed_field(name, fields[0])!r}" if fields else "")
         raise FlorError(f"{name!r} has no numeric values to draw (a number, or a tensor "
-                        "of one element, logged with flor.log)")
+                        "of one element, logged with flor.log; a printed line with one "
+                        f"number){hint}")
     _label(out, store)
     return out, is_flat
 
@@ -161,17 +182,20 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     """Write the numeric values of the runs (as in `plot`) as TensorBoard
     event files, one directory per run under `out_dir` (named by run id),
     tag = the name (a TensorBoard value's own tag, without ``tb:``), step
-    as in `plot`.  Event files already in a run's directory are replaced.  Values that are not numbers (lists, large
-    arrays) are skipped, with a note naming them; printed lines are not
-    exported.  Returns the directories written."""
+    as in `plot`.  Event files already in a run's directory are replaced.
+    Values that are not numbers (lists, large arrays) are skipped, with a
+    note naming them; of printed lines, their named numbers are written
+    (``stdout@train.py:24/loss``), and a line's one number under the
+    statement's name where it names none.  Says so when nothing was
+    written.  Returns the directories written."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise FlorError("exporting to TensorBoard needs torch and tensorboard: "
                         "pip install tensorboard") from None
     selected = select_runs(store, script, runs=runs)
-    values = Values(store, selected, None, printed=False)
-    names = [n for n in values.rows if not n.startswith((PRINTED, STATE))]
+    values = Values(store, selected, None, printed=True, fields=True)
+    names = [n for n in values.rows if not n.startswith(STATE)]
     per_name = {n: (_by_run(values, n), _replayed(values, n), _flat(values, n)) for n in names}
     written, skipped = [], set()
     for run in selected:
@@ -181,8 +205,8 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
             rows = by_run.get(run_id, ())
             if not rows or run_id in replayed:
                 continue
-            numeric = [r for r in rows if _number(r[3])]
-            if len(numeric) < len(rows):
+            numeric = _numeric(rows, name, unnamed=True)
+            if len(numeric) < len(rows) and not name.startswith(PRINTED):
                 skipped.add(name)
             scalars += [(name, step, float(r[3]))
                         for step, r in zip(_steps(numeric, is_flat), numeric)]
@@ -203,4 +227,7 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     if skipped:
         note(f"TensorBoard export: values that are not numbers skipped: "
              f"{', '.join(sorted(skipped))}")
+    if not written:
+        note("TensorBoard export: the runs hold no numeric values (numbers logged with "
+             "flor.log, or printed); nothing was written")
     return written

@@ -22,6 +22,9 @@ import os
 import re
 
 from .context import PRINTED, STATE, parse_location
+from .printed import field_name as printed_field
+from .printed import fields as printed_fields
+from .printed import split as split_printed
 
 __all__ = ["select_runs", "script_args", "Values", "dataframes", "dataframe", "names",
            "statement"]
@@ -162,26 +165,45 @@ def _convert(text):
 class Values:
     """The values the runs logged (and printed, when `printed`), by name:
     ``rows[name]`` is a list of (run id, iteration vector, seq, value as
-    stored (decoded JSON), location), in run order, then as logged."""
+    stored (decoded JSON), location), in run order, then as logged.  A
+    name ``stdout@file:line/field`` is the numbers named `field` in that
+    statement's printed lines (flor/printed.py): with `fields`, every such
+    name of the printed statements read is there too."""
 
-    def __init__(self, store, runs, names=None, printed=False):
+    def __init__(self, store, runs, names=None, printed=False, fields=False):
         self.store, self.runs = store, runs
         self.rows: dict[str, list] = {}
         self._depth, self._repeats = {}, {}
+        wanted = None if names is None else set(names)
+        derived: dict = {}  # printed statement -> the fields of it asked for
+        for name in names or ():
+            base, field = split_printed(name)
+            if field is not None:
+                derived.setdefault(base, set()).add(field)
+        read = None if names is None else list(dict.fromkeys(split_printed(n)[0] for n in names))
         for run in runs:
             counts: dict = {}
-            for r in store.logged(run["run_id"], names, printed):
+
+            def add(name, vec, value, loc):
+                seq = counts.get((name, vec), 0)
+                counts[(name, vec)] = seq + 1
+                self.rows.setdefault(name, []).append((run["run_id"], vec, seq, value, loc))
+                self._depth[name] = max(self._depth.get(name, 0), len(vec))
+                if seq:
+                    self._repeats[name] = True
+
+            for r in store.logged(run["run_id"], read, printed):
                 name = r["name"]
                 if names is None and name.startswith(STATE):
                     continue
                 vec = tuple(json.loads(r["iter"] or "[]"))
-                seq = counts.get((name, vec), 0)
-                counts[(name, vec)] = seq + 1
-                self.rows.setdefault(name, []).append(
-                    (run["run_id"], vec, seq, json.loads(r["value"]), r["loc"]))
-                self._depth[name] = max(self._depth.get(name, 0), len(vec))
-                if seq:
-                    self._repeats[name] = True
+                value = json.loads(r["value"])
+                if wanted is None or name in wanted:
+                    add(name, vec, value, r["loc"])
+                if name.startswith(PRINTED) and (fields or name in derived):
+                    for field, number in printed_fields(value).items():
+                        if fields or field in derived[name]:
+                            add(printed_field(name, field), vec, number, r["loc"])
 
     def depth(self, name) -> int:
         """The length of the name's iteration vectors (the longest)."""
@@ -306,21 +328,23 @@ def dataframe(store, names=(), script=None, run=None, runs=None, level=None):
 
 def names(store, script=None, run=None, runs=None) -> list[dict]:
     """What the runs logged and printed, one dict per name, by level:
-    name, level, kind ("log" or "printed"), values (how many, in all runs),
+    name, level, kind ("log", "printed", or "printed number": a field of
+    the printed lines, ``stdout@file:line/field``), values (how many, in all runs),
     runs (the ids of those that have it), where (the statement's location)
     and source (its text, from the run's kept source)."""
     selected = select_runs(store, script, run, runs)
-    values = Values(store, selected, None, printed=True)
+    values = Values(store, selected, None, printed=True, fields=True)
     by_id = {r["run_id"]: r for r in selected}
     cache: dict = {}
     out = []
     for name, rows in values.rows.items():
         run_id, loc = rows[0][0], rows[0][4]
-        out.append({"name": name, "level": values.level(name),
-                    "kind": "printed" if name.startswith(PRINTED) else "log",
+        kind = "log" if not name.startswith(PRINTED) else \
+            "printed number" if split_printed(name)[1] is not None else "printed"
+        out.append({"name": name, "level": values.level(name), "kind": kind,
                     "values": len(rows), "runs": list(dict.fromkeys(r[0] for r in rows)),
                     "where": loc, "source": statement(store, by_id[run_id], loc, cache)})
-    return sorted(out, key=lambda d: (d["level"], d["kind"] == "printed", d["name"]))
+    return sorted(out, key=lambda d: (d["level"], d["kind"] != "log", d["name"]))
 
 
 def statement(store, run, loc, cache=None) -> str | None:

@@ -26,8 +26,13 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 ARGS = ["--epochs", "2", "--limit", "200", "--width", "4"]
 GRAD = 'flor.log("grad_norm", torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))'
 PRINT = 'print("acc", val_acc)'
-EPOCH_PRINT = next(n for n, line in enumerate(read(EXAMPLE).splitlines(), 1)
-                   if 'print(f"epoch {epoch}' in line)
+
+
+def line_of(text):
+    return next(n for n, line in enumerate(read(EXAMPLE).splitlines(), 1) if text in line)
+
+
+EPOCH_PRINT = line_of('print(f"epoch {epoch}')
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +134,10 @@ def test_printed_lines_are_values_when_named(here):
     df = flor.dataframe(r.printed)
     assert list(df["run"]) == [r.rep] * 2
     assert [v.startswith("acc ") for v in df[r.printed]] == [True, True]
+    numbers = flor.dataframe(f"{r.printed}/acc")  # the number the lines name
+    assert list(numbers[f"{r.printed}/acc"]) == stored(r, r.rec2, "val_acc")
+    with pytest.raises(LookupError, match="no values named"):
+        flor.dataframe(f"{r.printed}/loss")
     assert not [c for c in flor.dataframe(level=1).columns if c.startswith("stdout@")]
 
 
@@ -180,13 +189,18 @@ def test_names_lists_levels_runs_and_statements(here):
     added = by[r.printed]
     assert (added["kind"], added["level"], added["runs"], added["source"]) == (
         "printed", 1, [r.rep], PRINT)
+    number = by[f"{r.printed}/acc"]  # "acc 0.88": a number it names
+    assert (number["kind"], number["level"], number["runs"], number["source"]) == (
+        "printed number", 1, [r.rep], PRINT)
     # A recorded statement of two lines, read from the record's kept source.
     epoch = by[f"stdout@train.py:{EPOCH_PRINT}"]
     assert epoch["source"].startswith('print(f"epoch {epoch}') and "\n" in epoch["source"]
     assert not [n for n in by if n.startswith("state@")]
     assert [n["level"] for n in flor.names()] == sorted(n["level"] for n in flor.names())
+    epoch = f"stdout@train.py:{EPOCH_PRINT}"
     assert [n["name"] for n in flor.names(run=r.rec1) if n["level"] == 1] == [
-        "val_acc", "val_loss", f"stdout@train.py:{EPOCH_PRINT}"]
+        "val_acc", "val_loss", epoch, f"{epoch}/epoch", f"{epoch}/lr", f"{epoch}/val_acc",
+        f"{epoch}/val_loss"]
 
 
 # --- plot ----------------------------------------------------------------------
@@ -221,8 +235,15 @@ def test_plot_draws_one_line_per_run(here, tmp_path, monkeypatch):
     assert ax.get_xlabel() == "step (values in iteration order)"
     monkeypatch.chdir(tmp_path)
     assert plot(r.store, "grad_norm", runs=[r.rep]) == str(tmp_path / "grad_norm.png")
-    with pytest.raises(FlorError, match="no numeric values"):
-        plot(r.store, r.printed)
+    # A printed line's one number is its statement's value: `print("acc", val_acc)`
+    # in the replay prints what the record (of the same arguments) logged.
+    (ax,) = plot_figure(r.store, r.printed).axes
+    (line,) = ax.get_lines()
+    assert list(line.get_ydata()) == stored(r, r.rec2, "val_acc")
+    # A line of several numbers is not one value: the error names its fields.
+    with pytest.raises(FlorError, match="its lines name the numbers epoch, lr, val_acc, "
+                                        "val_loss"):
+        plot(r.store, f"stdout@train.py:{EPOCH_PRINT}")
     for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(FlorError, match="pip install matplotlib"):
@@ -239,17 +260,29 @@ def test_tensorboard_export_reads_back_as_stored(here, tmp_path):
     for _ in range(2):  # exporting again replaces the event files
         dirs = export_tensorboard(r.store, out)
     assert dirs == [os.path.join(out, run_id) for run_id in (r.rec1, r.rec2, r.rep)]
-    expected = {r.rec1: ("val_acc", "val_loss"), r.rec2: ("val_acc", "val_loss"),
-                r.rep: ("grad_norm",)}  # the replay adds its hindsight values only
+    epoch = f"stdout@train.py:{EPOCH_PRINT}"  # "epoch 0: val_loss 0.4321 val_acc 0.8800 lr ..."
+    printed = sorted([f"{epoch}/{field}" for field in ("epoch", "lr", "val_acc", "val_loss")]
+                     + [f"stdout@train.py:{line_of('training on')}/training_on",
+                        f"stdout@train.py:{line_of('training on')}/testing_on",
+                        f"stdout@train.py:{line_of('final test')}/final_test_accuracy"])
+    expected = {r.rec1: (*printed, "val_acc", "val_loss"),
+                r.rec2: (*printed, "val_acc", "val_loss"),
+                # the replay adds its hindsight values only: "acc 0.88" is a named number
+                r.rep: ("grad_norm", f"{r.printed}/acc")}
     for directory in dirs:
         run_id = os.path.basename(directory)
         assert len([f for f in os.listdir(directory) if f.startswith("events.")]) == 1
         acc = EventAccumulator(directory)
         acc.Reload()
         assert sorted(acc.Tags()["scalars"]) == list(expected[run_id])
-        for tag in expected[run_id]:
-            want = [(i, float(np.float32(v))) for i, v in enumerate(stored(r, run_id, tag))]
-            assert [(e.step, e.value) for e in acc.Scalars(tag)] == want
+        for tag in ("val_acc", "val_loss", "grad_norm"):
+            if tag in expected[run_id]:
+                want = [(i, float(np.float32(v))) for i, v in enumerate(stored(r, run_id, tag))]
+                assert [(e.step, e.value) for e in acc.Scalars(tag)] == want
+        if run_id != r.rep:  # printed with 4 decimals
+            want = [(i, float(np.float32(round(v, 4)))) for i, v in
+                    enumerate(stored(r, run_id, "val_acc"))]
+            assert [(e.step, e.value) for e in acc.Scalars(f"{epoch}/val_acc")] == want
 
 
 @MATPLOTLIB_UNDER_ASAN
