@@ -5,7 +5,7 @@ Both take the runs that flor.dataframe reads (flor/frames.py) and draw or
 write numbers only: a value logged as a number (a one-element tensor is
 one), not a list or a large array, and the numbers of printed lines
 (flor/printed.py): ``stdout@train.py:24/loss`` for `loss 0.23`, and the
-statement's own name for a line with one number.  A replay logs again
+statement's own name for a line with one number it does not name.  A replay logs again
 what its record logged, and its deferred checks compare the two: where
 the replayed record is among the runs and has the name too, the replay's
 values of it are left out, so a replay adds only its hindsight values.
@@ -30,7 +30,7 @@ from .errors import FlorError, note
 from .frames import Values, script_args, select_runs
 from .printed import field_name as printed_field
 from .printed import fields as printed_fields
-from .printed import number as printed_number
+from .printed import unnamed as printed_unnamed
 from .printed import split as split_printed
 
 __all__ = ["Series", "series", "plot_figure", "plot", "export_tensorboard"]
@@ -50,13 +50,12 @@ def _number(value) -> bool:
     return isinstance(value, (int, float))
 
 
-def _numeric(rows, name, unnamed=False) -> list:
+def _numeric(rows, name) -> list:
     """The rows of `name` with a number: a printed statement's lines hold
-    theirs as text (flor/printed.py), where a line has one number (with
-    `unnamed`, only where it is not also a named field of the line)."""
+    theirs as text (flor/printed.py), where a line has one number that it
+    does not name (a line that names it is a field's value)."""
     if name.startswith(PRINTED) and split_printed(name)[1] is None:
-        rows = [r[:3] + (None if unnamed and printed_fields(r[3]) else printed_number(r[3]),)
-                + r[4:] for r in rows]
+        rows = [r[:3] + (printed_unnamed(r[3]),) + r[4:] for r in rows]
     return [r for r in rows if _number(r[3])]
 
 
@@ -107,13 +106,13 @@ def series(store, name, runs=None, script=None) -> tuple[list[Series], bool]:
         if rows and run["run_id"] not in skip:
             out.append(Series(run, _steps(rows, is_flat), [float(r[3]) for r in rows]))
     if not out:
-        fields = sorted({f for rows in by_run.values() for r in rows if isinstance(r[3], str)
-                         for f in printed_fields(r[3])})
-        hint = (f"; its lines name the numbers {', '.join(fields)}: plot "
-                f"{printed_field(name, fields[0])!r}" if fields else "")
+        fields = list(dict.fromkeys(f for rows in by_run.values() for r in rows
+                                    if isinstance(r[3], str) for f in printed_fields(r[3])))
+        hint = (f"; its lines name the numbers {', '.join(fields)}: plot one of them, "
+                f"{printed_field(name, fields[-1])!r} for example" if fields else "")
         raise FlorError(f"{name!r} has no numeric values to draw (a number, or a tensor "
                         "of one element, logged with flor.log; a printed line with one "
-                        f"number){hint}")
+                        f"number it does not name){hint}")
     _label(out, store)
     return out, is_flat
 
@@ -205,7 +204,7 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
             rows = by_run.get(run_id, ())
             if not rows or run_id in replayed:
                 continue
-            numeric = _numeric(rows, name, unnamed=True)
+            numeric = _numeric(rows, name)
             if len(numeric) < len(rows) and not name.startswith(PRINTED):
                 skipped.add(name)
             scalars += [(name, step, float(r[3]))

@@ -181,40 +181,44 @@ class Values:
             if field is not None:
                 derived.setdefault(base, set()).add(field)
         read = None if names is None else list(dict.fromkeys(split_printed(n)[0] for n in names))
+        self._statement: dict[str, str] = {}  # a printed field's name -> its statement's
         for run in runs:
             counts: dict = {}
-
-            def add(name, vec, value, loc):
-                seq = counts.get((name, vec), 0)
-                counts[(name, vec)] = seq + 1
-                self.rows.setdefault(name, []).append((run["run_id"], vec, seq, value, loc))
-                self._depth[name] = max(self._depth.get(name, 0), len(vec))
-                if seq:
-                    self._repeats[name] = True
-
             for r in store.logged(run["run_id"], read, printed):
                 name = r["name"]
                 if names is None and name.startswith(STATE):
                     continue
                 vec = tuple(json.loads(r["iter"] or "[]"))
                 value = json.loads(r["value"])
+                seq = counts.get((name, vec), 0)
+                counts[(name, vec)] = seq + 1
+                self._depth[name] = max(self._depth.get(name, 0), len(vec))
+                if seq:
+                    self._repeats[name] = True
+                row = (run["run_id"], vec, seq, value, r["loc"])
                 if wanted is None or name in wanted:
-                    add(name, vec, value, r["loc"])
+                    self.rows.setdefault(name, []).append(row)
                 if name.startswith(PRINTED) and (fields or name in derived):
+                    # A field's rows are its lines' (seq too): a field that
+                    # some lines lack leaves a gap, not a shift.
                     for field, number in printed_fields(value).items():
                         if fields or field in derived[name]:
-                            add(printed_field(name, field), vec, number, r["loc"])
+                            full = printed_field(name, field)
+                            self._statement[full] = name
+                            self.rows.setdefault(full, []).append(row[:3] + (number,) + row[4:])
 
     def depth(self, name) -> int:
-        """The length of the name's iteration vectors (the longest)."""
-        return self._depth[name]
+        """The length of the name's iteration vectors (the longest; a printed
+        field's are its statement's)."""
+        return self._depth[self._statement.get(name, name)]
 
     def repeats(self, name) -> bool:
-        """Whether the name has several values in one iteration of some run."""
-        return self._repeats.get(name, False)
+        """Whether the name has several values in one iteration of some run
+        (a printed field: whether its statement has several lines)."""
+        return self._repeats.get(self._statement.get(name, name), False)
 
     def level(self, name) -> int:
-        return self._depth[name] + self.repeats(name)
+        return self.depth(name) + self.repeats(name)
 
     def by_level(self, names) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}

@@ -3,17 +3,21 @@
 A printed statement's values are its lines (``stdout@train.py:24``, see
 flor/context.py).  The numbers in them are values too:
 
-    "epoch 3 | loss 0.2314 val acc: 0.91 lr=1e-3"
-        -> fields {"epoch": 3, "loss": 0.2314, "val_acc": 0.91, "lr": 0.001}
-           named stdout@train.py:24/loss ...   (`name value`, `name: value`,
-                                                `name=value`, `name tensor(value)`;
-                                                a name of up to three words)
-    "0.2314", "grad norm tensor(0.52)"
-        -> number 0.2314, 0.52                  (a line with one number: the
-                                                 statement's own value)
+    "epoch 3 | train loss 0.2314 val/acc: 0.91 lr=1e-3 {'grad_norm': 0.5}"
+        -> fields {"epoch": 3, "train_loss": 0.2314, "val/acc": 0.91, "lr": 0.001,
+                   "grad_norm": 0.5}, named stdout@train.py:24/train_loss ...
+    "0.2314", "tensor(0.52)"
+        -> the line's one number, where it names none: the statement's own
+           value (to plot and export)
 
-The first value of a name in a line counts.  A word that is part of a
-longer one (``w0``, ``1e-3x``) is not a number.
+A field is `name value`, `name: value`, `name=value`, `'name': value` or
+`name tensor(value)`; a name is one or two words (`train loss` is
+`train_loss`; a filler word such as "is" or "of" is no part of one) of
+letters, digits, `_`, `/`, `@` and inner dots (`Acc@1`, `ms/batch`,
+`model.lr`).  A number is an int, a float (`1e-3`, `1,234.5`), `nan` or
+`inf`; not a part of a longer word (`w0`, `ckpt_10`), of a time or a date
+(`12:03:44`, `2024-01-02`), a fraction (`9833/10000`) or a string
+(`device='cuda:0'`).  The first value of a name in a line counts.
 """
 from __future__ import annotations
 
@@ -23,36 +27,57 @@ from .context import PRINTED
 
 __all__ = ["fields", "number", "split", "field_name"]
 
-_NUM = r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
-_WORD = r"[A-Za-z_][\w.]*"
-# A name is up to three words, one space apart ("val loss 2.31" is val_loss)
-_PAIR = re.compile(rf"(?<![\w.])((?:{_WORD} ){{0,2}}?{_WORD})\s*(?:[:=]\s*|\s+)(?:tensor\()?"
-                   rf"({_NUM})(?![\w.])")
-_ALONE = re.compile(rf"(?<![\w.]){_NUM}(?![\w.])")
-_FIELD = re.compile(r"(.*:\d+)/(.+)")
+_NUM = (r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?"
+        r"|(?i:nan|inf(?:inity)?))")
+_BEFORE = r"(?<![\w.'\"/:-])"  # not inside a word, a string, a time, a date or a fraction
+_AFTER = r"(?![\w'\"]|\.\d|[:/-]\d)"
+_WORD = r"[A-Za-z_][\w/@]*(?:\.[\w/@]+)*"
+_PAIR = re.compile(rf"(?<![\w./@])['\"]?((?:{_WORD} )?{_WORD})['\"]?\s*(?:[:=]\s*|\s+)"
+                   rf"(?:tensor\(\[?)?{_BEFORE}({_NUM}){_AFTER}")
+_ALONE = re.compile(rf"{_BEFORE}{_NUM}{_AFTER}")
+# What a tensor's repr adds after its value (device='cuda:0', grad_fn=<...>)
+_TENSOR_EXTRA = re.compile(r",\s*(?:device|dtype|grad_fn|requires_grad)=[^,)]*")
+_FILLER = {"a", "an", "the", "is", "was", "are", "were", "of", "in", "on", "at", "to", "for",
+           "with", "after", "using", "so", "far", "and", "or", "by", "from", "done"}
+_FIELD = re.compile(r"(.*?:\d+)/(.+)")
+_BIG = 2**63
 
 
-def _float(text) -> float:
-    value = float(text)
-    return int(value) if re.fullmatch(r"[-+]?\d+", text) else value
+def _value(text):
+    """The number `text` says: an int where it has no point or exponent."""
+    plain = text.replace(",", "")
+    if re.fullmatch(r"[-+]?\d+", plain):
+        value = int(plain)
+        return value if abs(value) < _BIG else None  # an id, a seed: no metric
+    return float(plain)
+
+
+def _name(words: str) -> str | None:
+    parts = [w for w in words.split(" ") if w.lower() not in _FILLER]
+    return "_".join(parts) if parts else None
 
 
 def fields(text: str) -> dict:
-    """{name: number} of the `name value` pairs of a printed line."""
+    """{name: number} of the named numbers of a printed line."""
     out: dict = {}
-    for name, value in _PAIR.findall(text):
-        if name.lower() in ("nan", "inf"):
+    for words, number in _PAIR.findall(_TENSOR_EXTRA.sub("", text)):
+        name, value = _name(words), _value(number)
+        if name is None or value is None or name.lower() in ("nan", "inf", "infinity"):
             continue
-        out.setdefault(name.replace(" ", "_"), _float(value))
+        out.setdefault(name, value)
     return out
 
 
 def number(text: str):
     """The line's number where it has exactly one, else None."""
-    found = _ALONE.findall(text)
-    if len(found) != 1:
-        return None
-    return _float(found[0])
+    found = _ALONE.findall(_TENSOR_EXTRA.sub("", text))
+    return _value(found[0]) if len(found) == 1 else None
+
+
+def unnamed(text: str):
+    """The line's one number where the line names none (a statement's own
+    value), else None."""
+    return None if fields(text) else number(text)
 
 
 def split(name: str) -> tuple[str, str | None]:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from flor.printed import fields, number, split
+from flor.printed import fields, number, split, unnamed
 
 pytestmark = pytest.mark.unit
 
@@ -28,6 +28,28 @@ pytestmark = pytest.mark.unit
     ("x=-0.5e-2, y = +3", {"x": -0.005, "y": 3}, None),
     ("no numbers here", {}, None),
     ("model_v2 saved to ckpt_10.pt", {}, None),  # digits inside words are not numbers
+    # the word language model, ImageNet, HF Trainer's dicts, torchvision
+    ("| epoch   1 |   200/ 2983 batches | lr 20.00 | ms/batch 12.34 | loss  7.63",
+     {"epoch": 1, "lr": 20.0, "ms/batch": 12.34, "loss": 7.63}, None),
+    (" * Acc@1 75.123 Acc@5 92.456", {"Acc@1": 75.123, "Acc@5": 92.456}, None),
+    ("{'loss': 2.3, 'learning_rate': 5e-05, 'epoch': 0.5}",
+     {"loss": 2.3, "learning_rate": 5e-05, "epoch": 0.5}, None),
+    ("train/loss 1.0 val/loss 2.0", {"train/loss": 1.0, "val/loss": 2.0}, None),
+    ("img/s: 12.3", {"img/s": 12.3}, 12.3),
+    # what is not a number: times, dates, fractions, a tensor's device, huge ids
+    ("Time: 12:03:44", {}, None),
+    ("eta: 0:12:34 loss 0.5", {"loss": 0.5}, 0.5),
+    ("saved on date 2024-01-02", {}, None),
+    ("Test set: Average loss: 0.0325, Accuracy: 9833/10000 (98%)", {"Average_loss": 0.0325},
+     None),
+    ("loss tensor(0.5000, device='cuda:0', grad_fn=<NllLossBackward0>)", {"loss": 0.5}, 0.5),
+    ("seed " + "7" * 400, {}, None),
+    # thousands, a sentence's full stop, filler words
+    ("step 1,000 loss 0.5", {"step": 1000, "loss": 0.5}, None),
+    ("Validation accuracy: 0.91.", {"Validation_accuracy": 0.91}, 0.91),
+    ("Epoch 3 done. Loss 0.5", {"Epoch": 3, "Loss": 0.5}, None),
+    ("In epoch 3, loss was 0.5", {"epoch": 3, "loss": 0.5}, None),
+    ("step 3 of 10", {"step": 3}, None),
 ])
 def test_named_numbers_and_a_lines_one_number(line, named, alone):
     assert fields(line) == named
@@ -37,6 +59,13 @@ def test_named_numbers_and_a_lines_one_number(line, named, alone):
 def test_the_first_value_of_a_name_counts_and_nan_is_a_number():
     assert fields("loss 0.5 loss 0.7") == {"loss": 0.5}
     assert math.isnan(fields("loss nan")["loss"]) and math.isnan(number("loss nan"))
+    assert math.isinf(fields("loss NaN acc Inf")["acc"])
+    assert fields("loss 12345678901234567") == {"loss": 12345678901234567}  # exact
+
+
+def test_a_statements_own_value_is_a_number_its_line_does_not_name():
+    assert unnamed("0.2314") == 0.2314 and unnamed("tensor(0.52)") == 0.52
+    assert unnamed("loss 0.5") is None and unnamed("epoch 3 loss 0.5") is None
 
 
 def test_a_field_is_named_after_the_statement():

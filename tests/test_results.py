@@ -20,7 +20,7 @@ from flor.export import export_tensorboard, plot, plot_figure
 from flor.frames import dataframes, script_args, select_runs
 from flor.store import Store
 
-from conftest import ROOT, edit, flor as flor_cli, read, runs, store, values
+from conftest import ROOT, edit, flor as flor_cli, read, runs, store, values, write_script
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 ARGS = ["--epochs", "2", "--limit", "200", "--width", "4"]
@@ -235,15 +235,16 @@ def test_plot_draws_one_line_per_run(here, tmp_path, monkeypatch):
     assert ax.get_xlabel() == "step (values in iteration order)"
     monkeypatch.chdir(tmp_path)
     assert plot(r.store, "grad_norm", runs=[r.rep]) == str(tmp_path / "grad_norm.png")
-    # A printed line's one number is its statement's value: `print("acc", val_acc)`
-    # in the replay prints what the record (of the same arguments) logged.
-    (ax,) = plot_figure(r.store, r.printed).axes
+    # The number a printed line names: `print("acc", val_acc)` in the replay
+    # prints what the record (of the same arguments) logged.
+    (ax,) = plot_figure(r.store, f"{r.printed}/acc").axes
     (line,) = ax.get_lines()
     assert list(line.get_ydata()) == stored(r, r.rec2, "val_acc")
-    # A line of several numbers is not one value: the error names its fields.
-    with pytest.raises(FlorError, match="its lines name the numbers epoch, lr, val_acc, "
-                                        "val_loss"):
-        plot(r.store, f"stdout@train.py:{EPOCH_PRINT}")
+    # A statement whose lines name their numbers has no value of its own.
+    for name, fields in ((r.printed, "acc"),
+                         (f"stdout@train.py:{EPOCH_PRINT}", "epoch, val_loss, val_acc, lr")):
+        with pytest.raises(FlorError, match=f"its lines name the numbers {fields}: plot"):
+            plot(r.store, name)
     for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(FlorError, match="pip install matplotlib"):
@@ -262,9 +263,9 @@ def test_tensorboard_export_reads_back_as_stored(here, tmp_path):
     assert dirs == [os.path.join(out, run_id) for run_id in (r.rec1, r.rec2, r.rep)]
     epoch = f"stdout@train.py:{EPOCH_PRINT}"  # "epoch 0: val_loss 0.4321 val_acc 0.8800 lr ..."
     printed = sorted([f"{epoch}/{field}" for field in ("epoch", "lr", "val_acc", "val_loss")]
-                     + [f"stdout@train.py:{line_of('training on')}/training_on",
-                        f"stdout@train.py:{line_of('training on')}/testing_on",
-                        f"stdout@train.py:{line_of('final test')}/final_test_accuracy"])
+                     + [f"stdout@train.py:{line_of('training on')}/training",
+                        f"stdout@train.py:{line_of('training on')}/testing",
+                        f"stdout@train.py:{line_of('final test')}/test_accuracy"])
     expected = {r.rec1: (*printed, "val_acc", "val_loss"),
                 r.rec2: (*printed, "val_acc", "val_loss"),
                 # the replay adds its hindsight values only: "acc 0.88" is a named number
@@ -307,3 +308,29 @@ def test_plot_and_export_from_the_command_line(results, tmp_path):
                  ["plot", "val_acc", "--script", "nosuch.py"]):
         bad = flor_cli(str(tmp_path), *argv, env=env, check=False)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_a_printed_number_some_lines_lack_stays_on_the_lines_that_printed_it(tmp_path,
+                                                                            monkeypatch):
+    """A field is aligned with its statement's lines (a gap where a line
+    lacks it), and has its statement's level."""
+    d = str(tmp_path)
+    write_script(d, "train.py", """
+        import torch
+        w = torch.zeros(1)
+        for epoch in range(2):
+            for b in range(4):
+                w += 1
+                extra = f" acc {b / 10 + epoch}" if b % 2 else ""
+                print(f"loss {b + 10 * epoch}{extra}")
+    """)
+    flor_cli(d, "record", "--no-adaptive", "train.py")
+    monkeypatch.setenv("FLOR_DIR", os.path.join(d, ".flor"))
+    line = "stdout@train.py:7"
+    df = flor.dataframe(line, f"{line}/loss", f"{line}/acc")
+    assert list(df["seq"]) == [0, 1, 2, 3] * 2 and list(df["iteration"]) == [0] * 4 + [1] * 4
+    assert list(df[f"{line}/loss"]) == [0, 1, 2, 3, 10, 11, 12, 13]
+    acc = list(df[f"{line}/acc"])
+    assert [a for i, a in enumerate(acc) if i % 2] == [0.1, 0.3, 1.1, 1.3]
+    assert all(np.isnan(a) for i, a in enumerate(acc) if i % 2 == 0)
+    assert [n["level"] for n in flor.names() if n["name"].startswith(line)] == [2, 2, 2]
