@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(subs, "export", "write stored values for other tools",
                  "Write the stored numeric values as TensorBoard event files, one directory "
-                 "per run (needs tensorboard: pip install tensorboard).", ENV_STORE)
+                 "per record, a replay's values in its record's (needs tensorboard: pip "
+                 "install tensorboard).", ENV_STORE)
     p.add_argument("--tensorboard", metavar="DIR", required=True, help="where to write")
     p.add_argument("--run", metavar="RUN", action="append", dest="runs",
                    help="a run to export (repeatable; default: every run of the script)")

@@ -177,12 +177,29 @@ def plot(store, name, runs=None, script=None, out=None) -> str:
 
 # -- TensorBoard --------------------------------------------------------------
 
+def _with_records(store, selected) -> list:
+    """The runs and the records of their replays, oldest first: a replay's
+    values are written beside its record's, which a directory written
+    again must not lose."""
+    ids = {r["run_id"] for r in selected}
+    records = []
+    for r in selected:
+        if r["kind"] == "replay" and r["parent"] and r["parent"] not in ids:
+            record = store.run(r["parent"])
+            if record is not None:
+                ids.add(record["run_id"])
+                records.append(record)
+    return sorted(selected + records, key=lambda r: r["started"] or 0) if records else selected
+
+
 def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     """Write the numeric values of the runs (as in `plot`) as TensorBoard
     event files, one directory per run under `out_dir` (named by run id),
     tag = the name (a TensorBoard value's own tag, without ``tb:``), step
     as in `plot`.  Event files already in a run's directory are replaced.
-    Values that are not numbers (lists, large arrays) are skipped, with a
+    A replay's values are written in its record's directory (the record is
+    exported with it): its hindsight values are a run's values, beside the
+    ones it logged when it trained.  Values that are not numbers (lists, large arrays) are skipped, with a
     note naming them; of printed lines, their named numbers are written
     (``stdout@train.py:24/loss``), and a line's one number under the
     statement's name where it names none.  Says so when nothing was
@@ -192,14 +209,19 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     except ImportError:
         raise FlorError("exporting to TensorBoard needs torch and tensorboard: "
                         "pip install tensorboard") from None
-    selected = select_runs(store, script, runs=runs)
+    selected = _with_records(store, select_runs(store, script, runs=runs))
     values = Values(store, selected, None, printed=True, fields=True)
     names = [n for n in values.rows if not n.startswith(STATE)]
     per_name = {n: (_by_run(values, n), _replayed(values, n), _flat(values, n)) for n in names}
-    written, skipped = [], set()
+    skipped: set = set()
+    # A replay's values go beside its record's: one TensorBoard run per
+    # training run, its hindsight values with the rest (a later replay's
+    # value of a tag and step replaces an earlier one's).
+    targets: dict[str, dict] = {}
     for run in selected:
         run_id = run["run_id"]
-        scalars = []
+        target = targets.setdefault(
+            run["parent"] if run["kind"] == "replay" and run["parent"] else run_id, {})
         for name, (by_run, replayed, is_flat) in per_name.items():
             rows = by_run.get(run_id, ())
             if not rows or run_id in replayed:
@@ -207,8 +229,12 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
             numeric = _numeric(rows, name)
             if len(numeric) < len(rows) and not name.startswith(PRINTED):
                 skipped.add(name)
-            scalars += [(name, step, float(r[3]))
-                        for step, r in zip(_steps(numeric, is_flat), numeric)]
+            # a value the script wrote to TensorBoard keeps its own tag
+            tag = name[len(TB):] if name.startswith(TB) else name
+            for step, r in zip(_steps(numeric, is_flat), numeric):
+                target[(tag, step)] = float(r[3])
+    written = []
+    for run_id, scalars in targets.items():
         if not scalars:
             continue
         directory = os.path.join(os.path.abspath(out_dir), run_id)
@@ -216,9 +242,7 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
             os.remove(old)
         writer = SummaryWriter(log_dir=directory)
         try:
-            for name, step, value in scalars:
-                # a value the script wrote to TensorBoard keeps its own tag
-                tag = name[len(TB):] if name.startswith(TB) else name
+            for (tag, step), value in scalars.items():
                 writer.add_scalar(tag, value, global_step=step)
         finally:
             writer.close()
