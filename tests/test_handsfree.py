@@ -241,10 +241,11 @@ IDIOMS = os.path.join(HF, "idioms")
 # script: (record options, replay options, anchor, added statement, after anchor)
 IDIOM_CASES = {
     # the functions use module globals they never assign
-    "globals_in_main.py": ([], [], "history.append(loss.item())",
+    "globals_in_main.py": (["--no-adaptive"], [], "history.append(loss.item())",
                            'print("  loss", loss.item())', True),
     # the hindsight statement reads a variable the block had as loop-scoped
-    "reads_loop_variable.py": ([], [], "sched.step()", "print('  last loss', loss.item())",
+    "reads_loop_variable.py": (["--no-adaptive"], [], "sched.step()",
+                               "print('  last loss', loss.item())",
                                False),
     # weights updated through the loop variable of model.parameters()
     "manual_sgd.py": (["--no-adaptive"], [], 'print(f"epoch {epoch} loss',
@@ -273,7 +274,7 @@ IDIOM_CASES = {
     "comprehension_steps.py": (["--no-adaptive"], [], 'print(f"epoch',
                                'print("  w", round(models[0].weight.sum().item(), 6))', False),
     # a trainer class of the script: the block changes self through a method
-    "trainer_class.py": ([], [], "self.log.append(total)",
+    "trainer_class.py": (["--no-adaptive"], [], "self.log.append(total)",
                          'print("  w", self.model.weight.sum().item())', True),
 }
 

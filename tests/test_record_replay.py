@@ -272,8 +272,10 @@ def test_dataframe(workdir):
     out = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("['run', 'kind', 'epochs', 'limit', 'width', 'iteration', "
-                                  "'val_acc', 'val_loss'] 4")
+    # The arguments argparse parsed, defaults included (the script's config)
+    assert out.stdout.strip() == ("['run', 'kind', 'epochs', 'batch_size', 'lr', 'width', "
+                                  "'limit', 'seed', 'threads', 'iteration', 'val_acc', "
+                                  "'val_loss'] 4")
 
 
 # --- scripts with nested and unnamed blocks, and a while loop -------------
