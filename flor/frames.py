@@ -2,7 +2,7 @@
 
 The runs of a script are its finished records and replays (a replay holds
 the hindsight values; the ``kind`` column tells them apart), each with the
-arguments it ran with, parsed from its command line into columns.
+configuration it ran with as columns (`script_args`).
 
 Every logged name (and every printed statement, ``stdout@file:line``) has
 a *level*: the number of index columns its values need.  A value logged
