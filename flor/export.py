@@ -5,10 +5,11 @@ Both take the runs that flor.dataframe reads (flor/frames.py) and draw or
 write numbers only: a value logged as a number (a one-element tensor is
 one), not a list or a large array, and the numbers of printed lines
 (flor/printed.py): ``stdout@train.py:24/loss`` for `loss 0.23`, and the
-statement's own name for a line with one number it does not name.  A replay logs again
-what its record logged, and its deferred checks compare the two: where
-the replayed record is among the runs and has the name too, the replay's
-values of it are left out, so a replay adds only its hindsight values.
+statement's own name for a line with one number it does not name.  A
+replay logs again what its record logged, and its deferred checks compare
+the two: where the replayed record is among the runs and has the name
+too, the replay's values of it are left out, so a replay adds only its
+hindsight values.
 
 The step of a value is its iteration of the main loop when the name is
 logged once per iteration; for a name logged deeper (in every batch, in a
@@ -194,13 +195,14 @@ def _with_records(store, selected) -> list:
 
 def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     """Write the numeric values of the runs (as in `plot`) as TensorBoard
-    event files, one directory per run under `out_dir` (named by run id),
-    tag = the name (a TensorBoard value's own tag, without ``tb:``), step
-    as in `plot`.  Event files already in a run's directory are replaced.
-    A replay's values are written in its record's directory (the record is
-    exported with it): its hindsight values are a run's values, beside the
-    ones it logged when it trained.  Values that are not numbers (lists, large arrays) are skipped, with a
-    note naming them; of printed lines, their named numbers are written
+    event files, one directory per record under `out_dir` (named by its
+    run id), tag = the name (a TensorBoard value's own tag, without
+    ``tb:``), step as in `plot`.  Event files already in a directory are
+    replaced.  A replay's values are written in its record's directory
+    (the record is exported with it): its hindsight values are a run's
+    values, beside the ones it logged when it trained.  Values that are not
+    numbers (lists, large arrays) are skipped, with a note naming them; of
+    printed lines, their named numbers are written
     (``stdout@train.py:24/loss``), and a line's one number under the
     statement's name where it names none.  Says so when nothing was
     written.  Returns the directories written."""
