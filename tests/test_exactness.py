@@ -84,6 +84,7 @@ def test_every_segment_boundary_replays_exactly(tmp_path, case):
                    env={"FLOR_SEGMENTS": starts})
         assert rep.stdout == expected, (starts, rep.stderr)
         assert "deferred checks passed" in rep.stderr, (starts, rep.stderr)
+        assert f"replay: {n}/{n} iterations, " in rep.stderr, rep.stderr
         # Every segment that started from an iteration checkpoint verified all it put back.
         assert "ran again from its start" not in rep.stderr, (starts, rep.stderr)
         assert "could not verify" not in rep.stderr, (starts, rep.stderr)

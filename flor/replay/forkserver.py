@@ -400,22 +400,26 @@ class ForkServer:
             while not self.gone and self._read(block=False) is not None:
                 pass
 
-    def _ended(self):
+    def _ended(self, wait=True):
         """The server is gone, and with it the workers it had not reported
         ended: it killed them as it left, or the kernel did as it died
-        (each worker's parent-death signal); they count as killed."""
+        (each worker's parent-death signal); they count as killed.  Not
+        `wait`ing leaves its exit to wait()."""
         if self.gone:
             return
         self.gone = True
         self.sock.close()
-        self.proc.wait()
+        if wait:
+            self.proc.wait()
         for child in self.children.values():
             child.returncode = -signal.SIGKILL
         self.children.clear()
 
-    def close(self):
+    def close(self, wait=True):
         """Done: the server kills any worker still running and exits (one
-        still importing is killed)."""
+        still importing is killed).  Not `wait`ing lets its exit (an
+        interpreter's, with torch loaded) go on beside the replay's
+        conclusion; a later close() reaps it."""
         if not self.gone and self.state is None:
             self.proc.kill()
         if not self.gone:
@@ -423,4 +427,6 @@ class ForkServer:
                 self.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-            self._ended()
+            self._ended(wait=False)
+        if wait:
+            self.proc.wait()

@@ -2,8 +2,9 @@
 
 Every worker (``flor _worker``, flor/runtime/entry.py run_part) runs the
 edited script from the start with one segment of the plan
-(flor/runtime/replaying.py).  Local workers report each replayed
-iteration on a pipe, which drives the progress bar.
+(flor/runtime/replaying.py).  Local workers report how many iterations of
+their segment they have replayed on a pipe (at most every
+replaying.REPORT_S), which drives the progress bar.
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class _Attempt:
         os.close(w)
         self.pipe = os.fdopen(r, "rb", buffering=0)
         self.buf = b""
+        self.eof = False  # the worker's end of the pipe is closed: it has exited
         self.forked = server is not None and self.proc is not None
         self.copy = False  # a copy of a slow segment's attempt
         self.started = time.monotonic()
@@ -100,19 +102,22 @@ class _Attempt:
         self.done = 0  # iterations it replayed
 
     def read(self) -> int:
-        """Take what the worker reported; returns the iterations it added."""
+        """Take what the worker reported (the iterations of its segment it
+        has done, at most every replaying.REPORT_S); returns the bytes read."""
         chunk = self.pipe.read(4096)
         if not chunk:
+            self.eof = self.eof or chunk == b""
             return 0
         self.buf += chunk
         *lines, self.buf = self.buf.split(b"\n")
-        if lines and self.first is None:
-            self.first = time.monotonic()
-        self.done += len(lines)
-        return len(lines)
+        if lines:
+            if self.first is None:
+                self.first = time.monotonic()
+            self.done = max(self.done, int(lines[-1]))
+        return len(chunk)
 
     def rate(self):
-        """Iterations per second since its first one, or None."""
+        """Iterations per second since its first report, or None."""
         if self.first is None or self.done < 2:
             return None
         return (self.done - 1) / max(time.monotonic() - self.first, 1e-9)
@@ -249,6 +254,16 @@ class _Queue:
         self.todo.insert(0, (a.part, a.resume if died else False))
         return True
 
+    def _waits(self):
+        """What to wait for, select's arguments: the workers' reports, and
+        the fork server's word that one it forked has exited (its pipe at
+        its end).  A spawned worker whose pipe ended is polled soon."""
+        fds = [a.pipe for a in self.running if not a.eof]
+        if any(a.forked for a in self.running) and not self.server.gone:
+            fds.append(self.server.sock)  # (read by their poll())
+        ending = any(a.eof and not a.forked for a in self.running)
+        return fds, [], [], 0.01 if ending else 0.5
+
     def run(self, progress) -> bool:
         """Run every segment; False if one failed for good."""
         while self.todo or self.running:
@@ -259,17 +274,20 @@ class _Queue:
                 if backup is not None:
                     note(f"segment {backup.part} is running slowly; running a copy of it")
                     self._launch(backup.part, True, copy_of=backup)
-            ready, _, _ = select.select([a.pipe for a in self.running], [], [], 0.5)
+            ready, _, _ = select.select(*self._waits())
             for a in list(self.running):
                 if a.pipe in ready:
                     a.read()
-                    if a.done > self.shown[a.part]:  # copies count once
-                        progress.step(a.done - self.shown[a.part])
-                        self.shown[a.part] = a.done
                 code = a.proc.poll()
-                if code is not None and a in self.running:
+                if code is not None:
                     while a.read():
                         pass
+                    if code == 0:  # (a loop that breaks ends in its body, unreported)
+                        a.done = max(a.done, self._length(a.part))
+                if a.done > self.shown[a.part]:  # copies count once
+                    progress.step(a.done - self.shown[a.part])
+                    self.shown[a.part] = a.done
+                if code is not None and a in self.running:
                     if not self._finished(a, code):
                         for other in list(self.running):
                             other.stop()
@@ -324,6 +342,9 @@ def run_local(store: Store, plan: Plan, notes, strict=False, started=None,
     except INTERRUPTIONS:  # SIGTERM or Ctrl-C: its workers were stopped
         store.update_run(plan.replay_id, finished=time.time(), status="interrupted")
         raise
+    finally:
+        if server is not None:
+            server.close()  # (reaped: _run_local let it exit)
 
 
 def _run_local(store, plan, strict, t0, server) -> int:
@@ -346,7 +367,7 @@ def _run_local(store, plan, strict, t0, server) -> int:
             a.stop()
             queue.running.remove(a)
         if server is not None:
-            server.close()
+            server.close(wait=False)  # (run_local reaps it, after the conclusion)
     for a in [*queue.won.values(), *queue.failed]:
         text = a.text()
         if text.strip():

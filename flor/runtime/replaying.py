@@ -33,6 +33,11 @@ from .policy import Policy
 
 __all__ = ["Replaying"]
 
+# A worker reports its progress at most this often (and at its first
+# iteration): a report per iteration woke the replay's parent thousands of
+# times a second, beside workers that have every core.
+REPORT_S = 0.1
+
 STATE_NAMES = {_core.EXECUTE: "execute", _core.SKIP: "skip", _core.STEP_INTO: "step_into",
                _core.PSEUDORESUME: "pseudoresume"}
 
@@ -53,6 +58,7 @@ class Replaying(Policy):
         self.main = (plan.main_loop, plan.main_run)
         self.machine = _core.SkipMachine(_core.REPLAY, plan.epsilon, plan.c)
         self.progress_fd = progress_fd
+        self._report_at = 0.0  # when the next progress report is due
         self.main_seen = False
         self.reexecuted = 0
         self._sig_noted: set[str] = set()
@@ -120,9 +126,13 @@ class Replaying(Policy):
     def iteration_done(self, session, progress, frame, state):
         state()
         if progress and self.progress_fd is not None:
-            try:
-                os.write(self.progress_fd,
-                         f"{self.part} {session.context.top()[1]}\n".encode())
+            index = session.context.top()[1]
+            now = time.monotonic()
+            if now < self._report_at and index + 1 < self.segment[1]:
+                return
+            self._report_at = now + REPORT_S
+            try:  # the segment's iterations done so far
+                os.write(self.progress_fd, f"{index + 1 - self.segment[0]}\n".encode())
             except OSError:
                 self.progress_fd = None
 
