@@ -381,6 +381,51 @@ def test_files_the_set_up_writes_are_as_a_plain_run_leaves_them(tmp_path, how):
         assert sorted(f.read().splitlines()) == [f"epoch {i}" for i in range(4)]
 
 
+LEFT_OPEN = """
+import torch
+import flor
+
+torch.set_num_threads(1)
+
+
+class Notes:
+    def __init__(self, path):
+        self.file = open(path, "w")
+        self.write = self.file.write
+        self.me = self  # a reference cycle: only a garbage collection frees it
+
+
+notes = Notes("notes.txt")
+w = torch.zeros(3)
+for epoch in flor.generator(range(4)):
+    if flor.SkipBlock.step_into("train"):
+        for _ in range(3):
+            w += 1
+    w = flor.SkipBlock.end(w)
+    flor.log("wsum", w.sum().item())
+    notes.write(f"epoch {epoch} {w.sum().item()}\\n")
+"""
+
+
+@pytest.mark.parametrize("jobs,starts,segments", [("1", "0", "[0, 4)"),
+                                                   ("2", "2", "[0, 2), [2, 4)")])
+def test_a_file_the_script_leaves_open_is_written_as_in_a_plain_run(tmp_path, jobs, starts,
+                                                                    segments):
+    # Never closed, in a reference cycle: a plain run's last garbage
+    # collection flushes it; a replay worker leaves without those.
+    d = str(tmp_path)
+    write_script(d, "notes.py", LEFT_OPEN)
+    plain(d, "notes.py")
+    expected = read(os.path.join(d, "notes.txt")).splitlines()
+    assert expected == [f"epoch {i} {3.0 * (i + 1) * 3}" for i in range(4)]
+    flor(d, "record", "--no-adaptive", "notes.py")
+    os.unlink(os.path.join(d, "notes.txt"))
+    proc = flor(d, "replay", "--jobs", jobs, "notes.py", env={"FLOR_SEGMENTS": starts})
+    assert "deferred checks passed" in proc.stderr, proc.stderr
+    assert f"4 iterations in segments {segments}\n" in proc.stderr, proc.stderr
+    assert sorted(read(os.path.join(d, "notes.txt")).splitlines()) == expected
+
+
 # What the script sees of the functions replay guards (open, os.replace...):
 # a script that reads their names or docstrings prints the same under flor.
 INTROSPECTS = """

@@ -175,10 +175,10 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
     """Run segment `part` of the plan in this process (a worker, or --part):
     `tee` also shows the script's stdout, `own_db` stores into the part's
     own database (or into the database file it names), `progress_fd`
-    reports each replayed iteration, `resume` starts from an iteration
-    checkpoint where the plan has one; a worker `forked` from the fork
-    server has the script's directory on sys.path already (set before its
-    imports, which may have put paths before it)."""
+    reports the replayed iterations (replaying.REPORT_S), `resume` starts
+    from an iteration checkpoint where the plan has one; a worker `forked`
+    from the fork server has the script's directory on sys.path already
+    (set before its imports, which may have put paths before it)."""
     store = Store(plan.store)
     if own_db:
         db = own_db if isinstance(own_db, str) else store.layout.part_db(plan.replay_id, part)
@@ -202,4 +202,6 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
             code, error = run_main(script, sys.__stderr__, instrumented)
     finally:
         session.finish(error)
+        if session.effects.files is not None:
+            session.effects.files.flush_open()
     return code

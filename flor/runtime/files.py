@@ -59,6 +59,7 @@ import threading
 import weakref
 
 from ..context import PRE
+from ..errors import note
 
 __all__ = ["Files", "GuardedFile"]
 
@@ -318,6 +319,19 @@ class Files:
             self._moves[name] = (original, patched, homes)
             for home in homes:
                 setattr(home, name, patched)
+
+    def flush_open(self):
+        """Flush the files the script left open (at a worker's end: it
+        leaves without the interpreter's last garbage collections, which
+        would flush one held in a reference cycle)."""
+        for refs in self._live.values():
+            for ref in refs:
+                f = ref()
+                if f is not None and not f.closed:
+                    try:
+                        f.flush()
+                    except (OSError, ValueError) as e:  # as python's exit reports it
+                        note(f"flushing {f.name!r} at the script's end failed: {e}")
 
     def by_user(self, frame) -> bool:
         """Whether open() was called by the user's program (maybe through
