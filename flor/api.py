@@ -129,14 +129,15 @@ def dataframes(*names: str, script: str | None = None, run: str | None = None,
     return frames.dataframes(Store(create=False), names, script=script, run=run, runs=runs)
 
 
-def names(script: str | None = None, run: str | None = None, runs=None) -> list[dict]:
-    """What `flor.dataframe` can be asked for in the same runs (see there):
-    a list of dicts, by level, each with ``name``, ``level``, ``kind``
-    ("log" or "printed"), ``values`` (how many, in all the runs), ``runs``
-    (the ids of those that have it), ``where`` (``file:line`` of the
-    statement) and ``source`` (the statement's text, from the run's kept
-    source).  ``pandas.DataFrame(flor.names())`` tabulates it."""
+def names(script: str | None = None, run: str | None = None, runs=None):
+    """What `flor.dataframe` can be asked for in the same runs (see there),
+    as a pandas DataFrame of one row per name, by level, with columns
+    ``name``, ``level``, ``kind`` ("log", "printed", or "printed number":
+    a number in printed lines), ``values`` (how many, in all the runs),
+    ``runs`` (the ids of those that have it), ``where`` (``file:line`` of
+    the statement) and ``source`` (the statement's text, from the run's
+    kept source)."""
     from . import frames
     from .store import Store
 
-    return frames.names(Store(create=False), script=script, run=run, runs=runs)
+    return frames.names_frame(Store(create=False), script=script, run=run, runs=runs)

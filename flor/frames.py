@@ -27,7 +27,7 @@ from .printed import fields as printed_fields
 from .printed import split as split_printed
 
 __all__ = ["select_runs", "script_args", "Values", "dataframes", "dataframe", "names",
-           "statement"]
+           "names_frame", "statement"]
 
 
 _INT = re.compile(r"[+-]?\d+")
@@ -349,6 +349,14 @@ def names(store, script=None, run=None, runs=None) -> list[dict]:
                     "values": len(rows), "runs": list(dict.fromkeys(r[0] for r in rows)),
                     "where": loc, "source": statement(store, by_id[run_id], loc, cache)})
     return sorted(out, key=lambda d: (d["level"], d["kind"] != "log", d["name"]))
+
+
+NAME_COLUMNS = ["name", "level", "kind", "values", "runs", "where", "source"]
+
+
+def names_frame(store, script=None, run=None, runs=None):
+    """names() as a pandas DataFrame (its columns even when there are none)."""
+    return _pandas().DataFrame(names(store, script, run, runs), columns=NAME_COLUMNS)
 
 
 def statement(store, run, loc, cache=None) -> str | None:

@@ -17,7 +17,7 @@ import pytest
 import flor
 from flor.errors import FlorError
 from flor.export import export_tensorboard, plot, plot_figure
-from flor.frames import dataframes, script_args, select_runs
+from flor.frames import dataframes, names_frame, script_args, select_runs
 from flor.store import Store
 
 from conftest import ROOT, edit, flor as flor_cli, read, runs, store, values, write_script
@@ -178,9 +178,19 @@ def test_frames_of_nested_generators_leave_out_other_ranks_and_unfinished_runs(t
 
 # --- names -----------------------------------------------------------------------
 
+def test_names_of_runs_that_logged_nothing_is_an_empty_frame_with_its_columns(tmp_path):
+    st = Store(str(tmp_path / ".flor"))
+    st.new_run("record", str(tmp_path / "t.py"), ["t.py"], "", status="finished", info="{}")
+    frame = names_frame(st, script=str(tmp_path / "t.py"))
+    assert frame.empty and list(frame.columns) == [
+        "name", "level", "kind", "values", "runs", "where", "source"]
+
+
 def test_names_lists_levels_runs_and_statements(here):
     r = here
-    by = {n["name"]: n for n in flor.names()}
+    frame = flor.names()
+    assert list(frame.columns) == ["name", "level", "kind", "values", "runs", "where", "source"]
+    by = {n["name"]: n for n in frame.to_dict("records")}
     assert by["val_acc"] == {"name": "val_acc", "level": 1, "kind": "log", "values": 6,
                              "runs": [r.rec1, r.rec2, r.rep], "where": "train.py:106",
                              "source": 'flor.log("val_acc", val_acc)'}
@@ -196,9 +206,10 @@ def test_names_lists_levels_runs_and_statements(here):
     epoch = by[f"stdout@train.py:{EPOCH_PRINT}"]
     assert epoch["source"].startswith('print(f"epoch {epoch}') and "\n" in epoch["source"]
     assert not [n for n in by if n.startswith("state@")]
-    assert [n["level"] for n in flor.names()] == sorted(n["level"] for n in flor.names())
+    assert list(frame["level"]) == sorted(frame["level"])
     epoch = f"stdout@train.py:{EPOCH_PRINT}"
-    assert [n["name"] for n in flor.names(run=r.rec1) if n["level"] == 1] == [
+    one = flor.names(run=r.rec1)
+    assert list(one[one["level"] == 1]["name"]) == [
         "val_acc", "val_loss", epoch, f"{epoch}/epoch", f"{epoch}/lr", f"{epoch}/val_acc",
         f"{epoch}/val_loss"]
 
@@ -335,4 +346,5 @@ def test_a_printed_number_some_lines_lack_stays_on_the_lines_that_printed_it(tmp
     acc = list(df[f"{line}/acc"])
     assert [a for i, a in enumerate(acc) if i % 2] == [0.1, 0.3, 1.1, 1.3]
     assert all(np.isnan(a) for i, a in enumerate(acc) if i % 2 == 0)
-    assert [n["level"] for n in flor.names() if n["name"].startswith(line)] == [2, 2, 2]
+    names = flor.names()
+    assert list(names[names["name"].str.startswith(line)]["level"]) == [2, 2, 2]
