@@ -2,10 +2,10 @@
 
 Importing flor prints nothing and initialises nothing: torch and CUDA are
 touched only when a snapshot or load meets a tensor, and a run starts when a
-script first uses flor.generator, flor.SkipBlock or flor.log.
+script first uses flor.generator, flor.SkipBlock, flor.log or flor.label.
 """
 from ._core import Snapshot, snapshot
-from .api import SkipBlock, dataframe, dataframes, generator, log, names
+from .api import SkipBlock, dataframe, dataframes, generator, label, log, names
 from .checkpoint import load, restore, save
 from .errors import CheckpointCorrupt, CheckpointWriteError, FlorReplayError
 from .materializer import Materializer
@@ -25,6 +25,7 @@ __all__ = [
     "dataframe",
     "dataframes",
     "generator",
+    "label",
     "load",
     "log",
     "names",

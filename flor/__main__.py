@@ -31,6 +31,7 @@ from .materializer import mode_from_env
 # -- the commands ------------------------------------------------------------
 
 def cmd_record(o) -> int:
+    from .runtime import ranks
     from .runtime.entry import record_script
 
     if o.force and not o.resume:
@@ -40,9 +41,19 @@ def cmd_record(o) -> int:
         _cuda.mode()  # imports no torch
     except ValueError as e:
         raise FlorError(str(e)) from None
+    labels = {"name": o.name, "add": o.tags, "note": o.note}
+    if o.resume and (o.name is not None or o.tags or o.note is not None):
+        raise FlorError("record --resume keeps the run's name, tags and note; change them "
+                        "with `flor tag RUN`")
+    if o.name is not None and (ranks.world() or (0,))[0] == 0:
+        from .runs import check_name
+        from .store import Store
+
+        check_name(Store(), o.name)  # before it runs (rank 0 names a data-parallel record)
     code = record_script(o.script, o.args if o.explicit_args or not o.resume else None,
                          epsilon=o.epsilon, adaptive=False if o.no_adaptive else None,
-                         resume=o.resume, force=o.force, keep=o.iteration_checkpoints)
+                         resume=o.resume, force=o.force, keep=o.iteration_checkpoints,
+                         labels=labels)
     hint = _hint_options(o) if code else None
     if hint:
         note(hint)
@@ -256,7 +267,8 @@ def _store(readonly=True):
 
 
 def _resolved(store, refs):
-    """Run ids for what the command line named (a full id, a unique prefix, `latest`)."""
+    """Run ids for what the command line named (a full id, a unique prefix, a
+    name, `latest`)."""
     return None if refs is None else [store.resolve(r) for r in refs]
 
 
@@ -295,6 +307,17 @@ def _report_deleted(ids, dry_run):
         print(("would delete " if dry_run else "deleted ") + rid)
     if not ids:
         print("nothing to delete")
+
+
+def cmd_tag(o) -> int:
+    from . import runs
+
+    store = _store(readonly=False)
+    run_id = store.resolve(o.run)
+    got = runs.label(store, run_id, name=o.name, add=o.tags, remove=o.remove, note=o.note)
+    print(" ".join([run_id, *([got["name"]] if got["name"] else []),
+                    *(f"#{t}" for t in got["tags"])]))
+    return 0
 
 
 def cmd_rm(o) -> int:
@@ -367,7 +390,7 @@ def cmd_worker(rest, forked=False) -> int:
 
 
 COMMANDS = {"record": cmd_record, "replay": cmd_replay, "merge": cmd_merge, "runs": cmd_runs,
-            "show": cmd_show, "rm": cmd_rm, "prune": cmd_prune, "plot": cmd_plot,
+            "show": cmd_show, "tag": cmd_tag, "rm": cmd_rm, "prune": cmd_prune, "plot": cmd_plot,
             "export": cmd_export}
 
 

@@ -1,5 +1,6 @@
-"""The manual API: flor.generator, flor.SkipBlock, flor.log; flor.dataframe,
-flor.dataframes and flor.names read the results (flor/frames.py).
+"""The manual API: flor.generator, flor.SkipBlock, flor.log, flor.label;
+flor.dataframe, flor.dataframes and flor.names read the results
+(flor/frames.py).
 
     import flor
     for epoch in flor.generator(range(N)):
@@ -18,7 +19,7 @@ import sys
 
 from .runtime.session import Session
 
-__all__ = ["generator", "SkipBlock", "log", "dataframe", "dataframes", "names"]
+__all__ = ["generator", "SkipBlock", "log", "label", "dataframe", "dataframes", "names"]
 
 
 def generator(iterable, name: str | None = None, state=None):
@@ -81,6 +82,24 @@ def log(name: str, value):
     written in the background."""
     Session.get().log(name, value, sys._getframe(1))
     return value
+
+
+def label(name: str | None = None, tags=(), note: str | None = None) -> None:
+    """Name, tag or annotate the run this process records, as ``flor record
+    --name NAME --tag TAG --note TEXT`` does (``flor tag`` changes them
+    later).  A name is unique in the store and accepted wherever a run id
+    is; one another run has raises FlorError.  In a replay it does nothing:
+    the labels are the record's."""
+    s = Session.get()
+    if s.mode != "record":
+        return
+    from .runs import label as label_run
+
+    if isinstance(tags, str):
+        tags = (tags,)
+    if s.policy.row.info.follower:  # (listed under rank 0's run, which is named)
+        name = None
+    label_run(s.store, s.run_id, name=name, add=tuple(tags), note=note)
 
 
 def dataframe(*names: str, script: str | None = None, run: str | None = None,

@@ -21,6 +21,7 @@ SUMMARY = """\
     flor replay [options] SCRIPT [ARGS...]    replay its record with the edited SCRIPT
     flor merge [REPLAY]                       assemble a replay run in --part pieces
     flor runs | show RUN | rm RUN... | prune  the runs of the store
+    flor tag RUN [TAG...] [--name N] [--note T]  name, tag or annotate a run
     flor plot NAME | export --tensorboard DIR the stored values"""
 EXIT_STATUS = ("`flor COMMAND --help` describes each. The exit status is 0 on success; the "
                "script's own status when it fails (1 for an uncaught exception); 1 when "
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="with --resume: even if SCRIPT or ARGS changed, or continue the "
                    "latest record if it failed (once SCRIPT is fixed)")
+    _labels(p)
     _script_args(p)
 
     p = _command(subs, "replay", "replay a record with the edited script",
@@ -140,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_number(int, 1), metavar="T",
                    help="torch threads per worker (default: the record's)")
     p.add_argument("--run", metavar="ID", help="replay this record: its id, a unique start "
-                   "of it, or `latest` (default: the latest finished or interrupted one of "
-                   "SCRIPT)")
+                   "of it, its name, or `latest` (default: the latest finished or interrupted "
+                   "one of SCRIPT)")
     parts = p.add_mutually_exclusive_group()
     parts.add_argument("--part", metavar="I/N", help="run only segment I of N, counting "
                        "from 0 (0/4 ... 3/4), for a scheduler; then `flor merge`")
@@ -179,14 +181,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(subs, "show", "describe one run", "Everything flor keeps of one run: "
                  "its command, status, checkpoints, replays, logged names and the git version of "
                  "its script.", ENV_STORE)
-    p.add_argument("run", metavar="RUN", help="a run id, a unique start of one, or `latest`")
+    p.add_argument("run", metavar="RUN", help="a run id, a unique start of one, a run's name, "
+                   "or `latest`")
     p.add_argument("--json", action="store_true", help="as JSON")
 
     p = _command(subs, "rm", "delete runs", "Delete runs, their rows and their files, "
                  "with the replays of a deleted record.", ENV_STORE)
     p.add_argument("runs", metavar="RUN", nargs="+",
-                   help="run ids, unique starts of them, or `latest`")
+                   help="run ids, unique starts of them, run names, or `latest`")
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+
+    p = _command(subs, "tag", "name, tag or annotate a run",
+                 "Give RUN (a record or a replay) tags, a name (unique in the store, "
+                 "accepted wherever a run id is) or a note; `flor runs` and `flor show` "
+                 "show them.", ENV_STORE)
+    p.add_argument("run", metavar="RUN", help="a run id, a unique start of one, a run's name, "
+                   "or `latest`")
+    p.add_argument("tags", metavar="TAG", nargs="*", help="tags to add")
+    p.add_argument("--remove", metavar="TAG", action="append", default=[],
+                   help="a tag to remove (repeatable)")
+    p.add_argument("--name", metavar="NAME", help="the run's name (a letter, then letters, "
+                   "digits, '.', '_' or '-')")
+    p.add_argument("--note", metavar="TEXT", help="a note on the run (\"\" removes it)")
 
     p = _command(subs, "prune", "delete all but the latest records of each script",
                  "Per script, keep the newest K records that replay can use and delete the "
@@ -214,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a run to export (repeatable; default: every run of the script)")
     p.add_argument("--script", metavar="SCRIPT", help="whose runs (default: the latest run's)")
     return top
+
+
+def _labels(p):
+    """A record's name, tags and note (flor tag changes them later)."""
+    p.add_argument("--name", metavar="NAME", help="name the run (unique in the store; a "
+                   "letter, then letters, digits, '.', '_' or '-'), to use wherever a run id is")
+    p.add_argument("--tag", metavar="TAG", action="append", default=[], dest="tags",
+                   help="tag the run (repeatable)")
+    p.add_argument("--note", metavar="TEXT", help="a note on the run")
 
 
 # -- SCRIPT and ARGS ---------------------------------------------------------

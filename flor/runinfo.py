@@ -15,7 +15,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-__all__ = ["Info", "RecordInfo", "ReplayInfo", "PartInfo", "run_info", "run_row", "encoded"]
+__all__ = ["Info", "RecordInfo", "ReplayInfo", "PartInfo", "LABELS", "run_info", "run_row",
+           "encoded"]
+
+LABELS = ("name", "labels", "note")  # what the user calls a run: its fields of both kinds
 
 
 @dataclass
@@ -101,6 +104,12 @@ class RecordInfo(Info):
     # the config object it built (flor/config.py): {dotted key: value}
     config: dict | None = None
     config_parsed: bool = False  # whether it holds the command line's parse
+    # What the user calls it (flor/runs.py `label`): a name unique in the
+    # store, tags (`tags` above is the checkpoint header tags' version) and
+    # a note
+    name: str | None = None
+    labels: list = field(default_factory=list)
+    note: str | None = None
 
     @property
     def follower(self) -> bool:
@@ -123,6 +132,9 @@ class ReplayInfo(Info):
     compared: int | None = None
     mismatches: int | None = None
     missing: int | None = None
+    name: str | None = None  # what the user calls it, as RecordInfo's
+    labels: list = field(default_factory=list)
+    note: str | None = None
     seconds: float | None = None  # the replay's own measure, from start to conclusion
     rerun_seconds: float | None = None  # what re-running the script would take (estimate.py)
 

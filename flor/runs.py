@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 
@@ -18,7 +19,8 @@ from .context import STATE
 from .errors import FlorError
 from .store import Store
 
-__all__ = ["STATUSES", "listing", "print_runs", "show", "remove", "prune"]
+__all__ = ["STATUSES", "listing", "print_runs", "show", "remove", "prune", "check_name",
+           "label"]
 
 STATUSES = ("finished", "failed", "interrupted", "running", "empty")
 
@@ -60,13 +62,19 @@ def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
             row["checks_passed"] = info.checks_passed
         if r["kind"] == "replay" and info.rerun_seconds:
             row["rerun_seconds"] = info.rerun_seconds
+        for key, value in (("name", info.name), ("tags", info.labels), ("note", info.note)):
+            if value:
+                row[key] = value
         out.append(row)
     return out
 
 
 def print_runs(rows) -> None:
-    """A table of `rows` (from listing), its columns as wide as their values."""
-    table = [("run", "kind", "script", "started", "seconds", "iters", "ckpts", "status")]
+    """A table of `rows` (from listing), its columns as wide as their values;
+    a column of names and tags where a run has them."""
+    named = any(r.get("name") or r.get("tags") for r in rows)
+    table = [("run", *(("name",) if named else ()), "kind", "script", "started", "seconds",
+              "iters", "ckpts", "status")]
     for r in rows:
         secs = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
         if r.get("rerun_seconds") and r["seconds"]:  # a replay, against re-running
@@ -79,11 +87,12 @@ def print_runs(rows) -> None:
                        else f" ({r['world_size']} ranks)")
         if r.get("checks_passed") is False:
             status += ", checks failed"
-        table.append((r["run"], r["kind"], r["script"] or "-",
+        name = " ".join([r.get("name") or "-"] + [f"#{t}" for t in r.get("tags", ())])
+        table.append((r["run"], *((name,) if named else ()), r["kind"], r["script"] or "-",
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"] or 0)),
                       secs, str(r["iterations"]), str(r["checkpoints"]), status))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    right = {4, 5, 6}
+    right = {5, 6, 7} if named else {4, 5, 6}
     for row in table:
         cells = [c.rjust(w) if i in right else c.ljust(w)
                  for i, (c, w) in enumerate(zip(row, widths))]
@@ -112,7 +121,8 @@ def show(store: Store, run_id: str) -> dict:
 
 
 def print_show(d: dict) -> None:
-    keys = ("run", "kind", "script", "script_path", "argv", "cwd", "status", "started",
+    keys = ("run", "name", "tags", "note", "kind", "script", "script_path", "argv", "cwd",
+            "status", "started",
             "seconds", "iterations", "main_loop", "checkpoints", "checkpoints_missing",
             "checkpoint_bytes", "parent", "replays", "checks_passed", "directory")
     for k in keys:
@@ -157,6 +167,43 @@ def _code_line(code: dict, directory) -> str:
     if code.get("untracked"):
         what += f", {code['untracked']} untracked file{'s' if code['untracked'] != 1 else ''}"
     return what
+
+
+# A run's name: a letter, then letters, digits, '.', '_' or '-' (a run id
+# starts with a digit, so that no name is the start of one).
+NAME = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")
+
+
+def check_name(store: Store, name: str, run_id: str | None = None) -> None:
+    """Refuse a name that is not one, `latest`, or another run's name."""
+    if not NAME.fullmatch(name) or name == "latest":
+        raise FlorError(f"{name!r} cannot name a run: a name starts with a letter and holds "
+                        "letters, digits, '.', '_' and '-' (at most 64), and is not 'latest'")
+    if not store.exists():
+        return
+    for r in store.runs():
+        if getattr(r["info"], "name", None) == name and r["run_id"] != run_id:
+            raise FlorError(f"run {r['run_id']} is named {name!r} already; choose another "
+                            f"name, or rename that run (flor tag {r['run_id']} --name NEW)")
+
+
+def label(store: Store, run_id: str, name=None, add=(), remove=(), note=None) -> dict:
+    """Name, tag or annotate run `run_id` (`note` "" removes its note);
+    returns its run info's labels."""
+    run = _get(store, run_id)
+    info = run["info"]
+    if name is not None:
+        check_name(store, name, run["run_id"])
+        info.name = name
+    for tag in add:
+        if not tag.strip() or tag != tag.strip():
+            raise FlorError(f"a tag is a word, not {tag!r}")
+    if add or remove:
+        info.labels = [t for t in dict.fromkeys([*info.labels, *add]) if t not in remove]
+    if note is not None:
+        info.note = note or None
+    store.update_run(run["run_id"], info=info)
+    return {"name": info.name, "tags": info.labels, "note": info.note}
 
 
 def _get(store, run_id):

@@ -75,10 +75,11 @@ class Store(Database):
 
     def resolve(self, ref: str, kind: str | None = None, script: str | None = None) -> str:
         """The run id `ref` names: itself, `latest` (the newest run, of
-        `kind` and `script` if given), or a unique prefix of a run's id; as
-        given where no run matches (the caller says there is none).  A
-        prefix of several runs' ids is refused, naming them.  A data-parallel
-        record's other ranks (listed under rank 0's run) are not candidates."""
+        `kind` and `script` if given), a run's name (flor/runs.py `label`),
+        or a unique prefix of a run's id; as given where no run matches
+        (the caller says there is none).  A prefix of several runs' ids is
+        refused, naming them.  A data-parallel record's other ranks (listed
+        under rank 0's run) are not candidates."""
         if ref is None or not self.exists() or self.run(ref) is not None:
             return ref
         rows = self.script_runs(script, kind) if script is not None else \
@@ -86,6 +87,9 @@ class Store(Database):
         rows = [r for r in rows if not getattr(r["info"], "follower", False)]
         if ref == "latest":
             return rows[-1]["run_id"] if rows else ref
+        named = [r["run_id"] for r in rows if getattr(r["info"], "name", None) == ref]
+        if named:  # (names are unique: the last, should two runs have one)
+            return named[-1]
         ids = [r["run_id"] for r in rows if r["run_id"].startswith(ref)]
         if len(ids) > 1:
             shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")

@@ -18,7 +18,7 @@ from conftest import ROOT, edit, flor, store
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 ARGS = ["--epochs", "2", "--limit", "200", "--width", "4"]
-COMMANDS = ("record", "replay", "merge", "runs", "show", "rm", "prune", "plot", "export")
+COMMANDS = ("record", "replay", "merge", "runs", "show", "tag", "rm", "prune", "plot", "export")
 
 
 @pytest.fixture
@@ -35,7 +35,9 @@ def test_every_command_has_help_with_its_options_and_environment(tmp_path):
     top = flor(str(tmp_path), "--help")
     for cmd in COMMANDS:
         assert cmd in top.stdout
-    for cmd, options in {"record": ["--epsilon", "--no-adaptive", "--resume", "--force"],
+    for cmd, options in {"record": ["--epsilon", "--no-adaptive", "--resume", "--force",
+                                    "--name", "--tag", "--note"],
+                         "tag": ["--name", "--note", "--remove"],
                          "replay": ["--jobs", "--backend", "--threads", "--run", "--part",
                                     "--parts", "--check", "--tolerance", "--strict",
                                     "--args-differ-ok", "FLOR_REPLAY_CORES"],

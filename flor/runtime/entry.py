@@ -35,13 +35,14 @@ def _evicted(signum, frame):
 
 
 def record_script(script, args, epsilon=None, adaptive=None, resume=False, force=False,
-                  keep=None) -> int:
+                  keep=None, labels=None) -> int:
     """``python -m flor record``: run `script` with `args` as ``__main__``,
     recording it (hands-free if it does not import flor); print the summary.
     `resume`: continue the latest interrupted record of `script` instead
     (with its arguments when `args` is None)
     (`force`: even if the script or its arguments changed).  `keep`: the
-    iteration checkpoints kept of each loop (runtime/thinning.py).  While the
+    iteration checkpoints kept of each loop (runtime/thinning.py).  `labels`:
+    the run's name, tags and note, as flor/runs.py `label` takes them.  While the
     script runs, SIGTERM (when the script's process has no handler of its
     own) ends it as Interrupted; that and Ctrl-C leave the run interrupted,
     to continue with ``record --resume``.  Returns the script's exit status."""
@@ -66,6 +67,12 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
             args = store.run(point.run_id)["argv"][1:]
     session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive,
                              hands_free=inst, resume=point, keep=keep)
+    if labels and any(labels.values()):
+        from ..runs import label
+
+        if session.policy.row.info.follower:  # (listed under rank 0's run, which is named)
+            labels = dict(labels, name=None)
+        label(session.store, session.run_id, **labels)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

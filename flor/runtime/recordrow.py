@@ -13,7 +13,7 @@ import time
 
 from .. import codeversion
 from ..errors import SegmentDone, note
-from ..runinfo import RecordInfo
+from ..runinfo import LABELS, RecordInfo
 from ..seal import seal_run
 from ..store import new_run_id, process_start
 from ..version import __version__
@@ -74,6 +74,9 @@ class RecordRow:
             before = store.run(resume.run_id)["info"]
             info.resumed = before.resumed + [resume.start]
             info.tags = before.tags  # (its checkpoints so far keep theirs)
+            for key in LABELS:  # what the user calls it
+                if getattr(before, key):
+                    setattr(info, key, getattr(before, key))
             store.truncate_record(self.run_id, resume.ord, resume.decisions)
             store.update_run(self.run_id, status="running", info=info,
                              iterations=resume.start)
@@ -118,6 +121,10 @@ class RecordRow:
         info.captured = session.block_labels
         info.main_ended = main is not None and (main.loop, main.run) in session.loops.ended
         info.error = repr(error) if failed else None
+        stored = self.store.run(self.run_id)["info"]
+        for key in LABELS:  # as `flor tag` left them while it ran
+            if getattr(stored, key) or getattr(info, key):
+                setattr(info, key, getattr(stored, key))
         self.store.update_run(
             self.run_id, finished=time.time(),
             status="empty" if empty else "failed" if failed else "finished",
