@@ -13,7 +13,6 @@ refuses (an argument, option, script or store it cannot use).
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sqlite3
@@ -364,17 +363,6 @@ def cmd_export(o) -> int:
     return 0
 
 
-def _leaving(code) -> int:
-    """A replay worker or the fork server is about to exit: what it holds
-    is moved out of the interpreter's last garbage collections, which took
-    about 0.55 s of each worker's exit with torch and torch._dynamo
-    loaded.  Its threads, atexit functions and module teardown run as
-    before, and what reference counting frees is freed (the files the
-    script left open were flushed: run_part)."""
-    gc.freeze()
-    return code
-
-
 def cmd_worker(rest, forked=False) -> int:
     """A local replay worker: PLAN PART [PROGRESS_FD] [--db FILE] [--no-resume]
     (started by run_local, or `forked` from the fork server)."""
@@ -398,12 +386,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["_worker"]:
-            return _leaving(cmd_worker(argv[1:]))
+            return cmd_worker(argv[1:])
         if argv[:1] == ["_forkserver"]:  # SCRIPT FD (started by replay)
             from .replay.forkserver import serve
 
             rest = serve(argv[1], int(argv[2]))
-            return _leaving(0 if rest is None else cmd_worker(rest[1:], forked=True))
+            return 0 if rest is None else cmd_worker(rest[1:], forked=True)
         parser = build_parser()
         try:
             o = parse(parser, argv)

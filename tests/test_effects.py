@@ -6,6 +6,7 @@ and logging are stored like flor.log's, and the script's progress bars are
 never dumped after a replay (flor/replay/progress.py draws replay's own)."""
 import ast
 import glob
+import gzip
 import io
 import json
 import os
@@ -382,10 +383,16 @@ def test_files_the_set_up_writes_are_as_a_plain_run_leaves_them(tmp_path, how):
 
 
 LEFT_OPEN = """
+import atexit
+import gzip
 import torch
 import flor
 
 torch.set_num_threads(1)
+
+
+def total(w):  # (a function: every global is in a reference cycle with it)
+    return w.sum().item()
 
 
 class Notes:
@@ -396,14 +403,17 @@ class Notes:
 
 
 notes = Notes("notes.txt")
+atexit.register(lambda: notes.write("bye\\n"))  # written as the script exits
+packed = gzip.open("notes.gz", "wt")  # a library's file: its trailer is written as it closes
 w = torch.zeros(3)
 for epoch in flor.generator(range(4)):
     if flor.SkipBlock.step_into("train"):
         for _ in range(3):
             w += 1
     w = flor.SkipBlock.end(w)
-    flor.log("wsum", w.sum().item())
-    notes.write(f"epoch {epoch} {w.sum().item()}\\n")
+    flor.log("wsum", total(w))
+    notes.write(f"epoch {epoch} {total(w)}\\n")
+    packed.write(f"epoch {epoch} {total(w)}\\n")
 """
 
 
@@ -411,19 +421,26 @@ for epoch in flor.generator(range(4)):
                                                    ("2", "2", "[0, 2), [2, 4)")])
 def test_a_file_the_script_leaves_open_is_written_as_in_a_plain_run(tmp_path, jobs, starts,
                                                                     segments):
-    # Never closed, in a reference cycle: a plain run's last garbage
-    # collection flushes it; a replay worker leaves without those.
+    # Never closed, in reference cycles: a plain run's last garbage
+    # collections flush and close them; so must a replay worker's exit.
     d = str(tmp_path)
     write_script(d, "notes.py", LEFT_OPEN)
     plain(d, "notes.py")
     expected = read(os.path.join(d, "notes.txt")).splitlines()
-    assert expected == [f"epoch {i} {3.0 * (i + 1) * 3}" for i in range(4)]
+    epochs = [f"epoch {i} {3.0 * (i + 1) * 3}" for i in range(4)]
+    assert expected == epochs + ["bye"]
+    with gzip.open(os.path.join(d, "notes.gz"), "rt") as f:
+        assert f.read().splitlines() == epochs
     flor(d, "record", "--no-adaptive", "notes.py")
     os.unlink(os.path.join(d, "notes.txt"))
+    os.unlink(os.path.join(d, "notes.gz"))
     proc = flor(d, "replay", "--jobs", jobs, "notes.py", env={"FLOR_SEGMENTS": starts})
     assert "deferred checks passed" in proc.stderr, proc.stderr
     assert f"4 iterations in segments {segments}\n" in proc.stderr, proc.stderr
-    assert sorted(read(os.path.join(d, "notes.txt")).splitlines()) == expected
+    assert sorted(read(os.path.join(d, "notes.txt")).splitlines()) == sorted(expected)
+    if jobs == "1":  # (gzip opens its file itself: two workers' set-ups each truncate it)
+        with gzip.open(os.path.join(d, "notes.gz"), "rt") as f:
+            assert f.read().splitlines() == epochs
 
 
 # What the script sees of the functions replay guards (open, os.replace...):

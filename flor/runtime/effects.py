@@ -58,7 +58,7 @@ import os
 import sys
 import threading
 
-from ..context import LOG, PRE, TB
+from ..context import LOG, POST, PRE, TB
 
 __all__ = ["Effects", "follower"]
 
@@ -194,11 +194,16 @@ class Effects:
         return not s.finished and s.pid == os.getpid()
 
     def quiet(self) -> bool:
-        """Whether what the script writes now must not happen."""
+        """Whether what the script writes now must not happen: also after
+        the segment of a replay part that is not the last, its session
+        finished or not (the exit handlers that every part's set-up
+        registered write in the last part)."""
         s = self.s
-        if not self._mine():
+        if s.pid != os.getpid():
             return False
-        return s.discard or (s.phase == PRE and s.part > 0)
+        if s.phase == POST and s.replaying and not s.policy.last_part:
+            return True
+        return not s.finished and (s.discard or (s.phase == PRE and s.part > 0))
 
     def files_quiet(self) -> bool:
         """Whether what the script writes to its files (and TensorBoard

@@ -7,6 +7,7 @@ merge imports).  Each sets up its Session (session.py) with its policy
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -194,6 +195,8 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
             os.environ["OMP_NUM_THREADS"] = str(plan.threads)  # before the script imports torch
     session = Session.replay(plan, part, store=store, tee=tee, progress_fd=progress_fd,
                              resume=resume)
+    if session.effects.files is not None:  # (after the script's own exit handlers)
+        atexit.register(session.effects.files.flush_open)
     script = plan.script
     sys.argv = list(plan.argv)
     if not forked:
@@ -209,6 +212,4 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
             code, error = run_main(script, sys.__stderr__, instrumented)
     finally:
         session.finish(error)
-        if session.effects.files is not None:
-            session.effects.files.flush_open()
     return code
