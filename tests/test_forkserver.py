@@ -243,3 +243,41 @@ def test_a_killed_replay_leaves_no_worker_or_server_behind(tmp_path, torch):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+BACKGROUND = """
+    import os
+    import torch
+    import flor
+
+    torch.set_num_threads(1)
+    # A process left running (a server the script starts, say): it gets the
+    # script's open descriptors that are inheritable.
+    os.system("sleep 1000 >/dev/null 2>&1 </dev/null & echo $! >> background.pids")
+    w = torch.zeros(2)
+    for epoch in flor.generator(range(4)):
+        if flor.SkipBlock.step_into("train"):
+            w += 1
+        w = flor.SkipBlock.end(w)
+        flor.log("w", w.sum().item())
+"""
+
+
+@pytest.mark.parametrize("server", ["1", "0"])
+def test_a_process_the_script_leaves_running_does_not_hold_up_its_replay(tmp_path, server):
+    d = str(tmp_path)
+    write_script(d, "bg.py", BACKGROUND)
+    try:
+        flor(d, "record", "--no-adaptive", "bg.py")
+        edit(os.path.join(d, "bg.py"), "w += 1", 'print("w", w.sum().item())')
+        # Each worker's process left running would keep its end of the
+        # progress pipe open; the replay returns once its workers have.
+        rep = flor(d, "replay", "--jobs", "2", "bg.py",
+                   env={"FLOR_SEGMENTS": "2", "FLOR_FORKSERVER": server})
+        assert "deferred checks passed" in rep.stderr, rep.stderr
+        assert "replay: 4/4 iterations, 2 workers" in rep.stderr
+        assert rep.stdout == "".join(f"w {2.0 * (i + 1)}\n" for i in range(4))
+    finally:
+        with open(os.path.join(d, "background.pids")) as f:
+            for pid in f.read().split():
+                os.kill(int(pid), signal.SIGKILL)

@@ -92,6 +92,9 @@ class _Attempt:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                          stdout=self.log, stderr=self.log, pass_fds=(w,))
         os.close(w)
+        # Not blocking: a process the script left running in the background
+        # may hold the worker's end (it is closed on exec; not on fork).
+        os.set_blocking(r, False)
         self.pipe = os.fdopen(r, "rb", buffering=0)
         self.buf = b""
         self.eof = False  # the worker's end of the pipe is closed: it has exited
@@ -105,7 +108,7 @@ class _Attempt:
         """Take what the worker reported (the iterations of its segment it
         has done, at most every replaying.REPORT_S); returns the bytes read."""
         chunk = self.pipe.read(4096)
-        if not chunk:
+        if not chunk:  # (None: nothing to read now)
             self.eof = self.eof or chunk == b""
             return 0
         self.buf += chunk

@@ -58,6 +58,11 @@ class Replaying(Policy):
         self.main = (plan.main_loop, plan.main_run)
         self.machine = _core.SkipMachine(_core.REPLAY, plan.epsilon, plan.c)
         self.progress_fd = progress_fd
+        if progress_fd is not None:
+            try:  # the script's children (os.system, a process left running) do not get it
+                os.set_inheritable(progress_fd, False)
+            except OSError:
+                self.progress_fd = None
         self._report_at = 0.0  # when the next progress report is due
         self.main_seen = False
         self.reexecuted = 0
