@@ -279,6 +279,8 @@ class _Queue:
                     self._launch(backup.part, True, copy_of=backup)
             ready, _, _ = select.select(*self._waits())
             for a in list(self.running):
+                if a not in self.running:  # a copy stopped as its original finished
+                    continue
                 if a.pipe in ready:
                     a.read()
                 code = a.proc.poll()
@@ -290,7 +292,7 @@ class _Queue:
                 if a.done > self.shown[a.part]:  # copies count once
                     progress.step(a.done - self.shown[a.part])
                     self.shown[a.part] = a.done
-                if code is not None and a in self.running:
+                if code is not None:
                     if not self._finished(a, code):
                         for other in list(self.running):
                             other.stop()
