@@ -58,7 +58,7 @@ import os
 import sys
 import threading
 
-from ..context import LOG, POST, PRE, TB
+from ..context import LOG, PRE, TB
 
 __all__ = ["Effects", "follower"]
 
@@ -194,16 +194,11 @@ class Effects:
         return not s.finished and s.pid == os.getpid()
 
     def quiet(self) -> bool:
-        """Whether what the script writes now must not happen: also after
-        the segment of a replay part that is not the last, its session
-        finished or not (the exit handlers that every part's set-up
-        registered write in the last part)."""
+        """Whether what the script writes now must not happen."""
         s = self.s
-        if s.pid != os.getpid():
+        if not self._mine():
             return False
-        if s.phase == POST and s.replaying and not s.policy.last_part:
-            return True
-        return not s.finished and (s.discard or (s.phase == PRE and s.part > 0))
+        return s.discard or (s.phase == PRE and s.part > 0)
 
     def files_quiet(self) -> bool:
         """Whether what the script writes to its files (and TensorBoard
