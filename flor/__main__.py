@@ -44,8 +44,10 @@ def cmd_record(o) -> int:
     if o.resume and (o.name is not None or o.tags or o.note is not None):
         raise FlorError("record --resume keeps the run's name, tags and note; change them "
                         "with `flor tag RUN`")
+    from .runs import check_name, check_tags
+
+    check_tags(o.tags)
     if o.name is not None and (ranks.world() or (0,))[0] == 0:
-        from .runs import check_name
         from .store import Store
 
         check_name(Store(), o.name)  # before it runs (rank 0 names a data-parallel record)

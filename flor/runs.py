@@ -20,7 +20,7 @@ from .errors import FlorError
 from .store import Store
 
 __all__ = ["STATUSES", "listing", "print_runs", "show", "remove", "prune", "check_name",
-           "label"]
+           "check_tags", "label"]
 
 STATUSES = ("finished", "failed", "interrupted", "running", "empty")
 
@@ -187,6 +187,13 @@ def check_name(store: Store, name: str, run_id: str | None = None) -> None:
                             f"name, or rename that run (flor tag {r['run_id']} --name NEW)")
 
 
+def check_tags(tags) -> None:
+    """Refuse a tag that is not one word."""
+    for tag in tags:
+        if not tag or any(c.isspace() for c in tag):
+            raise FlorError(f"a tag is one word (no spaces), not {tag!r}")
+
+
 def label(store: Store, run_id: str, name=None, add=(), remove=(), note=None) -> dict:
     """Name, tag or annotate run `run_id` (`note` "" removes its note);
     returns its run info's labels."""
@@ -195,9 +202,7 @@ def label(store: Store, run_id: str, name=None, add=(), remove=(), note=None) ->
     if name is not None:
         check_name(store, name, run["run_id"])
         info.name = name
-    for tag in add:
-        if not tag.strip() or tag != tag.strip():
-            raise FlorError(f"a tag is a word, not {tag!r}")
+    check_tags(add)
     if add or remove:
         info.labels = [t for t in dict.fromkeys([*info.labels, *add]) if t not in remove]
     if note is not None:

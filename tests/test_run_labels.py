@@ -49,6 +49,10 @@ def test_a_record_is_named_tagged_and_annotated_and_its_name_works_as_its_id(tmp
     for bad in ("9lives", "latest", "a b", "x" * 65):
         proc = flor(d, "record", "--name", bad, "t.py", check=False)
         assert proc.returncode == 2 and "cannot name a run" in proc.stderr, (bad, proc.stderr)
+    for bad in ("", "a b"):
+        proc = flor(d, "record", "--tag", bad, "t.py", check=False)
+        assert proc.returncode == 2 and "a tag is one word" in proc.stderr, proc.stderr
+    assert len(store(d).runs()) == 1  # refused before the run was registered
     resumed = flor(d, "record", "--resume", "--tag", "x", "t.py", check=False)
     assert resumed.returncode == 2 and "flor tag RUN" in resumed.stderr
 

@@ -69,11 +69,16 @@ def record_script(script, args, epsilon=None, adaptive=None, resume=False, force
     session = Session.record(script, [script, *args], epsilon=epsilon, adaptive=adaptive,
                              hands_free=inst, resume=point, keep=keep)
     if labels and any(labels.values()):
-        from ..runs import label
+        from ..runs import label, remove
 
         if session.policy.row.info.follower:  # (listed under rank 0's run, which is named)
             labels = dict(labels, name=None)
-        label(session.store, session.run_id, **labels)
+        try:
+            label(session.store, session.run_id, **labels)
+        except FlorError:  # another record took the name meanwhile: this one never ran
+            session.finish()
+            remove(session.store, [session.run_id])
+            raise
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     own = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
