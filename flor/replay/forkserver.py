@@ -404,7 +404,7 @@ class ForkServer:
         """The server is gone, and with it the workers it had not reported
         ended: it killed them as it left, or the kernel did as it died
         (each worker's parent-death signal); they count as killed.  Not
-        `wait`ing leaves its exit to wait()."""
+        `wait`ing leaves reaping it to a later close()."""
         if self.gone:
             return
         self.gone = True
