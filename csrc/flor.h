@@ -20,6 +20,7 @@
  *                   the earlier files a file refers to, load()
  *   materializer.c  inline / thread / fork background writers
  *   skipblock.c     the SkipBlock state machine and the adaptive checkpoint rule
+ *                   (QuietSteps: a step loop's run of iterations the rule is not asked at)
  *   capture.c       output capture: the Journal of writes and the Tee that feeds it
  *   module.c        the module: registration and per-module state
  *
@@ -138,6 +139,7 @@ typedef struct {
     PyTypeObject *MappingType;
     PyTypeObject *MaterializerType;
     PyTypeObject *SkipMachineType;
+    PyTypeObject *QuietStepsType;
     PyTypeObject *JournalType;
     PyTypeObject *TeeType;
     PyObject *FormatError; /* raised with (path, section, detail) */
@@ -325,7 +327,7 @@ extern PyMethodDef flor_reader_functions[];
 extern PyType_Spec flor_materializer_spec;
 
 /* skipblock.c */
-extern PyType_Spec flor_skipmachine_spec;
+extern PyType_Spec flor_skipmachine_spec, flor_quietsteps_spec;
 int flor_skipblock_constants(PyObject *module);
 extern PyMethodDef flor_skipblock_functions[];
 

@@ -59,6 +59,7 @@ module_exec(PyObject *module)
         add_type(module, &st->MappingType, &flor_mapping_spec) < 0 ||
         add_type(module, &st->MaterializerType, &flor_materializer_spec) < 0 ||
         add_type(module, &st->SkipMachineType, &flor_skipmachine_spec) < 0 ||
+        add_type(module, &st->QuietStepsType, &flor_quietsteps_spec) < 0 ||
         add_type(module, &st->JournalType, &flor_journal_spec) < 0 ||
         add_type(module, &st->TeeType, &flor_tee_spec) < 0 ||
         flor_skipblock_constants(module) < 0) {
@@ -133,7 +134,7 @@ cleanup:
 /* clang-format off */
 #define FLOR_STATE_OBJECTS(X)                                                                  \
     X(SnapshotType) X(RefType) X(MappingType) X(MaterializerType) X(SkipMachineType)           \
-    X(JournalType) X(TeeType)                                                                  \
+    X(QuietStepsType) X(JournalType) X(TeeType)                                                \
     X(FormatError) X(kind_cache)                                                               \
     X(rebuild) X(loaders) X(torch) X(Tensor) X(Parameter) X(Generator) X(Size) X(dtype_t)      \
     X(device_t) X(layout_t) X(memfmt_t) X(strided) X(uint8) X(atom_names) X(ndarray)           \

@@ -654,6 +654,332 @@ sm_dealloc(FlorSkipMachine *m)
     Py_DECREF(tp);
 }
 
+/* ------------------------------------------------------------------ */
+/* QuietSteps: a run of a step loop's iterations at which the rule is not
+ * asked and no block runs (flor/runtime/loops.py, recording.py).
+ *
+ *     def __next__(self):                   # the body of the last item ended
+ *         if started:
+ *             body = now - t_item
+ *             if session.where is not last_where or now >= deadline:
+ *                 status, pending = OPEN, body; stop  # a loop or block opened in
+ *                                        # it, or a flush is due: Python ends it
+ *             n += 1; compute += body            # as ran(handle, body)
+ *             accounted += 1; clean += body
+ *             if accounted == quota: status = LIMIT; stop
+ *         frame[3] = i                          # the context's index, and where
+ *         session.where = journal.info = Where(phase, f"{head}{i}]]", top, i, (i,))
+ *         x = next(it)                          # StopIteration: status = ENDED; stop
+ *         i += 1; drawn += 1; t_item = now; return x
+ *
+ * A step loop's every step costs the training thread what it does here, in
+ * place of a dozen Python calls per step.  Python reads outcome() once the
+ * run stops (or the loop is left by break or an exception), and accounts
+ * what the run did in one go. */
+
+enum { QS_RUNNING = -1, QS_LIMIT = 0, QS_ENDED = 1, QS_OPEN = 2, QS_FAILED = 3 };
+
+typedef struct {
+    PyObject_HEAD
+    FlorSkipMachine *machine;
+    Py_ssize_t handle;
+    PyObject *it, *frame, *session, *journal, *where_type, *phase, *head, *top;
+    PyObject *last_where, *s_where, *s_info;
+    Py_ssize_t index, quota, drawn, accounted;
+    double deadline, t_item, clean, own, pending;
+    int started, status;
+} FlorQuietSteps;
+
+/* Point the session at iteration q->index: frame[3], session.where and the
+ * journal's info, as Session._context_changed() does for a step loop. */
+static int
+qs_set_index(FlorQuietSteps *q)
+{
+    PyObject *i = NULL, *ctx = NULL, *ind = NULL, *vals = NULL, *targs = NULL, *w = NULL;
+    int rc = -1;
+
+    i = PyLong_FromSsize_t(q->index);
+    if (i == NULL) {
+        goto done;
+    }
+    ctx = PyUnicode_FromFormat("%U%zd]]", q->head, q->index);
+    ind = PyTuple_Pack(1, i);
+    if (ctx == NULL || ind == NULL) {
+        goto done;
+    }
+    vals = PyTuple_Pack(5, q->phase, ctx, q->top, i, ind);
+    targs = vals == NULL ? NULL : PyTuple_Pack(1, vals);
+    if (targs == NULL) {
+        goto done;
+    }
+    /* tuple.__new__(Where, values): what the named tuple's own __new__ does */
+    w = PyTuple_Type.tp_new((PyTypeObject *)q->where_type, targs, NULL);
+    if (w == NULL || PyList_SetItem(q->frame, 3, Py_NewRef(i)) < 0 ||
+        PyObject_SetAttr(q->session, q->s_where, w) < 0 ||
+        PyObject_SetAttr(q->journal, q->s_info, w) < 0) {
+        goto done;
+    }
+    Py_XSETREF(q->last_where, Py_NewRef(w));
+    rc = 0;
+done:
+    Py_XDECREF(i);
+    Py_XDECREF(ctx);
+    Py_XDECREF(ind);
+    Py_XDECREF(vals);
+    Py_XDECREF(targs);
+    Py_XDECREF(w);
+    return rc;
+}
+
+/* The body of the last item ended at `now`: account it, or stop the run
+ * (1) where the session must see this iteration's end (a loop or block
+ * opened in it; a flush is due, which the end of an iteration does). */
+static int
+qs_end_body(FlorQuietSteps *q, double now)
+{
+    double body = now - q->t_item;
+    sb_block *b;
+    int same;
+    PyObject *cur = PyObject_GetAttr(q->session, q->s_where);
+    if (cur == NULL) {
+        return -1;
+    }
+    same = cur == q->last_where;
+    Py_DECREF(cur);
+    if (!same || now >= q->deadline) {
+        q->status = QS_OPEN;
+        q->pending = body;
+        return 1;
+    }
+    b = &q->machine->blocks[q->handle];
+    b->n++;
+    b->compute += body;
+    q->clean += body;
+    q->accounted++;
+    if (q->accounted >= q->quota) {
+        q->status = QS_LIMIT;
+        return 1;
+    }
+    return 0;
+}
+
+static PyObject *
+qs_next(FlorQuietSteps *q)
+{
+    double t0 = flor_now(), t1;
+    PyObject *x = NULL;
+    int got;
+
+    if (q->status != QS_RUNNING) {
+        goto done;
+    }
+    if (q->started) {
+        got = qs_end_body(q, t0);
+        if (got != 0) {
+            if (got < 0) {
+                q->status = QS_FAILED;
+            }
+            goto done;
+        }
+    }
+    q->started = 1;
+    if (qs_set_index(q) < 0) {
+        q->status = QS_FAILED;
+        goto done;
+    }
+    t1 = flor_now();
+    q->own += t1 - t0;
+    x = PyIter_Next(q->it); /* what runs while it is drawn is the iteration's */
+    if (x == NULL) {
+        q->status = PyErr_Occurred() ? QS_FAILED : QS_ENDED;
+        goto done;
+    }
+    q->index++;
+    q->drawn++;
+    q->t_item = flor_now();
+done:
+    return x;
+}
+
+PyDoc_STRVAR(qs_outcome_doc,
+             "outcome($self, /)\n--\n\n"
+             "(status, drawn, accounted, clean, own, pending): why the run stopped\n"
+             "(-1 running, 0 LIMIT, 1 ENDED, 2 OPEN, 3 FAILED), the items drawn, the\n"
+             "iterations ended and accounted (ran() of each), the seconds of their bodies,\n"
+             "flor's seconds at them, and the body seconds of the last item drawn where\n"
+             "the run stopped at its end and left it to end in Python (OPEN).");
+
+static PyObject *
+qs_outcome(FlorQuietSteps *q, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("(innddd)", q->status, q->drawn, q->accounted, q->clean, q->own,
+                         q->pending);
+}
+
+static int
+qs_traverse(FlorQuietSteps *q, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(q));
+    Py_VISIT(q->machine);
+    Py_VISIT(q->it);
+    Py_VISIT(q->frame);
+    Py_VISIT(q->session);
+    Py_VISIT(q->journal);
+    Py_VISIT(q->where_type);
+    Py_VISIT(q->phase);
+    Py_VISIT(q->head);
+    Py_VISIT(q->top);
+    Py_VISIT(q->last_where);
+    return 0;
+}
+
+static int
+qs_clear(FlorQuietSteps *q)
+{
+    Py_CLEAR(q->machine);
+    Py_CLEAR(q->it);
+    Py_CLEAR(q->frame);
+    Py_CLEAR(q->session);
+    Py_CLEAR(q->journal);
+    Py_CLEAR(q->where_type);
+    Py_CLEAR(q->phase);
+    Py_CLEAR(q->head);
+    Py_CLEAR(q->top);
+    Py_CLEAR(q->last_where);
+    Py_CLEAR(q->s_where);
+    Py_CLEAR(q->s_info);
+    return 0;
+}
+
+static void
+qs_dealloc(FlorQuietSteps *q)
+{
+    PyTypeObject *tp = Py_TYPE(q);
+    PyObject_GC_UnTrack(q);
+    qs_clear(q);
+    tp->tp_free(q);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef qs_methods[] = {
+    {"outcome", FLOR_CFUNC(qs_outcome), METH_NOARGS, qs_outcome_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot qs_slots[] = {
+    {Py_tp_dealloc, qs_dealloc},
+    {Py_tp_traverse, qs_traverse},
+    {Py_tp_clear, qs_clear},
+    {Py_tp_iter, PyObject_SelfIter},
+    {Py_tp_iternext, qs_next},
+    {Py_tp_methods, qs_methods},
+    {Py_tp_doc, "A run of a step loop's quiet iterations (SkipMachine.quiet_steps)."},
+    {0, NULL},
+};
+
+PyType_Spec flor_quietsteps_spec = {
+    .name = "flor._core.QuietSteps",
+    .basicsize = sizeof(FlorQuietSteps),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = qs_slots,
+};
+
+PyDoc_STRVAR(
+    sm_quiet_steps_doc,
+    "quiet_steps($self, handle, it, frame, index, quota, deadline, session, journal, where_type,\n"
+    "            phase, head, top, /)\n--\n\n"
+    "Record mode: an iterator over the items of `it` for a run of at most `quota`\n"
+    "iterations of the step loop whose LoopFrame is `frame`, starting at iteration\n"
+    "`index`, each accounted as ran(handle, seconds of its body) as it ends; it stops\n"
+    "after `quota`, at the end of an iteration in which the session's where changed\n"
+    "or by which the monotonic clock passed `deadline` (left open), or when `it`\n"
+    "ends (see outcome()).  Each\n"
+    "item sets frame[3], session.where and journal.info to\n"
+    "where_type(phase, f\"{head}{i}]]\", top, i, (i,)) before it is drawn.");
+
+static PyObject *
+sm_quiet_steps(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    flor_state *st = flor_state_of_type(Py_TYPE(m));
+    FlorQuietSteps *q = NULL;
+    Py_ssize_t h, index, quota;
+    double deadline;
+    PyObject *it;
+
+    if (flor_check_nargs("quiet_steps", nargs, 12, 12) < 0) {
+        goto done;
+    }
+    if ((h = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if ((index = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if ((quota = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if (((deadline = PyFloat_AsDouble(args[5])) == -1.0 && PyErr_Occurred()) ||
+        check_handle(m, h) < 0) {
+        goto done;
+    }
+    if (m->mode != SB_RECORD) {
+        PyErr_SetString(PyExc_RuntimeError, "quiet_steps() outside record mode");
+        goto done;
+    }
+    it = args[1];
+    if (!PyIter_Check(it)) {
+        PyErr_SetString(PyExc_TypeError, "quiet_steps() needs an iterator");
+        goto done;
+    }
+    if (!PyList_Check(args[2]) || PyList_GET_SIZE(args[2]) < 4) {
+        PyErr_SetString(PyExc_TypeError, "quiet_steps() needs a loop frame [L, loop, run, i]");
+        goto done;
+    }
+    if (!PyType_Check(args[8]) || !PyType_IsSubtype((PyTypeObject *)args[8], &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "quiet_steps() needs a tuple type for where");
+        goto done;
+    }
+    if (!PyUnicode_Check(args[10])) {
+        PyErr_SetString(PyExc_TypeError, "quiet_steps() needs a str head");
+        goto done;
+    }
+    if (index < 0 || quota < 1) {
+        PyErr_SetString(PyExc_ValueError, "quiet_steps() needs index >= 0 and quota >= 1");
+        goto done;
+    }
+    q = PyObject_GC_New(FlorQuietSteps, st->QuietStepsType);
+    if (q == NULL) {
+        goto done;
+    }
+    q->machine = (FlorSkipMachine *)Py_NewRef(m);
+    q->handle = h;
+    q->it = Py_NewRef(it);
+    q->frame = Py_NewRef(args[2]);
+    q->session = Py_NewRef(args[6]);
+    q->journal = Py_NewRef(args[7]);
+    q->where_type = Py_NewRef(args[8]);
+    q->phase = Py_NewRef(args[9]);
+    q->head = Py_NewRef(args[10]);
+    q->top = Py_NewRef(args[11]);
+    q->last_where = NULL;
+    q->s_where = PyUnicode_InternFromString("where");
+    q->s_info = PyUnicode_InternFromString("info");
+    q->index = index;
+    q->quota = quota;
+    q->drawn = q->accounted = 0;
+    q->deadline = deadline;
+    q->t_item = q->clean = q->own = q->pending = 0.0;
+    q->started = 0;
+    q->status = QS_RUNNING;
+    PyObject_GC_Track(q);
+    if (q->s_where == NULL || q->s_info == NULL) {
+        Py_CLEAR(q);
+    }
+done:
+    return (PyObject *)q;
+}
+
 static PyMethodDef sm_methods[] = {
     {"block", FLOR_CFUNC(sm_block), METH_O, sm_block_doc},
     {"wants", FLOR_CFUNC(sm_wants), METH_O, sm_wants_doc},
@@ -664,6 +990,7 @@ static PyMethodDef sm_methods[] = {
     {"overruled", FLOR_CFUNC(sm_overruled), METH_FASTCALL, sm_overruled_doc},
     {"restored", FLOR_CFUNC(sm_restored), METH_FASTCALL, sm_restored_doc},
     {"stats", FLOR_CFUNC(sm_stats), METH_FASTCALL, sm_stats_doc},
+    {"quiet_steps", FLOR_CFUNC(sm_quiet_steps), METH_FASTCALL, sm_quiet_steps_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -704,7 +1031,10 @@ flor_skipblock_constants(PyObject *module)
     if (PyModule_AddIntConstant(module, "RECORD", SB_RECORD) < 0 ||
         PyModule_AddIntConstant(module, "REPLAY", SB_REPLAY) < 0 ||
         PyModule_AddIntConstant(module, "WORK", PHASE_WORK) < 0 ||
-        PyModule_AddIntConstant(module, "PSEUDORESUME_PHASE", PHASE_PSEUDORESUME) < 0) {
+        PyModule_AddIntConstant(module, "PSEUDORESUME_PHASE", PHASE_PSEUDORESUME) < 0 ||
+        PyModule_AddIntConstant(module, "QUIET_LIMIT", QS_LIMIT) < 0 ||
+        PyModule_AddIntConstant(module, "QUIET_ENDED", QS_ENDED) < 0 ||
+        PyModule_AddIntConstant(module, "QUIET_OPEN", QS_OPEN) < 0) {
         return -1;
     }
     for (i = 0; i < sizeof(state_names) / sizeof(state_names[0]); i++) {

@@ -1,6 +1,6 @@
 """Type stub of the C extension flor._core (csrc/).  tests/test_core_stub.py
 checks that it lists exactly what the module holds."""
-from typing import Any, Callable, Optional, overload
+from typing import Any, Callable, Iterator, Optional, overload
 
 # SkipMachine modes, phases and block states (csrc/skipblock.c).
 RECORD: int
@@ -11,6 +11,10 @@ EXECUTE: int
 SKIP: int
 STEP_INTO: int
 PSEUDORESUME: int
+# How a run of QuietSteps stopped (csrc/skipblock.c).
+QUIET_LIMIT: int
+QUIET_ENDED: int
+QUIET_OPEN: int
 
 class Snapshot:
     nbytes: int
@@ -64,6 +68,12 @@ class SkipMachine:
     def stats(self, handle: None = None, /) -> list[dict[str, Any]]: ...
     @overload
     def stats(self, handle: int, /) -> dict[str, Any]: ...
+    def quiet_steps(self, handle: int, it: Any, frame: list[Any], index: int, quota: int,
+                    deadline: float, session: Any, journal: Journal, where_type: type,
+                    phase: Optional[str], head: str, top: str, /) -> QuietSteps: ...
+
+class QuietSteps(Iterator[Any]):
+    def outcome(self, /) -> tuple[int, int, int, float, float, float]: ...
 
 class Journal:
     info: Any

@@ -177,6 +177,13 @@ class Charges:
         b.clean_s += seconds
         b.clean_n += 1
 
+    def clean_many(self, key, seconds: float, count: int):
+        """`count` executions of `key` took `seconds` in all, each timed
+        alone (a run of a step loop's quiet iterations)."""
+        b = self._block(key)
+        b.clean_s += seconds
+        b.clean_n += count
+
     def cost(self, key, nbytes: int, copy_bw: float, write_s: float,
              on_device: float = 0.0) -> float:
         """M for the rule: the block's training overhead after one more
@@ -303,6 +310,17 @@ class Waits:
             return False
         self._left[key] = left - 1
         return True
+
+    def left(self, key) -> int:
+        """How many of the next executions of `key` the rule is not asked at."""
+        return max(self._left.get(key, 0), 0)
+
+    def used(self, key, count: int):
+        """`count` executions of `key` began without asking whether to wait
+        (waiting() of each)."""
+        left = self._left.get(key, 0)
+        if left > 0:
+            self._left[key] = max(left - count, 0)
 
     def asked(self, key, decided, epsilon: float, spent: float = 0.0, ask_s: float = 0.0):
         """The rule was asked about `key` (`decided`: what

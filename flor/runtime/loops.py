@@ -51,6 +51,11 @@ class Span:
     # not the FlorReplayError a replay worker's queue recovers from
     phases: bool = False  # the session's phase is "main" while it runs, "post" after
 
+    def own_to_end(self, n) -> bool:
+        """Whether the iterations from n on are all worked, to the end of the
+        iterable, and the phase stays (record --resume past its restore)."""
+        return n >= self.start and self.end is None and self.stop is None and not self.phases
+
 
 def _config_of(frame) -> config.Config | None:
     """The script's configuration (flor/config.py), or None with a note
@@ -143,6 +148,24 @@ class Loops:
                 if depth == 0:
                     back = time.perf_counter()
                     self.end_iteration(frame, progress=span is not None and n > span.start)
+                    q = s.policy.quiet_steps(s, frame, it, n) \
+                        if span is None or span.own_to_end(n) else None
+                    if q is not None:  # a step loop's quiet iterations, run in C
+                        frame.own += time.perf_counter() - back
+                        back = None
+                        try:
+                            yield from q
+                        finally:
+                            status, drawn, _, _, own, _ = s.policy.quiet_done(s, frame, q, n)
+                            n += drawn
+                            frame.own += own
+                            s.own_time.add(own)
+                        back = time.perf_counter()
+                        if status == _core.QUIET_ENDED:
+                            self.ended.add((key, run))
+                            break
+                        if status == _core.QUIET_OPEN:
+                            self.end_iteration(frame, progress=span is not None)
             else:
                 if span.drain:
                     self._draw_to_end(it, frame, key, n)

@@ -58,6 +58,16 @@ class Policy:
     def iteration_started(self, session, frame):
         """A top-level iteration starts (its item is drawn)."""
 
+    def quiet_steps(self, session, frame, it, n):
+        """A run of quiet iterations of a main loop from iteration n on
+        (recording.py), or None: each iteration then ends through
+        iteration_done()."""
+        return None
+
+    def quiet_done(self, session, frame, q, n):
+        """The run `q` of quiet_steps() stopped; returns its outcome()."""
+        raise NotImplementedError
+
     def iteration_abandoned(self, session, frame):
         """A break or an exception left a top-level iteration."""
 

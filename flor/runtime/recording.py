@@ -20,7 +20,7 @@ import os
 import time
 
 from .. import _core
-from ..context import checkpoint_name, is_iteration, iter_column, iteration_key
+from ..context import Where, checkpoint_name, is_iteration, iter_column, iteration_key
 from ..errors import INTERRUPTIONS, CheckpointWriteError, FlorError, note
 from ..layout import checkpoint_path
 from ..program.gradients import manual_gradients, manual_loop_gradients
@@ -263,6 +263,49 @@ class Recording(Policy):
         session.context.forget_finished()
         self.iteration_stored(session, frame)
         return True
+
+    def quiet_steps(self, session, frame, it, n):
+        """After a quiet end of iteration n - 1 of a main loop: a run of the
+        iterations from n on that are quiet too (_core.QuietSteps), or None.
+        They are those the rule is not asked at (Waits, Thinning.due) while
+        no block runs, no checkpoint is being written or removed and no
+        flush is due; the run accounts each as quiet_end() would, and
+        leaves the first that is not open, to end here (the session's where
+        changed in it: a loop or block opened; or a flush is due by its
+        end: the end of an iteration flushes)."""
+        if frame.carrier is None or not self.waiting or frame.ran or frame.t0 is not None \
+                or frame.handle is not None or frame.encoded is None:
+            return None
+        key, handle = self._iterations[frame[1]]
+        if key not in self._base or session.context.frames != [frame] or self.machine.depth:
+            return None
+        quota = max(self.waits.left(key), self.thinning.due(frame[1], frame[2]) - n)
+        deadline = self._flushed + FLUSH_S
+        if quota < 1 or time.monotonic() >= deadline or self.thinning.pending() \
+                or not self.writes.idle():
+            return None
+        head, top = frame.encoded
+        return self.machine.quiet_steps(handle, it, frame, n, quota, deadline, session,
+                                        session.logbook.journal, Where, session.phase, head,
+                                        top)
+
+    def quiet_done(self, session, frame, q, n):
+        """A run of quiet iterations from iteration n stopped: account what
+        it did (the Waits it used, the clean executions it timed, the run's
+        progress); its last item's iteration, where the run left it open
+        (QUIET_OPEN), ends as any other, frame.t0 its start.  Returns the
+        run's outcome()."""
+        got = q.outcome()
+        status, drawn, accounted, clean, _, pending = got
+        key = self._iterations[frame[1]][0]
+        self.waits.used(key, drawn)
+        if accounted:
+            self.charges.clean_many(key, clean, accounted)
+            self.checkpointed = False
+            self.iteration_stored(session, (frame[0], frame[1], frame[2], n + accounted - 1))
+        if status == _core.QUIET_OPEN:
+            frame.t0, frame.ask = time.perf_counter() - pending, False
+        return got
 
     def _timed_end(self, frame) -> str:
         """An iteration the rule is not asked at, only timed, ended: it counts
