@@ -90,7 +90,12 @@ def loop(iterable, key, names=None, paths=(), globals_=(), rebound=(), iterated=
 
 def resume(key):
     """The first statement of a main loop's body: after a restore of its
-    iteration checkpoint, the values of the names it rebinds, else None."""
+    iteration checkpoint, the values of the names it rebinds, else None.
+    Where nothing was restored (a step loop's every other step) it asks no
+    more than that: Session.get() makes a system call (getpid)."""
+    s = Session._current
+    if type(s) is Session and s.loops.resumed is None:
+        return None
     return Session.get().take_resumed(key)
 
 
