@@ -12,12 +12,18 @@ imports, planning, the checks):
 
     per-iteration overhead = ((flor(L) - flor(S)) - (plain(L) - plain(S))) / (L - S)
 
+Each run also says how long its training loop took (--loop-seconds), and
+the runs of one round are paired: the median over rounds of
+(flor's loop - the plain run's loop) / L is the same overhead with start-up
+out of the measure and a neighbour's load shared within a round.
+
     python benchmarks/replay_steps.py                  # 3 rounds, 1000 and 6000 steps
 Writes benchmarks/results/replay-steps.json and .md (see --out).
 """
 import argparse
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -55,13 +61,14 @@ def main():
     load = load_average()
     kinds = ("plain", "record", "plain_edited", "replay")
     raw = {(kind, n): [] for kind in kinds for n in (short, long_)}
+    loops = {k: [] for k in raw}  # the training loop's seconds, as each run said
     same = True
     try:
         for n in (short, long_):
             with open(os.path.join(work, name(n)), "w") as f:
                 f.write(original)
-            timed([sys.executable, "-m", "flor", "record", name(n), "--max-steps", str(n)],
-                  work, env)
+            timed([sys.executable, "-m", "flor", "record", name(n), "--max-steps", str(n),
+                   "--loop-seconds"], work, env)
             with open(os.path.join(work, name(n)), "w") as f:
                 f.write(edited)
             with open(os.path.join(work, recorded(n)), "w") as f:
@@ -75,9 +82,10 @@ def main():
                         "record": [sys.executable, "-m", "flor", "record", recorded(n)],
                         "plain_edited": [sys.executable, name(n)],
                         "replay": [sys.executable, "-m", "flor", "replay", name(n)]}[kind]
-                dt, proc = timed(argv + ["--max-steps", str(n)], work,
+                dt, proc = timed(argv + ["--max-steps", str(n), "--loop-seconds"], work,
                                  rec_env if kind == "record" else env)
                 raw[(kind, n)].append(dt)
+                loops[(kind, n)].append(loop_seconds(proc.stderr))
                 outs[(kind, n)] = proc.stdout
             same = same and all(outs[("plain", n)] == outs[("record", n)] and
                                 outs[("plain_edited", n)] == outs[("replay", n)]
@@ -97,8 +105,25 @@ def main():
               (long_ - short) * 1e6,
               "overhead_per_step_us": (grow["replay"] - grow["plain_edited"]) /
               (long_ - short) * 1e6,
+              "loop_s": {f"{k}_{n}": v for (k, n), v in loops.items()},
+              "record_in_loop_per_step_us": paired(loops, "record", "plain", long_),
+              "replay_in_loop_per_step_us": paired(loops, "replay", "plain_edited", long_),
               "stdout_equal": same}
     write_report(report, args.out, render)
+
+
+def loop_seconds(stderr):
+    """The training loop's seconds a run of the workload said."""
+    got = re.findall(r"^loop seconds: (\S+)$", stderr, re.M)
+    if len(got) != 1:
+        sys.exit(f"the workload did not say its loop's seconds once:\n{stderr[-2000:]}")
+    return float(got[0])
+
+
+def paired(loops, kind, base, n):
+    """Median over rounds of (`kind`'s loop - `base`'s loop of the same
+    round) / n, in µs per step."""
+    return median([(a - b) / n * 1e6 for a, b in zip(loops[(kind, n)], loops[(base, n)])])
 
 
 def render(r):
@@ -115,8 +140,11 @@ def render(r):
             f"A step costs {r['plain_per_step_us']:.0f} µs in a plain run; record adds "
             f"**{r['record_overhead_per_step_us']:.0f} µs per step** (1/15 of the step: "
             f"{bound:.0f} µs), and replay **{r['overhead_per_step_us']:.0f} µs per step** "
-            f"beyond the probe (goal: 50).  Record and replay printed what the plain runs "
-            f"printed: {'yes' if r['stdout_equal'] else 'NO'}.\n")
+            f"beyond the probe (goal: 50).  Timed inside the training loop and paired "
+            f"within rounds ({r['steps'][1]} steps): record adds "
+            f"**{r['record_in_loop_per_step_us']:.0f} µs per step**, replay "
+            f"**{r['replay_in_loop_per_step_us']:.0f} µs**.  Record and replay printed what "
+            f"the plain runs printed: {'yes' if r['stdout_equal'] else 'NO'}.\n")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 import builtins
 import keyword
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -56,6 +57,8 @@ def main():
     p.add_argument("--n-hidden", type=int, default=128)
     p.add_argument("--learning-rate", type=float, default=5e-3)
     p.add_argument("--seed", type=int, default=3407)
+    p.add_argument("--loop-seconds", action="store_true",
+                   help="say on stderr how long the training loop took (for benchmarks)")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
@@ -70,6 +73,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
                                   weight_decay=0.01, betas=(0.9, 0.99), eps=1e-8)
     step = 0
+    t0 = time.perf_counter()
     while True:
         ix = torch.randint(0, Xtr.shape[0], (args.batch_size,))
         logits, loss = model(Xtr[ix], Ytr[ix])
@@ -81,6 +85,8 @@ def main():
         step += 1
         if step >= args.max_steps:
             break
+    if args.loop_seconds:
+        print(f"loop seconds: {time.perf_counter() - t0:.6f}", file=sys.stderr)
     with torch.no_grad():
         _, test_loss = model(Xte, Yte)
     print(f"test loss {test_loss.item():.4f}")
