@@ -276,16 +276,23 @@ def _resolved(store, refs):
 def cmd_runs(o) -> int:
     from . import runs
 
+    from .query import Query, QueryError, SortKey
+
+    try:
+        where = None if o.where is None else Query(o.where)
+        sort = None if o.sort is None else SortKey(o.sort)
+    except QueryError as e:
+        raise FlorError(str(e)) from None
     store = _store()
     if not store.exists():
         rows = []
     else:
-        rows = runs.listing(store, o.script, o.status, o.kind)
+        rows = runs.listing(store, o.script, o.status, o.kind, where, sort)
     if o.json:
         print(json.dumps(rows, indent=1))
     elif not rows:
         print(f"no runs in {store.root}" + (" matching" if o.script or o.status or o.kind
-                                            else ""))
+                                            or o.where else ""))
     else:
         runs.print_runs(rows)
     return 0

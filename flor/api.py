@@ -103,7 +103,8 @@ def label(name: str | None = None, tags=(), note: str | None = None) -> None:
 
 
 def dataframe(*names: str, script: str | None = None, run: str | None = None,
-              runs=None, level: int | None = None):
+              runs=None, level: int | None = None, where: str | None = None,
+              sort: str | None = None):
     """The values logged by the runs of a script as a pandas DataFrame.
 
     By default every finished run (records and replays) of `script` (a path
@@ -129,23 +130,41 @@ def dataframe(*names: str, script: str | None = None, run: str | None = None,
     Printed lines are stored too, one name per print statement:
     ``stdout@train.py:57`` (recorded line numbers; ``train.py:new:57`` for a
     statement that replay added at line 57).  They are returned only when
-    named.  `flor.names` lists what can be asked for."""
+    named.  `flor.names` lists what can be asked for.
+
+    `where` keeps the runs for which an expression of their parameters and
+    of what they logged holds (``"lr <= 0.01 and max(val_acc) > 0.9"``);
+    `sort` orders them (``"-max(val_acc)"``): see docs/results.md, Queries."""
     from . import frames
     from .store import Store
 
-    return frames.dataframe(Store(create=False), names, script=script, run=run, runs=runs,
-                            level=level)
+    store = Store(create=False)
+    run, runs, ordered = _queried(store, script, run, runs, where, sort)
+    return frames.dataframe(store, names, script=script, run=run, runs=runs, level=level,
+                            ordered=ordered)
 
 
 def dataframes(*names: str, script: str | None = None, run: str | None = None,
-               runs=None) -> dict:
+               runs=None, where: str | None = None, sort: str | None = None) -> dict:
     """{level: DataFrame}: one `flor.dataframe` per loop level of the names
     (every logged name if none are given), so that per-epoch values are not
-    padded with NaN in rows of per-batch ones."""
+    padded with NaN in rows of per-batch ones; `where` and `sort` as there."""
     from . import frames
     from .store import Store
 
-    return frames.dataframes(Store(create=False), names, script=script, run=run, runs=runs)
+    store = Store(create=False)
+    run, runs, ordered = _queried(store, script, run, runs, where, sort)
+    return frames.dataframes(store, names, script=script, run=run, runs=runs, ordered=ordered)
+
+
+def _queried(store, script, run, runs, where, sort):
+    """(run, runs, ordered) for the frames: as given, or the ids of the runs
+    that `where` keeps, in the order of `sort`."""
+    if where is None and sort is None:
+        return run, runs, False
+    from .query import select
+
+    return None, select(store, script, run, runs, where, sort), True
 
 
 def names(script: str | None = None, run: str | None = None, runs=None):

@@ -176,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status", choices=("finished", "failed", "interrupted", "running",
                                         "empty"), help="only runs of this status")
     p.add_argument("--kind", choices=("record", "replay"), help="only records or replays")
+    p.add_argument("--where", metavar="EXPR",
+                   help="only runs for which EXPR holds, of their parameters and what they "
+                   "logged or printed: `lr <= 0.01 and max(val_acc) > 0.9` (docs/results.md, "
+                   "Queries)")
+    p.add_argument("--sort", metavar="KEY", help="in the order of KEY, a parameter or what a "
+                   "run logged, or last/first/min/max/mean/count(NAME); a leading - for "
+                   "descending: `-max(val_acc)`")
     p.add_argument("--json", action="store_true", help="one JSON list, for programs")
 
     p = _command(subs, "show", "describe one run", "Everything flor keeps of one run: "

@@ -36,9 +36,10 @@ _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 # -- which runs ---------------------------------------------------------------
 
-def select_runs(store, script=None, run=None, runs=None) -> list[dict]:
-    """The runs to read, oldest first.  `run` (one id) or `runs` (ids) are
-    taken as given; otherwise every finished run (records and replays) of
+def select_runs(store, script=None, run=None, runs=None, ordered=False) -> list[dict]:
+    """The runs to read, oldest first (`ordered`: `runs` in the order given).
+    `run` (one id) or `runs` (ids) are taken as given; otherwise every
+    finished run (records and replays) of
     `script` (a path, else a file name; by default the script of the latest
     run), less the ranks other than 0 of data-parallel records, and with
     the record this process is making, if it is one of them."""
@@ -56,7 +57,7 @@ def select_runs(store, script=None, run=None, runs=None) -> list[dict]:
                 raise LookupError(f"no run {run_id!r} in {store.root}; "
                                   "`python -m flor runs` lists them")
             rows.append(row)
-        return sorted(rows, key=lambda r: r["started"] or 0)
+        return rows if ordered else sorted(rows, key=lambda r: r["started"] or 0)
     if script is None:
         every = store.runs()
         if not every:
@@ -238,9 +239,9 @@ def _pandas():
     return pd
 
 
-def _read(store, names, script, run, runs):
+def _read(store, names, script, run, runs, ordered=False):
     """(runs, Values, the names asked for, or every name logged)."""
-    selected = select_runs(store, script, run, runs)
+    selected = select_runs(store, script, run, runs, ordered)
     wanted = list(dict.fromkeys(names)) if names else None
     values = Values(store, selected, wanted, printed=wanted is not None)
     if wanted is None:
@@ -297,17 +298,18 @@ def _frame(store, runs, values, names):
     return pd.DataFrame.from_records(records, columns=["run", "kind", *args, *index, *names])
 
 
-def dataframes(store, names=(), script=None, run=None, runs=None) -> dict:
+def dataframes(store, names=(), script=None, run=None, runs=None, ordered=False) -> dict:
     """{level: the frame of the names at that level}; see `dataframe`."""
-    selected, values, wanted = _read(store, names, script, run, runs)
+    selected, values, wanted = _read(store, names, script, run, runs, ordered)
     return {level: _frame(store, selected, values, group)
             for level, group in values.by_level(wanted).items()}
 
 
-def dataframe(store, names=(), script=None, run=None, runs=None, level=None):
+def dataframe(store, names=(), script=None, run=None, runs=None, level=None, ordered=False):
     """One frame: the names asked for (every logged name if none) at one
-    level, `level` when given; a ValueError when they span levels."""
-    selected, values, wanted = _read(store, names, script, run, runs)
+    level, `level` when given; a ValueError when they span levels.
+    `ordered`: the rows of `runs` in the order given (else oldest first)."""
+    selected, values, wanted = _read(store, names, script, run, runs, ordered)
     groups = values.by_level(wanted)
     if level is None:
         if len(groups) > 1:

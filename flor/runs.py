@@ -35,11 +35,14 @@ def seconds(run) -> float | None:
     return None
 
 
-def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
+def listing(store: Store, script=None, status=None, kind=None, where=None,
+            sort=None) -> list[dict]:
     """The runs of the store, oldest first, as plain dicts for display and
-    JSON: filtered by script (path or file name), status and kind."""
+    JSON: filtered by script (path or file name), status, kind and `where`
+    (a query.Query), in the order of `sort` (a query.SortKey) if given."""
     ckpts = store.checkpoint_counts()
     out = []
+    chosen = []
     for r in store.runs():
         st = store.status(r)
         if script is not None and script not in (r["script"], r["script_name"]) \
@@ -47,6 +50,10 @@ def listing(store: Store, script=None, status=None, kind=None) -> list[dict]:
             continue
         if (status is not None and st != status) or (kind is not None and r["kind"] != kind):
             continue
+        if where is None or where.matches(store, r):  # (read last: it reads values)
+            chosen.append(r)
+    for r in (chosen if sort is None else sort.sort(store, chosen)):
+        st = store.status(r)
         info, argv = r["info"], r["argv"]
         if argv and (r["kind"] == "record" or os.path.basename(argv[0]) == r["script_name"]):
             argv = argv[1:]  # (replays of older stores kept their arguments alone)
