@@ -167,6 +167,7 @@ typedef struct {
     /* Interned attribute names. */
     PyObject *s_state_dict, *s_load_state_dict, *s_deepcopy_attr, *s_reduce_ex;
     PyObject *s_setstate, *s_dict, *s_append, *s_items;
+    PyObject *s_where, *s_info; /* a session's where, a journal's info (QuietSteps) */
 
     flor_pool pool;
 } flor_state;

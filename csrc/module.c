@@ -119,6 +119,8 @@ module_exec(PyObject *module)
     INTERN(s_dict, "__dict__");
     INTERN(s_append, "append");
     INTERN(s_items, "items");
+    INTERN(s_where, "where");
+    INTERN(s_info, "info");
 #undef INTERN
     rc = 0;
 cleanup:
@@ -143,7 +145,7 @@ cleanup:
     X(tree_safe)                                                                               \
     X(s_state_dict)                                                                            \
     X(s_load_state_dict) X(s_deepcopy_attr) X(s_reduce_ex) X(s_setstate) X(s_dict) X(s_append) \
-    X(s_items)
+    X(s_items) X(s_where) X(s_info)
 /* clang-format on */
 
 static int

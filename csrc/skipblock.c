@@ -684,7 +684,8 @@ typedef struct {
     FlorSkipMachine *machine;
     Py_ssize_t handle;
     PyObject *it, *frame, *session, *journal, *where_type, *phase, *head, *top;
-    PyObject *last_where, *s_where, *s_info;
+    PyObject *last_where;
+    const flor_state *st; /* its module's: the type (held) holds the module */
     Py_ssize_t index, quota, drawn, accounted;
     double deadline, t_item, clean, own, pending;
     int started, status;
@@ -715,8 +716,8 @@ qs_set_index(FlorQuietSteps *q)
     /* tuple.__new__(Where, values): what the named tuple's own __new__ does */
     w = PyTuple_Type.tp_new((PyTypeObject *)q->where_type, targs, NULL);
     if (w == NULL || PyList_SetItem(q->frame, 3, Py_NewRef(i)) < 0 ||
-        PyObject_SetAttr(q->session, q->s_where, w) < 0 ||
-        PyObject_SetAttr(q->journal, q->s_info, w) < 0) {
+        PyObject_SetAttr(q->session, q->st->s_where, w) < 0 ||
+        PyObject_SetAttr(q->journal, q->st->s_info, w) < 0) {
         goto done;
     }
     Py_XSETREF(q->last_where, Py_NewRef(w));
@@ -740,7 +741,7 @@ qs_end_body(FlorQuietSteps *q, double now)
     double body = now - q->t_item;
     sb_block *b;
     int same;
-    PyObject *cur = PyObject_GetAttr(q->session, q->s_where);
+    PyObject *cur = PyObject_GetAttr(q->session, q->st->s_where);
     if (cur == NULL) {
         return -1;
     }
@@ -846,8 +847,6 @@ qs_clear(FlorQuietSteps *q)
     Py_CLEAR(q->head);
     Py_CLEAR(q->top);
     Py_CLEAR(q->last_where);
-    Py_CLEAR(q->s_where);
-    Py_CLEAR(q->s_info);
     return 0;
 }
 
@@ -894,9 +893,8 @@ PyDoc_STRVAR(
     "`index`, each accounted as ran(handle, seconds of its body) as it ends; it stops\n"
     "after `quota`, at the end of an iteration in which the session's where changed\n"
     "or by which the monotonic clock passed `deadline` (left open), or when `it`\n"
-    "ends (see outcome()).  Each\n"
-    "item sets frame[3], session.where and journal.info to\n"
-    "where_type(phase, f\"{head}{i}]]\", top, i, (i,)) before it is drawn.");
+    "ends (see outcome()).  Each item sets frame[3], session.where and journal.info\n"
+    "to where_type(phase, f\"{head}{i}]]\", top, i, (i,)) before it is drawn.");
 
 static PyObject *
 sm_quiet_steps(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
@@ -963,8 +961,7 @@ sm_quiet_steps(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     q->head = Py_NewRef(args[10]);
     q->top = Py_NewRef(args[11]);
     q->last_where = NULL;
-    q->s_where = PyUnicode_InternFromString("where");
-    q->s_info = PyUnicode_InternFromString("info");
+    q->st = st;
     q->index = index;
     q->quota = quota;
     q->drawn = q->accounted = 0;
@@ -973,9 +970,6 @@ sm_quiet_steps(FlorSkipMachine *m, PyObject *const *args, Py_ssize_t nargs)
     q->started = 0;
     q->status = QS_RUNNING;
     PyObject_GC_Track(q);
-    if (q->s_where == NULL || q->s_info == NULL) {
-        Py_CLEAR(q);
-    }
 done:
     return (PyObject *)q;
 }

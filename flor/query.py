@@ -42,14 +42,14 @@ from .printed import split as split_printed
 
 __all__ = ["Query", "QueryError", "SortKey", "RunValues", "select"]
 
-_AGGREGATES = {
+_AGGREGATES = {  # over a name's numbers; count(NAME) counts every value
     "last": lambda xs: xs[-1],
     "first": lambda xs: xs[0],
     "min": min,
     "max": max,
     "mean": lambda xs: sum(xs) / len(xs),
-    "count": len,
 }
+_CALLS = (*_AGGREGATES, "count")
 _COMPARE = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
             ast.GtE: operator.ge, ast.Eq: operator.eq, ast.NotEq: operator.ne}
 _MISSING = object()
@@ -113,10 +113,10 @@ def _check(node, text, what):
             _check(child, text, what)
     elif isinstance(node, ast.Call):
         name = node.func.id if isinstance(node.func, ast.Name) else None
-        if name not in _AGGREGATES or node.keywords or len(node.args) != 1 \
+        if name not in _CALLS or node.keywords or len(node.args) != 1 \
                 or dotted(node.args[0]) is None:
             raise QueryError(f"{what} {text!r}: a call is one of "
-                             f"{', '.join(f'{a}(NAME)' for a in _AGGREGATES)}")
+                             f"{', '.join(f'{a}(NAME)' for a in _CALLS)}")
     elif isinstance(node, ast.Constant):
         if not isinstance(node.value, (int, float, str, bool, type(None))):
             raise QueryError(f"{what} {text!r}: {node.value!r} is not a number or a string")
@@ -151,7 +151,7 @@ class RunValues:
         return [row[3] for row in rows]
 
     def name(self, name):
-        """A bare name: the parameter, else the last value logged or printed."""
+        """A name: the parameter, else the last value logged or printed."""
         params = self.params()
         if name in params:
             return params[name]
@@ -208,7 +208,7 @@ def _comparable(a, b, op) -> bool:
 
 
 class Query:
-    """A filter over runs: `matches(store, run)`."""
+    """A filter over runs: `matches(RunValues(store, run))`."""
 
     def __init__(self, text: str):
         self.text = text
@@ -219,8 +219,8 @@ class Query:
         got = _eval(self.tree, values)
         return None if got is _MISSING else bool(got)
 
-    def matches(self, store, run) -> bool:
-        return self.truth(RunValues(store, run)) is True
+    def matches(self, values: RunValues) -> bool:
+        return self.truth(values) is True
 
 
 class SortKey:
@@ -238,16 +238,16 @@ class SortKey:
             raise QueryError(f"the sort key {text!r} is not a name or an aggregate "
                              "(with a leading - for descending order)")
 
-    def sort(self, store, runs) -> list:
+    def sort(self, runs: list[RunValues]) -> list[RunValues]:
         """`runs` in this order; those without a value after the others, in
         the order given; numbers before strings where both occur."""
         keyed, missing = [], []
-        for i, run in enumerate(runs):
-            got = _eval(self.tree, RunValues(store, run))
+        for i, rv in enumerate(runs):
+            got = _eval(self.tree, rv)
             if got is _MISSING or not (_number(got) or isinstance(got, str)):
-                missing.append(run)
+                missing.append(rv)
             else:
-                keyed.append((isinstance(got, str), got, i, run))
+                keyed.append((isinstance(got, str), got, i, rv))
         sign = -1 if self.descending else 1  # (ties keep the order given)
         nums = sorted((k for k in keyed if not k[0]), key=lambda k: (k[1], sign * k[2]),
                       reverse=self.descending)
@@ -261,8 +261,8 @@ def select(store, script=None, run=None, runs=None, where=None, sort=None) -> li
     which `where` holds, in the order of `sort` (expressions, or None)."""
     query = None if where is None else Query(where)
     key = None if sort is None else SortKey(sort)
-    chosen = [r for r in select_runs(store, script, run, runs)
-              if query is None or query.matches(store, r)]
+    chosen = [rv for rv in (RunValues(store, r) for r in select_runs(store, script, run, runs))
+              if query is None or query.matches(rv)]
     if not chosen:
         raise LookupError(f"no finished run of the script matches {where!r} in {store.root}")
-    return [r["run_id"] for r in (chosen if key is None else key.sort(store, chosen))]
+    return [rv.run["run_id"] for rv in (chosen if key is None else key.sort(chosen))]

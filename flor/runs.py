@@ -17,6 +17,7 @@ import time
 
 from .context import STATE
 from .errors import FlorError
+from .query import RunValues
 from .store import Store
 
 __all__ = ["STATUSES", "listing", "print_runs", "show", "remove", "prune", "check_name",
@@ -42,18 +43,20 @@ def listing(store: Store, script=None, status=None, kind=None, where=None,
     (a query.Query), in the order of `sort` (a query.SortKey) if given."""
     ckpts = store.checkpoint_counts()
     out = []
-    chosen = []
+    chosen, statuses = [], {}
     for r in store.runs():
-        st = store.status(r)
+        st = statuses[r["run_id"]] = store.status(r)
         if script is not None and script not in (r["script"], r["script_name"]) \
                 and os.path.basename(script) != r["script_name"]:
             continue
         if (status is not None and st != status) or (kind is not None and r["kind"] != kind):
             continue
-        if where is None or where.matches(store, r):  # (read last: it reads values)
-            chosen.append(r)
-    for r in (chosen if sort is None else sort.sort(store, chosen)):
-        st = store.status(r)
+        rv = RunValues(store, r)  # (read when a query asks: last, it reads values)
+        if where is None or where.matches(rv):
+            chosen.append(rv)
+    for rv in (chosen if sort is None else sort.sort(chosen)):
+        r = rv.run
+        st = statuses[r["run_id"]]
         info, argv = r["info"], r["argv"]
         if argv and (r["kind"] == "record" or os.path.basename(argv[0]) == r["script_name"]):
             argv = argv[1:]  # (replays of older stores kept their arguments alone)

@@ -170,16 +170,10 @@ class Charges:
         if parent is not None:
             parent.granted += frame.granted + max(extra, 0.0)
 
-    def clean(self, key, seconds: float):
-        """An execution of `key` took `seconds`, timed alone: no write was
-        in progress as it started, and no block ran in it."""
-        b = self._block(key)
-        b.clean_s += seconds
-        b.clean_n += 1
-
-    def clean_many(self, key, seconds: float, count: int):
+    def clean(self, key, seconds: float, count: int = 1):
         """`count` executions of `key` took `seconds` in all, each timed
-        alone (a run of a step loop's quiet iterations)."""
+        alone: no write was in progress as it started, and no block ran in
+        it (several: a run of a step loop's quiet iterations)."""
         b = self._block(key)
         b.clean_s += seconds
         b.clean_n += count

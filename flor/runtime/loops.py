@@ -165,7 +165,7 @@ class Loops:
                             self.ended.add((key, run))
                             break
                         if status == _core.QUIET_OPEN:
-                            self.end_iteration(frame, progress=span is not None)
+                            self.end_iteration(frame, progress=span is not None and n > span.start)
             else:
                 if span.drain:
                     self._draw_to_end(it, frame, key, n)

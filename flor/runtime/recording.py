@@ -269,10 +269,11 @@ class Recording(Policy):
         iterations from n on that are quiet too (_core.QuietSteps), or None.
         They are those the rule is not asked at (Waits, Thinning.due) while
         no block runs, no checkpoint is being written or removed and no
-        flush is due; the run accounts each as quiet_end() would, and
-        leaves the first that is not open, to end here (the session's where
-        changed in it: a loop or block opened; or a flush is due by its
-        end: the end of an iteration flushes)."""
+        flush is due; the run accounts each as quiet_end() would.  It stops
+        at the first iteration that is not quiet and leaves it open, to end
+        here: one in which the session's where changed (a loop or block
+        opened), or by whose end a flush is due (the end of an iteration
+        flushes)."""
         if frame.carrier is None or not self.waiting or frame.ran or frame.t0 is not None \
                 or frame.handle is not None or frame.encoded is None:
             return None
@@ -300,7 +301,7 @@ class Recording(Policy):
         key = self._iterations[frame[1]][0]
         self.waits.used(key, drawn)
         if accounted:
-            self.charges.clean_many(key, clean, accounted)
+            self.charges.clean(key, clean, accounted)
             self.checkpointed = False
             self.iteration_stored(session, (frame[0], frame[1], frame[2], n + accounted - 1))
         if status == _core.QUIET_OPEN:
