@@ -392,6 +392,21 @@ def test_only_outermost_blocks_never_checkpointed_get_a_note():
     assert "(the rule at its last execution: no checkpoint: last)" in notes[0]
 
 
+def test_only_the_main_loop_of_the_run_is_named_as_never_checkpointed():
+    """A top-level loop run after the main loop (an evaluation's, in a
+    function the script calls once more at its end) is no main loop."""
+    from flor.runtime.entry import never_checkpointed
+
+    def row(block, ctx):
+        return {"block": block, "ctx": json.dumps(ctx), "n": 2, "checkpoint": 0,
+                "reason": "no checkpoint: M/C"}
+    rows = [row("train.py:45 (iteration)", [["L", "train.py:45", 0, 9]]),
+            row("train.py:39 (iteration)", [["L", "train.py:39", 0, 1]])]
+    notes = list(never_checkpointed(rows, "train.py:45"))
+    assert len(notes) == 1 and notes[0].startswith("the main loop train.py:45 was never"), notes
+    assert list(never_checkpointed(rows[1:], "train.py:45")) == []
+
+
 def test_a_name_used_twice_is_refused(tmp_path):
     d = str(tmp_path)
     with open(os.path.join(d, "twice.py"), "w") as f:

@@ -15,7 +15,7 @@ import traceback
 from contextlib import nullcontext
 
 from .. import huggingface  # (importing it registers the Trainer's follower with effects.py)
-from ..context import is_iteration, is_outermost, location
+from ..context import is_iteration, is_outermost, iteration_key, location
 from ..errors import INTERRUPTIONS, FlorError, Interrupted, note
 from ..program.frameworks import unfollowed
 from ..program.instrument import instrument, uses_flor
@@ -137,12 +137,14 @@ def summary(store, run_id) -> list[str]:
     more = f" and {len(iters)} iteration checkpoints ({size(iters):.1f} MiB)" if iters else ""
     return [f"recorded run {run_id} of {run['script_name']}: {run['iterations']} iterations of "
             f"the main loop, {len(ckpts)} checkpoints ({size(ckpts):.1f} MiB){more} in "
-            f"{store.root}", *never_checkpointed(decisions)]
+            f"{store.root}", *never_checkpointed(decisions, run["main_loop"])]
 
 
-def never_checkpointed(decisions):
+def never_checkpointed(decisions, main_loop=None):
     """A note for each outermost block that ran but was never checkpointed:
-    what the adaptive rule weighed at its last execution, and the way out.
+    what the adaptive rule weighed at its last execution, and the way out;
+    of top-level loops, only the run's `main_loop` (where given: another,
+    such as an evaluation's loop run once after it, is no main loop).
     (A state that cannot be checkpointed was noted when the record met it.)"""
     last, taken, unheld_loops, loops = {}, set(), {}, {}
     for d in decisions:
@@ -159,6 +161,8 @@ def never_checkpointed(decisions):
             if blockstate.UNHELD in (d["reason"] or ""):
                 unheld_loops.setdefault(d["block"], d)
     for block, d in loops.items():
+        if main_loop is not None and block != iteration_key(main_loop):
+            continue
         if block not in taken and block not in unheld_loops:
             yield (f"the main loop {block[:-len(' (iteration)')]} was never checkpointed, so "
                    "replay workers reach their segments by running the iterations before them "
