@@ -9,6 +9,7 @@ from .api import SkipBlock, dataframe, dataframes, generator, label, log, names
 from .checkpoint import load, restore, save
 from .errors import CheckpointCorrupt, CheckpointWriteError, FlorReplayError
 from .materializer import Materializer
+from .recorded import RecordedState, checkpoint, checkpoints
 from .trust import UnsafeCheckpoint
 from .version import __version__
 
@@ -18,10 +19,13 @@ __all__ = [
     "CheckpointWriteError",
     "FlorReplayError",
     "Materializer",
+    "RecordedState",
     "SkipBlock",
     "Snapshot",
     "UnsafeCheckpoint",
     "__version__",
+    "checkpoint",
+    "checkpoints",
     "dataframe",
     "dataframes",
     "generator",

@@ -21,7 +21,9 @@ of the block ``iteration_key(loop)`` at the context of the iteration, plus
                           # None where it has none
      "carried_version": v,  # of those digests (absent: version 1)
      "ord": n,            # the run's order counter at the end of the iteration
-     "iteration": i}
+     "iteration": i,
+     "named": b}          # whether "sig" holds the script's names (hands-free), not
+                          # types (absent: a record made before flor said)
 
 A restore is verified: the state in scope after it must have the recorded
 fingerprint, and every object put back (in place or to rebind) its
@@ -46,6 +48,9 @@ class Carried:
     #: manual API's loops are found from the script's source instead
     #: (Recording.grad_loops), as its blocks are.
     grads = False
+    #: Its signature is the objects' types, not names: flor.checkpoint keys
+    #: them by position.
+    named = False
 
     def __init__(self, objs):
         self.objs = tuple(objs)
@@ -123,13 +128,14 @@ def tag(loop: str, run: int, i: int) -> bytes:
 
 
 def payload(loop, run, i, objs, sig, fp, ord_, carried, version=digest.VERSION,
-            grads=None) -> dict:
+            grads=None, named=False) -> dict:
     """The iteration checkpoint of iteration i (`carried`: the digests of
     `objs`, of `version`; `grads`: the gradients of their parameters, where
-    the next iteration reads them)."""
+    the next iteration reads them; `named`: whether `sig` holds the script's
+    names for `objs`, as a hands-free carrier's does, rather than types)."""
     out = blockstate.payload(iteration_key(loop), ctx_of(loop, run, i), 0, sig, objs, grads)
     out.update(fingerprint=fp, carried=carried, carried_version=version, ord=ord_,
-               iteration=i)
+               iteration=i, named=bool(named))
     return out
 
 

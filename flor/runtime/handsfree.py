@@ -102,6 +102,9 @@ def resume(key):
 class _Carried:
     """What a hands-free main loop carries, read from the loop's frame."""
 
+    #: Its signature is the script's names for the objects (flor.checkpoint's keys).
+    named = True
+
     def __init__(self, names, paths, globals_, rebound, iterated=(), grads=False):
         self.sets = (names, paths, globals_, rebound)
         self.iterated = iterated

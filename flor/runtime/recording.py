@@ -372,7 +372,8 @@ class Recording(Policy):
             grads = blockstate.gradients(blockstate.state_owners(objs, frame.scope)) \
                 if frame.carrier.grads or loop in self.grad_loops else None
             return carry.payload(loop, run, i, objs, sig, got, session.logbook.journal.ord,
-                                 carry.digests(objs, frame.scope), grads=grads)
+                                 carry.digests(objs, frame.scope), grads=grads,
+                                 named=getattr(frame.carrier, "named", False))
 
         # The checkpoint is charged its fingerprint, wherever it was taken.
         name = self._checkpoint(
