@@ -9,7 +9,7 @@ from .api import SkipBlock, dataframe, dataframes, generator, label, log, names
 from .checkpoint import load, restore, save
 from .errors import CheckpointCorrupt, CheckpointWriteError, FlorReplayError
 from .materializer import Materializer
-from .recorded import RecordedState, checkpoint, checkpoints
+from .recorded import RecordedState, state, state_iterations
 from .trust import UnsafeCheckpoint
 from .version import __version__
 
@@ -24,8 +24,6 @@ __all__ = [
     "Snapshot",
     "UnsafeCheckpoint",
     "__version__",
-    "checkpoint",
-    "checkpoints",
     "dataframe",
     "dataframes",
     "generator",
@@ -36,4 +34,6 @@ __all__ = [
     "restore",
     "save",
     "snapshot",
+    "state",
+    "state_iterations",
 ]

@@ -8,9 +8,9 @@ objects given as ``flor.generator(..., state=(...))``, by position.  Modules,
 optimizers, LR schedulers and scalers are held as their state dicts, so
 that what comes back loads into the user's own objects:
 
-    ck = flor.checkpoint("latest")                 # the record's last one
+    ck = flor.state("latest")                     # the record's last one
     model.load_state_dict(ck["model"])
-    ck.restore(model=model, optimizer=optimizer)    # the same, for several
+    ck.restore(model=model, optimizer=optimizer)  # the same, for several
 
 Files are read as replay reads them: refused unless their header tag is the
 one this record wrote for that iteration, unpickled in full only where the
@@ -31,7 +31,7 @@ from .layout import checkpoint_path
 from .runtime.blockstate import UNREADABLE, belongs, expected, tag, tag_run
 from .store import Store
 
-__all__ = ["RecordedState", "checkpoint", "checkpoints"]
+__all__ = ["RecordedState", "state", "state_iterations"]
 
 
 class RecordedState(Mapping):
@@ -95,13 +95,13 @@ def _record(store: Store, run, script):
         row = store.run(replay) if replay is not None else None
         if row is not None:
             raise FlorError(f"run {replay} is a replay; the state it starts from is its "
-                            f"record's: flor.checkpoint({row['parent']!r})")
+                            f"record's: flor.state({row['parent']!r})")
         what = f"record of {script}" if script is not None else "record"
         raise FlorError(f"no {what} {run or 'latest'!r} in {store.root} (`flor runs` lists "
                         "the runs)")
     if row["kind"] != "record":
         raise FlorError(f"run {rid} is a replay; the state it starts from is its record's: "
-                        f"flor.checkpoint({row['parent']!r})")
+                        f"flor.state({row['parent']!r})")
     return row
 
 
@@ -118,15 +118,15 @@ def _main_loop_rows(store: Store, run) -> list[dict]:
     return [rows[i] for i in sorted(rows)]
 
 
-def checkpoints(run: str | None = "latest", *, script: str | None = None) -> list[int]:
+def state_iterations(run: str | None = "latest", *, script: str | None = None) -> list[int]:
     """The iterations of a record's main loop whose end state the record
     checkpointed (and whose files are there), in order: what
-    `flor.checkpoint` can read back.  `run` and `script` as there."""
+    `flor.state` can read back.  `run` and `script` as there."""
     store = Store(create=False)
     return [r["top_iter"] for r in _main_loop_rows(store, _record(store, run, script))]
 
 
-def checkpoint(run: str | None = "latest", iteration: int | None = None, *,
+def state(run: str | None = "latest", iteration: int | None = None, *,
                script: str | None = None, map_location="cpu") -> RecordedState:
     """The state a record's main loop carried out of `iteration` (default:
     the last iteration it checkpointed), as a `RecordedState`: a mapping
@@ -137,7 +137,7 @@ def checkpoint(run: str | None = "latest", iteration: int | None = None, *,
     `run`: a record's id, a unique prefix of it, its name, or ``latest``
     (the newest record, of `script` if given).  `iteration`: a main-loop
     iteration, counted from 0 as `flor.dataframe` counts them, that the
-    record checkpointed (`flor.checkpoints` lists them; the adaptive rule
+    record checkpointed (`flor.state_iterations` lists them; the adaptive rule
     and thinning decide which).  `map_location`: as in `flor.load`; by
     default every tensor comes back on the CPU."""
     store = Store(create=False)
@@ -160,7 +160,7 @@ def checkpoint(run: str | None = "latest", iteration: int | None = None, *,
                        if len(near) == 2 else f"the nearest it checkpointed is {near[0]}")
             raise FlorError(
                 f"run {rid} has no checkpoint of iteration {iteration} of its main loop; "
-                f"{nearest} (flor.checkpoints({rid!r}) lists all {len(have)})")
+                f"{nearest} (flor.state_iterations({rid!r}) lists all {len(have)})")
         row = rows[at]
     path = checkpoint_path(store.layout.ckpt_dir(rid), row["file"])
     want = expected(tag(row["block"], row["ctx"], 0), tag_run(rid, run_row["info"]))

@@ -1,4 +1,4 @@
-"""Models back: flor.checkpoint reads a record's iteration checkpoint by the
+"""Models back: flor.state reads a record's iteration checkpoint by the
 script's names, and what it returns loads into fresh objects of the
 user's, which then train on exactly as the record did.  Real records (real
 processes, stores and checkpoint files); the loading runs in a fresh
@@ -64,8 +64,8 @@ import sys
 torch.manual_seed(0)
 X = torch.randn(64, 5)
 Y = X @ torch.arange(5.0).unsqueeze(1)
-print("checkpoints", flor.checkpoints("base"))
-ck = flor.checkpoint("base", iteration=1)
+print("checkpoints", flor.state_iterations("base"))
+ck = flor.state("base", iteration=1)
 print("keys", list(ck), ck.iteration, ck.read, ck.loop)
 model.load_state_dict(ck["model"])
 print("at 1", total())
@@ -81,7 +81,7 @@ for epoch in (2, 3):  # what the record did next, from the state it saved
         step += 1
     scheduler.step()
     print("after", epoch, total(), step)
-last = flor.checkpoint()  # the latest record's last checkpoint
+last = flor.state()  # the latest record's last checkpoint
 print("last", last.iteration, last.run == ck.run)
 """, env=env, cwd=d)
     out = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
@@ -116,7 +116,7 @@ def test_the_manual_apis_state_comes_back_by_position(tmp_path):
     flor(d, "record", "--no-adaptive", "manual.py")
     proc = run_py("""
         import flor, torch
-        ck = flor.checkpoint(iteration=1)
+        ck = flor.state(iteration=1)
         print(list(ck), ck[1].tolist())
         model, w = torch.nn.Linear(3, 1), torch.zeros(3)
         before = model.weight.clone()
@@ -141,12 +141,12 @@ def test_what_cannot_be_read_back_is_named_with_what_can(tmp_path):
                 f(*a, **k)
             except Exception as e:
                 print(type(e).__name__, str(e).split(" (")[0])
-        said(flor.checkpoint, {first!r})
-        said(flor.checkpoint, "every", iteration=7)
-        said(flor.checkpoint, "every", iteration="1")
-        said(flor.checkpoint, "nosuchrun")
-        said(lambda: flor.checkpoint("every")["loss"])
-        said(lambda: flor.checkpoint("every").restore(1, 2, 3, 4, 5))
+        said(flor.state, {first!r})
+        said(flor.state, "every", iteration=7)
+        said(flor.state, "every", iteration="1")
+        said(flor.state, "nosuchrun")
+        said(lambda: flor.state("every")["loss"])
+        said(lambda: flor.state("every").restore(1, 2, 3, 4, 5))
         """, env=env, cwd=d)
     assert rec.returncode == 0
     lines = proc.stdout.splitlines()
@@ -164,9 +164,9 @@ def test_what_cannot_be_read_back_is_named_with_what_can(tmp_path):
     proc = run_py(f"""
         import flor
         try:
-            flor.checkpoint({replay['run_id']!r})
+            flor.state({replay['run_id']!r})
         except flor.errors.FlorError as e:
             print(e)
         """, env=env, cwd=d)
     assert proc.stdout.strip() == (f"run {replay['run_id']} is a replay; the state it starts "
-                                   f"from is its record's: flor.checkpoint({replay['parent']!r})")
+                                   f"from is its record's: flor.state({replay['parent']!r})")
