@@ -31,7 +31,7 @@ from .layout import checkpoint_path
 from .runtime.blockstate import UNREADABLE, belongs, expected, tag, tag_run
 from .store import Store
 
-__all__ = ["RecordedState", "state", "state_iterations"]
+__all__ = ["RecordedState", "state", "state_iterations", "main_loop_checkpoints"]
 
 
 class RecordedState(Mapping):
@@ -105,7 +105,7 @@ def _record(store: Store, run, script):
     return row
 
 
-def _main_loop_rows(store: Store, run) -> list[dict]:
+def main_loop_checkpoints(store: Store, run) -> list[dict]:
     """The written iteration checkpoints of `run`'s main loop, by iteration."""
     if not run["main_loop"]:
         return []
@@ -123,7 +123,7 @@ def state_iterations(run: str | None = "latest", *, script: str | None = None) -
     checkpointed (and whose files are there), in order: what
     `flor.state` can read back.  `run` and `script` as there."""
     store = Store(create=False)
-    return [r["top_iter"] for r in _main_loop_rows(store, _record(store, run, script))]
+    return [r["top_iter"] for r in main_loop_checkpoints(store, _record(store, run, script))]
 
 
 def state(run: str | None = "latest", iteration: int | None = None, *,
@@ -143,7 +143,7 @@ def state(run: str | None = "latest", iteration: int | None = None, *,
     store = Store(create=False)
     run_row = _record(store, run, script)
     rid = run_row["run_id"]
-    rows = _main_loop_rows(store, run_row)
+    rows = main_loop_checkpoints(store, run_row)
     if not rows:
         raise FlorError(f"run {rid} has no iteration checkpoint of its main loop (the closing "
                         "note of its record says why; `flor show` describes it)")

@@ -18,6 +18,7 @@ import time
 from .context import STATE
 from .errors import FlorError
 from .query import RunValues
+from .recorded import main_loop_checkpoints
 from .store import Store
 
 __all__ = ["STATUSES", "listing", "print_runs", "show", "remove", "prune", "check_name",
@@ -125,6 +126,8 @@ def show(store: Store, run_id: str) -> dict:
                checkpoint_bytes=sum(os.path.getsize(os.path.join(ckpt_dir, d["file"]))
                                     for d in present),
                replays=[r["run_id"] for r in store.runs() if r["parent"] == run["run_id"]],
+               state_iterations=[r["top_iter"] for r in main_loop_checkpoints(store, run)]
+               if run["kind"] == "record" else [],
                names=sorted({r["name"] for r in store.logs(run["run_id"])
                              if not r["name"].startswith(STATE)}))
     return out
@@ -134,7 +137,8 @@ def print_show(d: dict) -> None:
     keys = ("run", "name", "tags", "note", "kind", "script", "script_path", "argv", "cwd",
             "status", "started",
             "seconds", "iterations", "main_loop", "checkpoints", "checkpoints_missing",
-            "checkpoint_bytes", "parent", "replays", "checks_passed", "directory")
+            "checkpoint_bytes", "state_iterations", "parent", "replays", "checks_passed",
+            "directory")
     for k in keys:
         if k not in d or d[k] in (None, [], "") or (d.get("kind") == "replay"
                                                   and k.startswith("checkpoint")):
@@ -146,6 +150,9 @@ def print_show(d: dict) -> None:
             v = f"{v:.1f}"
         elif k == "checkpoint_bytes":
             v = f"{v / 2**20:.1f} MiB"
+        elif k == "state_iterations":  # what flor.state reads back
+            shown = v if len(v) <= 6 else [*v[:3], "...", *v[-2:]]
+            v = " ".join(map(str, shown)) + f" ({len(v)}; flor.state reads them)"
         elif isinstance(v, list):
             v = " ".join(str(x) for x in v)
         print(f"{k + ':':20} {v}")

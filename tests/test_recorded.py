@@ -93,6 +93,8 @@ print("last", last.iteration, last.run == ck.run)
     afters = [line.split(" ")[1:] for line in proc.stdout.splitlines() if line.startswith("after")]
     assert afters == [["2", sums["2"], "12"], ["3", sums["3"], "16"]]
     assert out["last"] == "3 True"
+    assert "state_iterations:    0 1 2 3 (4; flor.state reads them)" in \
+        flor(d, "show", "base").stdout.splitlines()
 
 
 def test_the_manual_apis_state_comes_back_by_position(tmp_path):
