@@ -28,9 +28,11 @@ PYTEST_JOBS := -n auto --maxprocesses=2
 # which starts a local Ray cluster; Lightning, Accelerate and transformers for
 # their tests (test_lightning.py, test_accelerate.py, test_huggingface.py), with
 # torch pinned in the same command; OmegaConf and jsonargparse for
-# test_config.py (the config objects of Hydra and of LightningCLI).
+# test_config.py (the config objects of Hydra and of LightningCLI); MLflow for
+# test_results.py (flor export --mlflow, read back with MLflow's client).
 test: setup
 	$(BIN)/$(PIP) 'ray>=2.9' 'omegaconf==2.3.0' 'jsonargparse==4.53.0'
+	$(BIN)/$(PIP) $(TORCH) 'mlflow==3.17.2'
 	$(BIN)/$(PIP) $(TORCH) 'lightning==2.6.6' 'accelerate==1.15.0' 'transformers==5.24.0'
 	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
 

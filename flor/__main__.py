@@ -359,12 +359,16 @@ def cmd_plot(o) -> int:
 
 
 def cmd_export(o) -> int:
-    from .export import export_tensorboard
+    from .export import export_mlflow, export_tensorboard
 
     try:
         store = _store()
-        files = export_tensorboard(store, o.tensorboard, runs=_resolved(store, o.runs),
-                                   script=o.script)
+        runs = _resolved(store, o.runs)
+        if o.mlflow is not None:
+            for run_id, mlrun, n in export_mlflow(store, o.mlflow, runs=runs, script=o.script):
+                print(f"{run_id}: MLflow run {mlrun}, {n} metric values written")
+            return 0
+        files = export_tensorboard(store, o.tensorboard, runs=runs, script=o.script)
     except (LookupError, ValueError) as e:
         raise FlorError(str(e).strip("'\"")) from None
     for f in files:

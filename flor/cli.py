@@ -22,7 +22,8 @@ SUMMARY = """\
     flor merge [REPLAY]                       assemble a replay run in --part pieces
     flor runs | show RUN | rm RUN... | prune  the runs of the store
     flor tag RUN [TAG...] [--name N] [--note T]  name, tag or annotate a run
-    flor plot NAME | export --tensorboard DIR the stored values"""
+    flor plot NAME | export --tensorboard DIR | export --mlflow URI
+                                              the stored values"""
 EXIT_STATUS = ("`flor COMMAND --help` describes each. The exit status is 0 on success; the "
                "script's own status when it fails (1 for an uncaught exception); 1 when "
                "`replay --check strict` finds values that differ; 2 when flor refuses (an "
@@ -229,10 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="the PNG (default: NAME.png)")
 
     p = _command(subs, "export", "write stored values for other tools",
-                 "Write the stored numeric values as TensorBoard event files, one directory "
-                 "per record, a replay's values in its record's (needs tensorboard: pip "
-                 "install tensorboard).", ENV_STORE)
-    p.add_argument("--tensorboard", metavar="DIR", required=True, help="where to write")
+                 "Write the runs' numeric values as TensorBoard event files, one directory "
+                 "per record (needs tensorboard: pip install tensorboard), or to an MLflow "
+                 "tracking store, one MLflow run per record with its configuration as "
+                 "parameters (needs mlflow: pip install mlflow). A replay's hindsight values "
+                 "go with its record's.", ENV_STORE)
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--tensorboard", metavar="DIR", help="the directory to write")
+    to.add_argument("--mlflow", metavar="URI", help="the tracking store: sqlite:///mlflow.db, "
+                    "http://host:5000, ...")
     p.add_argument("--run", metavar="RUN", action="append", dest="runs",
                    help="a run to export (repeatable; default: every run of the script)")
     p.add_argument("--script", metavar="SCRIPT", help="whose runs (default: the latest run's)")

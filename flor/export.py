@@ -1,5 +1,5 @@
 """Results people look at: a plot of one value over the runs of a script,
-and TensorBoard event files of every value.
+and every value as TensorBoard event files or in an MLflow tracking store.
 
 Both take the runs that flor.dataframe reads (flor/frames.py) and draw or
 write numbers only: a value logged as a number (a one-element tensor is
@@ -16,14 +16,16 @@ logged once per iteration; for a name logged deeper (in every batch, in a
 nested flor.generator) it is the value's position in the run, in
 iteration order: 0, 1, 2, ... (a global step).
 
-matplotlib and tensorboard are optional: ``pip install matplotlib``,
-``pip install tensorboard``.
+matplotlib, tensorboard and mlflow are optional: ``pip install
+matplotlib``, ``pip install tensorboard``, ``pip install mlflow``.
 """
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 from .context import PRINTED, STATE, TB
@@ -34,7 +36,8 @@ from .printed import fields as printed_fields
 from .printed import unnamed as printed_unnamed
 from .printed import split as split_printed
 
-__all__ = ["Series", "series", "plot_figure", "plot", "export_tensorboard"]
+__all__ = ["Series", "series", "plot_figure", "plot", "export_tensorboard", "export_mlflow",
+           "mlflow_key"]
 
 
 @dataclass
@@ -212,13 +215,44 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
         raise FlorError("exporting to TensorBoard needs torch and tensorboard: "
                         "pip install tensorboard") from None
     selected = _with_records(store, select_runs(store, script, runs=runs))
+    targets, skipped = _scalars(store, selected)
+    written = []
+    for run_id, scalars in targets.items():
+        if not scalars:
+            continue
+        directory = os.path.join(os.path.abspath(out_dir), run_id)
+        for old in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+            os.remove(old)
+        writer = SummaryWriter(log_dir=directory)
+        try:
+            for (tag, step), value in scalars.items():
+                writer.add_scalar(tag, value, global_step=step)
+        finally:
+            writer.close()
+        written.append(directory)
+    _say_skipped("TensorBoard", skipped, bool(written))
+    return written
+
+
+def _say_skipped(what, skipped, numeric: bool):
+    if skipped:
+        note(f"{what} export: values that are not numbers skipped: "
+             f"{', '.join(sorted(skipped))}")
+    if not numeric:
+        note(f"{what} export: the runs hold no numeric values (numbers logged with "
+             "flor.log, or printed); nothing was written")
+
+
+def _scalars(store, selected) -> tuple[dict, set]:
+    """({training run id: {(tag, step): value}}, the names of values that
+    are not numbers) of the runs `selected` (with their replays' records):
+    a replay's values go beside its record's, one training run each with
+    its hindsight values (a later replay's value of a tag and step replaces
+    an earlier one's)."""
     values = Values(store, selected, None, printed=True, fields=True)
     names = [n for n in values.rows if not n.startswith(STATE)]
     per_name = {n: (_by_run(values, n), _replayed(values, n), _flat(values, n)) for n in names}
     skipped: set = set()
-    # A replay's values go beside its record's: one TensorBoard run per
-    # training run, its hindsight values with the rest (a later replay's
-    # value of a tag and step replaces an earlier one's).
     targets: dict[str, dict] = {}
     for run in selected:
         run_id = run["run_id"]
@@ -235,24 +269,127 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
             tag = name[len(TB):] if name.startswith(TB) else name
             for step, r in zip(_steps(numeric, is_flat), numeric):
                 target[(tag, step)] = float(r[3])
-    written = []
-    for run_id, scalars in targets.items():
-        if not scalars:
-            continue
-        directory = os.path.join(os.path.abspath(out_dir), run_id)
-        for old in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
-            os.remove(old)
-        writer = SummaryWriter(log_dir=directory)
+    return targets, skipped
+
+
+# -- MLflow -------------------------------------------------------------------
+
+#: What MLflow allows in a metric's or parameter's name, and how long.
+_MLFLOW_NAME = re.compile(r"[^\w\-. :/]")
+_MLFLOW_KEY_MAX, _MLFLOW_VALUE_MAX = 250, 6000
+#: A training run's status as MLflow says it (a run still going is left RUNNING).
+_MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+
+
+def mlflow_key(name: str) -> str:
+    """A flor name as an MLflow metric or parameter key: MLflow allows
+    letters, digits, ``_ - . : /`` and spaces, so the ``@`` of a printed
+    statement's name becomes ``/`` (``stdout/train.py:24/loss``) and any
+    other character ``_``."""
+    return _MLFLOW_NAME.sub("_", name.replace("@", "/", 1))[:_MLFLOW_KEY_MAX]
+
+
+def export_mlflow(store, uri, runs=None, script=None) -> list[tuple[str, str, int]]:
+    """Write the runs to the MLflow tracking store at `uri` (``sqlite:///
+    mlflow.db``, a tracking server's ``http://...``, a file store): one
+    MLflow run per training run, in the experiment named after its script,
+    with its name (else its id), tags, note, git commit and status, its
+    configuration as parameters and its numeric values (as `export_
+    tensorboard` writes them: a replay's hindsight values under its
+    record's run) as metrics, keys as `mlflow_key` makes them.  A run
+    written before (tag ``flor.run_id``) is found again: it gets the values
+    of names it does not have yet (a later replay's) and its tags and status
+    as they are now.  Returns (flor run id, MLflow run id, metric values
+    written) for each training run."""
+    try:
+        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise FlorError("exporting to MLflow needs mlflow: pip install mlflow") from None
+    selected = _with_records(store, select_runs(store, script, runs=runs))
+    targets, skipped = _scalars(store, selected)
+    with warnings.catch_warnings():  # its libraries' deprecations: nothing a user can change
+        warnings.simplefilter("ignore", DeprecationWarning)
         try:
-            for (tag, step), value in scalars.items():
-                writer.add_scalar(tag, value, global_step=step)
-        finally:
-            writer.close()
-        written.append(directory)
-    if skipped:
-        note(f"TensorBoard export: values that are not numbers skipped: "
-             f"{', '.join(sorted(skipped))}")
-    if not written:
-        note("TensorBoard export: the runs hold no numeric values (numbers logged with "
-             "flor.log, or printed); nothing was written")
-    return written
+            out = _to_mlflow(MlflowClient(tracking_uri=uri), uri, store, selected, targets,
+                             (Metric, Param, RunTag))
+        except MlflowException as e:
+            raise FlorError(f"MLflow ({uri}): {e.message}") from None
+    _say_skipped("MLflow", skipped, any(targets.values()))
+    return out
+
+
+def _to_mlflow(client, uri, store, selected, targets, entities) -> list:
+    Metric, Param, RunTag = entities
+    experiments: dict = {}
+    out = []
+    for run in selected:
+        if run["run_id"] not in targets:  # a replay: its values are its record's
+            continue
+        exp = run["script_name"] or "flor"
+        if exp not in experiments:
+            experiments[exp] = _mlflow_experiment(client, exp, uri)
+        mlrun, had = _mlflow_run(client, experiments[exp], run, RunTag)
+        metrics = [Metric(mlflow_key(tag), value, int((run["started"] or 0) * 1000), step)
+                   for (tag, step), value in targets[run["run_id"]].items()
+                   if mlflow_key(tag) not in had.metrics]
+        params = [Param(k, v) for k, v in _mlflow_params(run, store).items()
+                  if k not in had.params]
+        for i in range(0, len(metrics), 1000):  # MLflow's limits per batch
+            client.log_batch(mlrun, metrics=metrics[i:i + 1000])
+        for i in range(0, len(params), 100):
+            client.log_batch(mlrun, params=params[i:i + 100])
+        status = _MLFLOW_STATUS.get(store.status(run))
+        if status is not None:
+            client.set_terminated(mlrun, status, end_time=int((run["finished"] or 0) * 1000)
+                                  or None)
+        out.append((run["run_id"], mlrun, len(metrics)))
+    return out
+
+
+def _mlflow_experiment(client, name, uri) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        return client.create_experiment(name)
+    if found.lifecycle_stage != "active":
+        raise FlorError(f"the MLflow experiment {name!r} at {uri} is deleted: restore it in "
+                        "MLflow, or delete it for good, before exporting to it")
+    return found.experiment_id
+
+
+def _mlflow_run(client, experiment, run, RunTag):
+    """(the MLflow run of flor's `run`, made now if there is none; its data
+    as it was) with its tags as they are now."""
+    info = run["info"]
+    found = client.search_runs([experiment], filter_string=f"tags.`flor.run_id` = "
+                               f"'{run['run_id']}'", max_results=1)
+    tags = {"flor.run_id": run["run_id"], "flor.script": run["script"] or "",
+            "mlflow.source.name": run["script"] or "",
+            **{f"flor.tag.{t}": "" for t in getattr(info, "labels", None) or []}}
+    if getattr(info, "note", None):
+        tags["mlflow.note.content"] = info.note
+    code = getattr(info, "code", None) or {}
+    if code.get("commit"):
+        tags["mlflow.source.git.commit"] = code["commit"]
+        if code.get("branch"):
+            tags["mlflow.source.git.branch"] = code["branch"]
+        tags["flor.git.dirty"] = str(bool(code.get("dirty"))).lower()
+    if found:
+        mlrun, had = found[0].info.run_id, found[0].data
+    else:
+        made = client.create_run(experiment, start_time=int((run["started"] or 0) * 1000),
+                                 run_name=getattr(info, "name", None) or run["run_id"])
+        mlrun, had = made.info.run_id, made.data
+    client.log_batch(mlrun, tags=[RunTag(k, v[:_MLFLOW_VALUE_MAX]) for k, v in tags.items()])
+    return mlrun, had
+
+
+def _mlflow_params(run, store) -> dict:
+    """The run's configuration (flor.dataframe's columns) as MLflow
+    parameters: strings, JSON for what is not one."""
+    out = {}
+    for k, v in script_args(run, store).items():
+        text = v if isinstance(v, str) else json.dumps(v, default=repr)
+        out[mlflow_key(str(k))] = text[:_MLFLOW_VALUE_MAX]
+    return out

@@ -16,7 +16,7 @@ import pytest
 
 import flor
 from flor.errors import FlorError
-from flor.export import export_tensorboard, plot, plot_figure
+from flor.export import export_mlflow, export_tensorboard, mlflow_key, plot, plot_figure
 from flor.frames import dataframes, names_frame, script_args, select_runs
 from flor.store import Store
 
@@ -298,6 +298,49 @@ def test_tensorboard_export_reads_back_as_stored(here, tmp_path):
         assert [(e.step, e.value) for e in acc.Scalars(f"{epoch}/val_acc")] == want
 
 
+# --- MLflow ------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # MLflow's libraries' own
+def test_mlflow_export_reads_back_with_mlflows_client(here, tmp_path):
+    """One MLflow run per record, its configuration as parameters, its
+    values (a replay's hindsight values under its record's run) as metrics;
+    exporting again adds nothing twice."""
+    from mlflow.tracking import MlflowClient
+
+    r = here
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = export_mlflow(r.store, uri)
+    assert [(run_id, n > 0) for run_id, _, n in first] == [(r.rec1, True), (r.rec2, True)]
+    again = export_mlflow(r.store, uri)  # found by flor's run id: nothing written twice
+    assert [(run_id, mlrun, n) for run_id, mlrun, n in again] == \
+        [(run_id, mlrun, 0) for run_id, mlrun, _ in first]
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("train.py")  # (besides MLflow's Default)
+    assert [e.name for e in client.search_experiments()] == ["train.py", "Default"]
+    got = {m.data.tags["flor.run_id"]: m for m in client.search_runs([exp.experiment_id])}
+    assert sorted(got) == sorted([r.rec1, r.rec2])
+    epoch = mlflow_key(f"stdout@train.py:{EPOCH_PRINT}")
+    assert epoch == f"stdout/train.py:{EPOCH_PRINT}"
+    for run_id, mlrun in ((r.rec1, got[r.rec1]), (r.rec2, got[r.rec2])):
+        assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == run_id
+        record = r.store.run(run_id)
+        assert mlrun.data.params == {k: v if isinstance(v, str) else json.dumps(v)
+                                     for k, v in script_args(record, r.store).items()}
+        assert mlrun.data.params["lr"] == ("0.01" if run_id == r.rec2 else "0.001")  # a default too
+        history = client.get_metric_history(mlrun.info.run_id, "val_acc")
+        assert [(m.step, m.value) for m in history] == list(enumerate(stored(r, run_id,
+                                                                             "val_acc")))
+        history = client.get_metric_history(mlrun.info.run_id, f"{epoch}/val_acc")
+        assert [(m.step, m.value) for m in history] == [  # printed with 4 decimals
+            (i, round(v, 4)) for i, v in enumerate(stored(r, run_id, "val_acc"))]
+    # the replay's hindsight values, under its record's run, and only there
+    history = client.get_metric_history(got[r.rec2].info.run_id, "grad_norm")
+    assert [(m.step, m.value) for m in history] == list(enumerate(stored(r, r.rep,
+                                                                         "grad_norm")))
+    assert f"{mlflow_key(r.printed)}/acc" in got[r.rec2].data.metrics
+    assert "grad_norm" not in got[r.rec1].data.metrics
+
+
 @MATPLOTLIB_UNDER_ASAN
 def test_plot_and_export_from_the_command_line(results, tmp_path):
     import matplotlib.image
@@ -318,6 +361,7 @@ def test_plot_and_export_from_the_command_line(results, tmp_path):
     assert proc.stdout.split() == [os.path.join(out, r.rec1), os.path.join(out, r.rec2)]
     for argv in (["plot", "no_such_value"], ["plot", "val_acc", "--run", "nosuch"],
                  ["export", "--tensorboard", out, "--run", "nosuch"],
+                 ["export", "--mlflow", "nosuch://x"],
                  ["plot", "val_acc", "--script", "nosuch.py"]):
         bad = flor_cli(str(tmp_path), *argv, env=env, check=False)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
