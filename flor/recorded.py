@@ -20,7 +20,9 @@ its CRC before use.
 from __future__ import annotations
 
 import bisect
+import operator
 import os
+import re
 from collections.abc import Mapping
 
 from .checkpoint import read
@@ -87,6 +89,9 @@ class RecordedState(Mapping):
 def _record(store: Store, run, script):
     """The record run `run` names (an id, a unique prefix, a name, or
     ``latest``: the newest record, of `script` if given)."""
+    if run is not None and (type(run) is not str or not run):
+        raise TypeError(f"run must name a record (its id, a prefix of it, its name, or "
+                        f"'latest'), not {run!r}; the iteration is the second argument")
     path = os.path.abspath(script) if script is not None else None
     rid = store.resolve(run if run is not None else "latest", "record", path)
     row = store.run(rid) if rid is not None else None
@@ -102,6 +107,10 @@ def _record(store: Store, run, script):
     if row["kind"] != "record":
         raise FlorError(f"run {rid} is a replay; the state it starts from is its record's: "
                         f"flor.state({row['parent']!r})")
+    if row["info"].follower:  # rank 0 writes the replicated state (the model's parameters)
+        raise FlorError(f"run {rid} is rank {row['info'].rank} of the data-parallel record "
+                        f"{row['info'].group}, whose state rank 0 keeps: "
+                        f"flor.state({row['info'].group!r})")
     return row
 
 
@@ -145,13 +154,21 @@ def state(run: str | None = "latest", iteration: int | None = None, *,
     rid = run_row["run_id"]
     rows = main_loop_checkpoints(store, run_row)
     if not rows:
-        raise FlorError(f"run {rid} has no iteration checkpoint of its main loop (the closing "
-                        "note of its record says why; `flor show` describes it)")
+        raise FlorError(
+            f"run {rid} has no iteration checkpoint of its main loop: the adaptive rule took "
+            "none (`flor record --no-adaptive` takes one at every iteration), the loop "
+            "carries what flor cannot checkpoint (the record said so as it ran), or, with "
+            "the manual API, its flor.generator was given no state=")
     if iteration is None:
         row = rows[-1]
     else:
-        if type(iteration) is not int:
-            raise TypeError(f"iteration must be an int, not {type(iteration).__name__}")
+        given = iteration
+        try:  # an int, numpy's included (flor.dataframe's iteration column)
+            iteration = operator.index(iteration) if type(iteration) is not bool else None
+        except TypeError:
+            iteration = None
+        if iteration is None:
+            raise TypeError(f"iteration must be an int, not {type(given).__name__}")
         have = [r["top_iter"] for r in rows]
         at = bisect.bisect_left(have, iteration)
         if at == len(have) or have[at] != iteration:
@@ -174,11 +191,28 @@ def state(run: str | None = "latest", iteration: int | None = None, *,
                         f"{rid}")
     sig, objs = list(saved["sig"]), list(saved["objs"])
     named = saved.get("named")
-    if named is None:  # a record made before checkpoints said: types are dotted
-        named = not all("." in label for label in sig)
-    # A hands-free label is a name, or "name: why the loop carries it" for
-    # what the analysis added (the module an optimizer's parameters live in).
-    names = [label.split(": ", 1)[0] for label in sig]
-    keys = names if named and len(set(names)) == len(names) else list(range(len(objs)))
+    if named is None:  # a record made before checkpoints said
+        named = not all(_TYPE.fullmatch(label) for label in sig)
+    keys = _keys(sig) if named else list(range(len(objs)))
     return RecordedState(rid, run_row["main_loop"], row["top_iter"], path, seen[0], keys, objs)
 
+
+
+#: How the manual API's signature names an object: by its type, a module and
+#: a class (``torch.nn.modules.linear.Linear``, ``builtins.int``).
+_TYPE = re.compile(r"(builtins|numpy|torch)\.\w+(\.\w+)*|[A-Za-z_]\w*(\.\w+)*\.[A-Z]\w*")
+
+
+def _keys(sig) -> list[str]:
+    """The script's names in a hands-free signature: a label is a name or
+    an attribute path (``model``, ``self.model``), ``global NAME`` for a
+    module's variable, or ``NAME: why the loop carries it`` for what the
+    analysis added (the module an optimizer's parameters live in).  A name
+    met twice is told apart by its count: ``parameters``, ``parameters#2``."""
+    keys, seen = [], {}
+    for label in sig:
+        name = label.split(": ", 1)[0]
+        name = name[len("global "):] if name.startswith("global ") else name
+        seen[name] = seen.get(name, 0) + 1
+        keys.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return keys

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, edit, store
+from conftest import ROOT, edit, run_py, store
 
 # The C core's paths: the sanitized build runs these (make test-asan).
 pytestmark = pytest.mark.core
@@ -114,6 +114,22 @@ def test_ranks_record_one_run_and_replicated_state_once(handsfree):
                           env=dict(os.environ, FLOR_DIR=os.path.join(handsfree, ".flor")),
                           capture_output=True, text=True).stdout
     assert "(2 ranks)" in runs and f"(rank 1 of {leader['run_id']})" in runs
+    # Models back: rank 0's run has the whole state (the DDP module's state
+    # dict, every parameter); rank 1's is refused, naming rank 0's.
+    proc = run_py(f"""
+        import flor
+        ck = flor.state({leader['run_id']!r})
+        print(ck.iteration, all(k.startswith("module.") for k in ck["model"]),
+              "state" in ck["optimizer"])
+        try:
+            flor.state({rank1['run_id']!r})
+        except flor.errors.FlorError as e:
+            print(e)
+        """, env={"FLOR_DIR": os.path.join(handsfree, ".flor")})
+    assert proc.stdout.splitlines() == [
+        "3 True True",
+        f"run {rank1['run_id']} is rank 1 of the data-parallel record {leader['run_id']}, "
+        f"whose state rank 0 keeps: flor.state({leader['run_id']!r})"]
 
 
 def test_replay_steps_into_a_ddp_block_with_two_groups_of_ranks(handsfree):

@@ -5,6 +5,8 @@ processes, stores and checkpoint files); the loading runs in a fresh
 interpreter, as a user's notebook would."""
 import os
 
+import pytest
+
 from conftest import flor, run_py, store, write_script
 
 # A hands-free script: what its main loop carries is known by its names.
@@ -146,20 +148,26 @@ def test_what_cannot_be_read_back_is_named_with_what_can(tmp_path):
         said(flor.state, {first!r})
         said(flor.state, "every", iteration=7)
         said(flor.state, "every", iteration="1")
+        said(flor.state, "every", iteration=True)
+        said(flor.state, 3)
+        said(flor.state, "")
         said(flor.state, "nosuchrun")
         said(lambda: flor.state("every")["loss"])
         said(lambda: flor.state("every").restore(1, 2, 3, 4, 5))
         """, env=env, cwd=d)
     assert rec.returncode == 0
     lines = proc.stdout.splitlines()
-    assert lines[0] == f"FlorError run {first} has no iteration checkpoint of its main loop"
+    assert lines[0] == f"FlorError run {first} has no iteration checkpoint of its main loop: " \
+        "the adaptive rule took none"
     assert lines[1].startswith("FlorError run ") and lines[1].endswith(
         "has no checkpoint of iteration 7 of its main loop; the nearest it checkpointed is 3")
     assert lines[2] == "TypeError iteration must be an int, not str"
-    assert lines[3].startswith("FlorError no record 'nosuchrun' in ")
-    assert lines[4].startswith("KeyError \"'loss': the main loop of run ") and \
-        lines[4].endswith("carried ['optimizer', 'step', 'scheduler', 'model']\"")
-    assert lines[5].startswith("TypeError 5 objects given, and run ")
+    assert lines[3] == "TypeError iteration must be an int, not bool"
+    assert lines[4] == lines[5] == "TypeError run must name a record"  # (said up to its " (")
+    assert lines[6].startswith("FlorError no record 'nosuchrun' in ")
+    assert lines[7].startswith("KeyError \"'loss': the main loop of run ") and \
+        lines[7].endswith("carried ['optimizer', 'step', 'scheduler', 'model']\"")
+    assert lines[8].startswith("TypeError 5 objects given, and run ")
 
     flor(d, "replay", "train.py")  # a replay's id names its record
     replay = [r for r in store(d).runs() if r["kind"] == "replay"][0]
@@ -172,3 +180,66 @@ def test_what_cannot_be_read_back_is_named_with_what_can(tmp_path):
         """, env=env, cwd=d)
     assert proc.stdout.strip() == (f"run {replay['run_id']} is a replay; the state it starts "
                                    f"from is its record's: flor.state({replay['parent']!r})")
+
+
+def test_a_scripts_module_level_objects_come_back_by_their_names(tmp_path):
+    """The PyTorch examples' shape: the model, optimizer and scheduler are
+    module variables that main()'s loop changes through train(); a numpy
+    integer (flor.dataframe's iteration column) picks an iteration."""
+    d = str(tmp_path)
+    write_script(d, "ex.py", """
+        import torch
+        import torch.nn as nn
+
+        torch.manual_seed(0)
+        X = torch.randn(32, 4)
+        Y = X.sum(1, keepdim=True)
+        model = nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+
+
+        def train(epoch):
+            for i in range(0, 32, 8):
+                loss = ((model(X[i:i + 8]) - Y[i:i + 8]) ** 2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            return loss.item()
+
+
+        def main():
+            for epoch in range(3):
+                loss = train(epoch)
+                scheduler.step()
+                print("bias", repr(model.bias.item()))
+
+
+        if __name__ == "__main__":
+            main()
+        """)
+    biases = flor(d, "record", "--no-adaptive", "ex.py").stdout.split()[1::2]
+    proc = run_py("""
+        import flor, numpy, torch
+        ck = flor.state("latest", numpy.int64(1))
+        print(sorted(ck), ck.iteration, repr(ck["model"]["bias"].item()))
+        model = torch.nn.Linear(4, 1)
+        ck.restore(model=model)
+        print(repr(model.bias.item()))
+        """, env={"FLOR_DIR": os.path.join(d, ".flor")}, cwd=d)
+    assert proc.stdout.splitlines() == [f"['model', 'optimizer', 'scheduler'] 1 {biases[1]}",
+                                        biases[1]]
+
+
+@pytest.mark.unit
+def test_keys_are_the_names_in_a_signature_and_types_mean_positions():
+    from flor.recorded import _TYPE, _keys
+
+    assert _keys(["global model", "step", "self.opt", "W, b: parameters of an optimizer",
+                  "parameters: of one", "parameters: of another"]) == \
+        ["model", "step", "self.opt", "W, b", "parameters", "parameters#2"]
+    for label in ("torch.nn.modules.linear.Linear", "builtins.int", "__main__.Net",
+                  "collections.OrderedDict", "numpy.ndarray"):
+        assert _TYPE.fullmatch(label), label
+    for label in ("model", "self.model", "trainer.opt", "global model", "W, b: parameters"):
+        assert not _TYPE.fullmatch(label), label
