@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from .checkpoint import read
 from .checkpoint import restore as restore_object
 from .context import top_key
-from .errors import FlorError
+from .errors import FlorError, StoreError
 from .layout import checkpoint_path
 from .runtime.blockstate import UNREADABLE, belongs, expected, tag, tag_run
 from .store import Store
@@ -81,6 +81,8 @@ class RecordedState(Mapping):
         for name, obj in named.items():
             if name not in self._items:
                 self[name]  # raises KeyError, naming what there is
+            if name in keys[:len(objects)]:
+                raise TypeError(f"{name!r} given twice, by position and by name")
             pairs.append((name, obj))
         out = tuple(restore_object(obj, self._items[key]) for key, obj in pairs)
         return out[0] if len(out) == 1 else out
@@ -122,7 +124,11 @@ def main_loop_checkpoints(store: Store, run) -> list[dict]:
     ckpt_dir = store.layout.ckpt_dir(run["run_id"])
     rows = {}
     for r in store.iteration_checkpoints(run["run_id"]):
-        if r["top"] == main and r["file"] and os.path.exists(os.path.join(ckpt_dir, r["file"])):
+        try:  # a name that is not a file of the run's directory is never followed
+            there = r["top"] == main and os.path.exists(checkpoint_path(ckpt_dir, r["file"]))
+        except StoreError:
+            there = False
+        if there:
             rows[r["top_iter"]] = r
     return [rows[i] for i in sorted(rows)]
 
@@ -136,7 +142,7 @@ def state_iterations(run: str | None = "latest", *, script: str | None = None) -
 
 
 def state(run: str | None = "latest", iteration: int | None = None, *,
-               script: str | None = None, map_location="cpu") -> RecordedState:
+          script: str | None = None, map_location="cpu") -> RecordedState:
     """The state a record's main loop carried out of `iteration` (default:
     the last iteration it checkpointed), as a `RecordedState`: a mapping
     from the script's names for what the loop carries (``model``,
