@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import warnings
@@ -234,13 +235,13 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     return written
 
 
-def _say_skipped(what, skipped, numeric: bool):
+def _say_skipped(what, skipped, numeric: bool, rest=""):
     if skipped:
         note(f"{what} export: values that are not numbers skipped: "
              f"{', '.join(sorted(skipped))}")
     if not numeric:
         note(f"{what} export: the runs hold no numeric values (numbers logged with "
-             "flor.log, or printed); nothing was written")
+             f"flor.log, or printed); none was written{rest}")
 
 
 def _scalars(store, selected) -> tuple[dict, set]:
@@ -274,19 +275,45 @@ def _scalars(store, selected) -> tuple[dict, set]:
 
 # -- MLflow -------------------------------------------------------------------
 
-#: What MLflow allows in a metric's or parameter's name, and how long.
+#: What MLflow refuses in a metric's, parameter's or tag's name, and how long
+#: a name and a parameter's or tag's value may be.
 _MLFLOW_NAME = re.compile(r"[^\w\-. :/]")
 _MLFLOW_KEY_MAX, _MLFLOW_VALUE_MAX = 250, 6000
 #: A training run's status as MLflow says it (a run still going is left RUNNING).
 _MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+#: The tags flor owns on an MLflow run: set to what they are now at each
+#: export, and removed when the run no longer has them.
+_FLOR_TAGS = ("flor.", "mlflow.note.content", "mlflow.source.git.")
 
 
 def mlflow_key(name: str) -> str:
-    """A flor name as an MLflow metric or parameter key: MLflow allows
-    letters, digits, ``_ - . : /`` and spaces, so the ``@`` of a printed
-    statement's name becomes ``/`` (``stdout/train.py:24/loss``) and any
-    other character ``_``."""
-    return _MLFLOW_NAME.sub("_", name.replace("@", "/", 1))[:_MLFLOW_KEY_MAX]
+    """A flor name as an MLflow key: MLflow allows letters, digits,
+    ``_ - . : /`` and spaces, and a key that reads as a path must not climb
+    or have empty parts, so the ``@`` of a printed statement's name becomes
+    ``/`` (``stdout/train.py:24/loss``), any other character ``_``, and
+    ``.``, ``..`` and empty parts between slashes go."""
+    key = _MLFLOW_NAME.sub("_", name.replace("@", "/", 1))
+    key = "/".join(part for part in key.split("/") if part.strip() not in ("", ".", ".."))
+    return key[:_MLFLOW_KEY_MAX].rstrip("/ ") or "_"
+
+
+def _mlflow_keys(names, what: str) -> dict:
+    """{flor name: its MLflow key}, one key per name: a name whose key
+    another name has already is told apart by a count (``acc_``,
+    ``acc__2``), with a note."""
+    out, taken = {}, {}
+    for name in sorted(names):
+        key = base = mlflow_key(name)
+        n = 1
+        while key in taken:
+            n += 1
+            key = f"{base[:_MLFLOW_KEY_MAX - 8]}__{n}"
+        if n > 1:
+            note(f"MLflow export: the {what} {name!r} is {key!r} there ({taken[base]!r} is "
+                 f"{base!r})")
+        taken[key] = name
+        out[name] = key
+    return out
 
 
 def export_mlflow(store, uri, runs=None, script=None) -> list[tuple[str, str, int]]:
@@ -298,54 +325,92 @@ def export_mlflow(store, uri, runs=None, script=None) -> list[tuple[str, str, in
     tensorboard` writes them: a replay's hindsight values under its
     record's run) as metrics, keys as `mlflow_key` makes them.  A run
     written before (tag ``flor.run_id``) is found again: it gets the values
-    of names it does not have yet (a later replay's) and its tags and status
-    as they are now.  Returns (flor run id, MLflow run id, metric values
-    written) for each training run."""
+    it lacks (steps a run went on to, a later replay's names) and its name,
+    tags and status as they are now; where a value it has differs from the
+    store's now (a hindsight statement corrected and replayed again), it is
+    deleted and written anew.  Returns (flor run id, MLflow run id, metric
+    values written) for each training run."""
+    if not uri or not uri.strip() or uri.rstrip("/") in ("sqlite:", "sqlite:/", "sqlite://"):
+        raise FlorError(f"{uri!r} is not an MLflow tracking store to keep: give a file "
+                        "(sqlite:///mlflow.db) or a server (http://host:5000)")
     try:
         from mlflow.entities import Metric, Param, RunTag
-        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise FlorError("exporting to MLflow needs mlflow: pip install mlflow") from None
     selected = _with_records(store, select_runs(store, script, runs=runs))
     targets, skipped = _scalars(store, selected)
+    keys = _mlflow_keys({tag for scalars in targets.values() for tag, _ in scalars}, "value")
+    out: list = []
     with warnings.catch_warnings():  # its libraries' deprecations: nothing a user can change
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
-            out = _to_mlflow(MlflowClient(tracking_uri=uri), uri, store, selected, targets,
-                             (Metric, Param, RunTag))
-        except MlflowException as e:
-            raise FlorError(f"MLflow ({uri}): {e.message}") from None
-    _say_skipped("MLflow", skipped, any(targets.values()))
+            _to_mlflow(MlflowClient(tracking_uri=uri), uri, store, selected, targets, keys,
+                       (Metric, Param, RunTag), out)
+        except (FlorError, NameError, AttributeError, TypeError, KeyError, IndexError):
+            raise  # flor's refusals, and flor's own mistakes (a traceback)
+        except Exception as e:  # noqa: BLE001 -- the store's, its driver's: said, not a traceback
+            done = "".join(f"; {r} was written (MLflow run {m})" for r, m, _ in out)
+            message = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            raise FlorError(f"MLflow ({uri}): {message}{done}") from None
+    _say_skipped("MLflow", skipped, any(targets.values()),
+                 " (their parameters and tags were)")
     return out
 
 
-def _to_mlflow(client, uri, store, selected, targets, entities) -> list:
+def _to_mlflow(client, uri, store, selected, targets, keys, entities, out):
     Metric, Param, RunTag = entities
     experiments: dict = {}
-    out = []
     for run in selected:
         if run["run_id"] not in targets:  # a replay: its values are its record's
             continue
         exp = run["script_name"] or "flor"
         if exp not in experiments:
             experiments[exp] = _mlflow_experiment(client, exp, uri)
-        mlrun, had = _mlflow_run(client, experiments[exp], run, RunTag)
-        metrics = [Metric(mlflow_key(tag), value, int((run["started"] or 0) * 1000), step)
-                   for (tag, step), value in targets[run["run_id"]].items()
-                   if mlflow_key(tag) not in had.metrics]
-        params = [Param(k, v) for k, v in _mlflow_params(run, store).items()
-                  if k not in had.params]
+        stamp = int((run["started"] or 0) * 1000)
+        values = {(keys[tag], step): value for (tag, step), value in targets[run["run_id"]].items()}
+        params = _mlflow_params(run, store)
+        tags = _mlflow_tags(run)
+        mlrun, have = _mlflow_find(client, experiments[exp], run), {}
+        if mlrun is not None:
+            have = _mlflow_values(client, mlrun, {k for k, _ in values})
+            if any(not _same(have.get(at, value), value) for at, value in values.items()):
+                note(f"MLflow export: run {run['run_id']}'s values changed since it was "
+                     f"exported (a statement replayed again); MLflow run {mlrun} is deleted "
+                     "and written anew")
+                client.delete_run(mlrun)
+                mlrun, have = None, {}
+        if mlrun is None:
+            mlrun = client.create_run(experiments[exp], start_time=stamp, tags=tags,
+                                      run_name=getattr(run["info"], "name", None) or
+                                      run["run_id"]).info.run_id
+            had_params: dict = {}
+        else:
+            had = client.get_run(mlrun).data
+            had_params = had.params
+            for k in had.tags:  # flor's tags the run no longer has (a tag removed)
+                if k.startswith(_FLOR_TAGS) and k not in tags:
+                    client.delete_tag(mlrun, k)
+            tags["mlflow.runName"] = getattr(run["info"], "name", None) or run["run_id"]
+        metrics = [Metric(k, value, stamp, step) for (k, step), value in values.items()
+                   if (k, step) not in have]
         for i in range(0, len(metrics), 1000):  # MLflow's limits per batch
             client.log_batch(mlrun, metrics=metrics[i:i + 1000])
-        for i in range(0, len(params), 100):
-            client.log_batch(mlrun, params=params[i:i + 100])
+        new = [Param(k, v) for k, v in params.items() if k not in had_params]
+        for i in range(0, len(new), 100):
+            client.log_batch(mlrun, params=new[i:i + 100])
+        items = [RunTag(k, v) for k, v in tags.items()]
+        for i in range(0, len(items), 100):
+            client.log_batch(mlrun, tags=items[i:i + 100])
         status = _MLFLOW_STATUS.get(store.status(run))
-        if status is not None:
-            client.set_terminated(mlrun, status, end_time=int((run["finished"] or 0) * 1000)
-                                  or None)
+        if status is not None:  # (an interrupted run's end is not known: its start)
+            client.set_terminated(mlrun, status,
+                                  end_time=int((run["finished"] or run["started"] or 0) * 1000))
         out.append((run["run_id"], mlrun, len(metrics)))
-    return out
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _mlflow_experiment(client, name, uri) -> str:
@@ -358,15 +423,30 @@ def _mlflow_experiment(client, name, uri) -> str:
     return found.experiment_id
 
 
-def _mlflow_run(client, experiment, run, RunTag):
-    """(the MLflow run of flor's `run`, made now if there is none; its data
-    as it was) with its tags as they are now."""
-    info = run["info"]
+def _mlflow_find(client, experiment, run):
+    """The MLflow run an earlier export made of flor's `run`, or None."""
     found = client.search_runs([experiment], filter_string=f"tags.`flor.run_id` = "
                                f"'{run['run_id']}'", max_results=1)
+    return found[0].info.run_id if found else None
+
+
+def _mlflow_values(client, mlrun, keys) -> dict:
+    """{(key, step): value} of an MLflow run's metrics `keys`: the last
+    value written at each step."""
+    out = {}
+    for key in keys:
+        for m in sorted(client.get_metric_history(mlrun, key), key=lambda m: m.timestamp):
+            out[(key, m.step)] = m.value
+    return out
+
+
+def _mlflow_tags(run) -> dict:
+    """flor's tags on the MLflow run of `run`, as they are now."""
+    info = run["info"]
     tags = {"flor.run_id": run["run_id"], "flor.script": run["script"] or "",
-            "mlflow.source.name": run["script"] or "",
-            **{f"flor.tag.{t}": "" for t in getattr(info, "labels", None) or []}}
+            "mlflow.source.name": run["script"] or ""}
+    labels = getattr(info, "labels", None) or []
+    tags.update((f"flor.tag.{key}", "") for key in _mlflow_keys(labels, "tag").values())
     if getattr(info, "note", None):
         tags["mlflow.note.content"] = info.note
     code = getattr(info, "code", None) or {}
@@ -375,21 +455,13 @@ def _mlflow_run(client, experiment, run, RunTag):
         if code.get("branch"):
             tags["mlflow.source.git.branch"] = code["branch"]
         tags["flor.git.dirty"] = str(bool(code.get("dirty"))).lower()
-    if found:
-        mlrun, had = found[0].info.run_id, found[0].data
-    else:
-        made = client.create_run(experiment, start_time=int((run["started"] or 0) * 1000),
-                                 run_name=getattr(info, "name", None) or run["run_id"])
-        mlrun, had = made.info.run_id, made.data
-    client.log_batch(mlrun, tags=[RunTag(k, v[:_MLFLOW_VALUE_MAX]) for k, v in tags.items()])
-    return mlrun, had
+    return {k: v[:_MLFLOW_VALUE_MAX] for k, v in tags.items()}
 
 
 def _mlflow_params(run, store) -> dict:
     """The run's configuration (flor.dataframe's columns) as MLflow
     parameters: strings, JSON for what is not one."""
-    out = {}
-    for k, v in script_args(run, store).items():
-        text = v if isinstance(v, str) else json.dumps(v, default=repr)
-        out[mlflow_key(str(k))] = text[:_MLFLOW_VALUE_MAX]
-    return out
+    config = script_args(run, store)
+    keys = _mlflow_keys([str(k) for k in config], "parameter")
+    return {keys[str(k)]: (v if isinstance(v, str) else json.dumps(v, default=repr))
+            [:_MLFLOW_VALUE_MAX] for k, v in config.items()}

@@ -341,6 +341,77 @@ def test_mlflow_export_reads_back_with_mlflows_client(here, tmp_path):
     assert "grad_norm" not in got[r.rec1].data.metrics
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # MLflow's libraries' own
+def test_mlflow_export_again_follows_the_store(tmp_path):
+    """Exporting again: a corrected hindsight statement's values replace the
+    old ones (the MLflow run is written anew), a name and tags follow `flor
+    tag`, tags and names MLflow refuses as they are are made legal, and
+    colliding names are told apart."""
+    from mlflow.tracking import MlflowClient
+
+    d = str(tmp_path)
+    write_script(d, "train.py", """
+        import flor
+        import torch
+
+        w = torch.zeros(1)
+        for epoch in flor.generator(range(3)):
+            if flor.SkipBlock.step_into("inner"):
+                for i in range(2):
+                    w += 0.5
+            w = flor.SkipBlock.end(w)
+            flor.log("acc%", epoch / 10)
+            flor.log("acc#", epoch / 5)
+            flor.log("val/", float(w))
+        """)
+    flor_cli(d, "record", "--no-adaptive", "--name", "base", "--tag", "v1+aug", "train.py")
+    edit(os.path.join(d, "train.py"), "w = flor.SkipBlock.end(w)", 'flor.log("w2", float(w * w))')
+    flor_cli(d, "replay", "train.py")
+    uri = f"sqlite:///{tmp_path / 'ml.db'}"
+    env = {"FLOR_DIR": os.path.join(d, ".flor")}
+    first = flor_cli(d, "export", "--mlflow", uri, env=env)
+    assert "'acc%' is 'acc___2' there ('acc#' is 'acc_')" in first.stderr
+    client = MlflowClient(tracking_uri=uri)
+
+    def the_run():
+        (run,) = client.search_runs([client.get_experiment_by_name("train.py").experiment_id])
+        return run
+
+    def history(run, key):
+        return [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+
+    one = the_run()
+    assert one.info.run_name == "base" and "flor.tag.v1_aug" in one.data.tags
+    assert history(one, "acc_") == [(0, 0.0), (1, 0.2), (2, 0.4)]  # acc#
+    assert history(one, "acc___2") == [(0, 0.0), (1, 0.1), (2, 0.2)]  # acc%
+    assert history(one, "val") == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert history(one, "w2") == [(0, 1.0), (1, 4.0), (2, 9.0)]
+
+    # The hindsight statement corrected and replayed again; the run renamed
+    # and its tag removed.
+    src = read(os.path.join(d, "train.py")).replace("float(w * w)", "float(w * w * w)")
+    with open(os.path.join(d, "train.py"), "w") as f:
+        f.write(src)
+    flor_cli(d, "replay", "train.py")
+    flor_cli(d, "tag", "base", "ok", "--remove", "v1+aug", "--name", "renamed")
+    again = flor_cli(d, "export", "--mlflow", uri, env=env)
+    assert "values changed since it was exported" in again.stderr
+    two = the_run()  # one active MLflow run of the record: the old one deleted
+    assert two.info.run_id != one.info.run_id and two.info.run_name == "renamed"
+    assert history(two, "w2") == [(0, 1.0), (1, 8.0), (2, 27.0)]
+    assert "flor.tag.v1_aug" not in two.data.tags and "flor.tag.ok" in two.data.tags
+    third = flor_cli(d, "export", "--mlflow", uri, env=env)  # nothing new: nothing written
+    assert third.stdout.strip().endswith(f"MLflow run {two.info.run_id}, 0 metric values "
+                                         "written")
+    for bad in ("", "sqlite:///"):
+        proc = flor_cli(d, "export", "--mlflow", bad, env=env, check=False)
+        assert proc.returncode == 2 and "is not an MLflow tracking store" in proc.stderr
+    garbage = tmp_path / "garbage.db"
+    garbage.write_text("not a database")
+    proc = flor_cli(d, "export", "--mlflow", f"sqlite:///{garbage}", env=env, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
 @MATPLOTLIB_UNDER_ASAN
 def test_plot_and_export_from_the_command_line(results, tmp_path):
     import matplotlib.image
