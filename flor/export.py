@@ -183,18 +183,22 @@ def plot(store, name, runs=None, script=None, out=None) -> str:
 # -- TensorBoard --------------------------------------------------------------
 
 def _with_records(store, selected) -> list:
-    """The runs and the records of their replays, oldest first: a replay's
-    values are written beside its record's, which a directory written
-    again must not lose."""
+    """The runs, the records of their replays and the finished replays of
+    their records, oldest first: a replay's values are written beside its
+    record's, and a record's are its own and its replays' hindsight values,
+    which a directory or an MLflow run written again must not lose."""
     ids = {r["run_id"] for r in selected}
-    records = []
+    added = []
     for r in selected:
         if r["kind"] == "replay" and r["parent"] and r["parent"] not in ids:
             record = store.run(r["parent"])
             if record is not None:
                 ids.add(record["run_id"])
-                records.append(record)
-    return sorted(selected + records, key=lambda r: r["started"] or 0) if records else selected
+                added.append(record)
+    records = {r["run_id"] for r in selected + added if r["kind"] == "record"}
+    added += [r for r in store.runs() if r["kind"] == "replay" and r["parent"] in records
+              and r["run_id"] not in ids and r["status"] == "finished"]
+    return sorted(selected + added, key=lambda r: r["started"] or 0) if added else selected
 
 
 def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
@@ -203,8 +207,9 @@ def export_tensorboard(store, out_dir, runs=None, script=None) -> list[str]:
     run id), tag = the name (a TensorBoard value's own tag, without
     ``tb:``), step as in `plot`.  Event files already in a directory are
     replaced.  A replay's values are written in its record's directory
-    (the record is exported with it): its hindsight values are a run's
-    values, beside the ones it logged when it trained.  Values that are not
+    (the record is exported with it, and a record with its finished
+    replays): its hindsight values are a run's values, beside the ones it
+    logged when it trained.  Values that are not
     numbers (lists, large arrays) are skipped, with a note naming them; of
     printed lines, their named numbers are written
     (``stdout@train.py:24/loss``), and a line's one number under the

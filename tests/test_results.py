@@ -339,6 +339,11 @@ def test_mlflow_export_reads_back_with_mlflows_client(here, tmp_path):
                                                                          "grad_norm")))
     assert f"{mlflow_key(r.printed)}/acc" in got[r.rec2].data.metrics
     assert "grad_norm" not in got[r.rec1].data.metrics
+    # A record asked for alone comes with its replay's hindsight values.
+    alone = f"sqlite:///{tmp_path / 'alone.db'}"
+    (only,) = export_mlflow(r.store, alone, runs=[r.rec2])
+    assert only[0] == r.rec2
+    assert "grad_norm" in MlflowClient(tracking_uri=alone).get_run(only[1]).data.metrics
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # MLflow's libraries' own
