@@ -128,9 +128,11 @@ def dataframe(*names: str, script: str | None = None, run: str | None = None,
     frame; otherwise a ValueError says which names are where.
 
     Printed lines are stored too, one name per print statement:
-    ``stdout@train.py:57`` (recorded line numbers; ``train.py:new:57`` for a
-    statement that replay added at line 57).  They are returned only when
-    named.  `flor.names` lists what can be asked for.
+    ``stdout@train.py:57`` (recorded line numbers); a statement that replay
+    added is named by its function and text, ``stdout@train.py:train~3fa2c1d0``,
+    so that it keeps its name when lines above it come and go (its old name
+    by its line, ``stdout@train.py:new:57``, still works).  They are
+    returned only when named.  `flor.names` lists what can be asked for.
 
     `where` keeps the runs for which an expression of their parameters and
     of what they logged holds (``"lr <= 0.01 and max(val_acc) > 0.9"``);

@@ -18,7 +18,8 @@ numbers, or ``file:new:line`` for a line that exists only in the edited
 file that replay runs.  Paths are relative to the script's directory.
 
 A value's *name* is what the user logged, or one of the names below: a
-printed statement (``stdout@file:line``), a TensorBoard scalar (``tb:tag``),
+printed statement (``stdout@file:line``; a statement that replay added,
+by its function and text: flor/statements.py), a TensorBoard scalar (``tb:tag``),
 a logging record (``log:logger``), a state fingerprint (``state@...``).  A
 replay worker's *phase* says where its script is: before, in or after the
 main loop (None in a record).
@@ -341,12 +342,14 @@ class Context:
         return None
 
 
-def printed_lines(output: list[dict]) -> list[dict]:
+def printed_lines(output: list[dict], name=None) -> list[dict]:
     """Log rows of the lines printed on stdout by statements of the user's
     program, from output rows in order.  A line is a value of the statement
-    that printed it; one that a statement leaves unended is a value of its
-    own when another statement (or the same one in another context) writes
-    next, or when output not of the user's program does."""
+    that printed it, named ``name(loc)`` (``stdout@`` + its location when
+    not given: flor/statements.py names a replay's added lines); one that a
+    statement leaves unended is a value of its own when another statement
+    (or the same one in another context) writes next, or when output not
+    of the user's program does."""
     out, counts, indices = [], {}, {}
     pending = None  # (row where a line not yet ended began, its text so far)
 
@@ -359,8 +362,8 @@ def printed_lines(output: list[dict]) -> list[dict]:
             indices[ctx] = _indices(ctx)
         out.append({"run_id": row["run_id"], "part": row["part"], "ord": row["ord"],
                     "phase": row["phase"], "top": row["top"], "ctx": ctx,
-                    "name": PRINTED + row['loc'], "iter": indices[ctx], "seq": seq,
-                    "value": json.dumps(text), "loc": row["loc"]})
+                    "name": name(row["loc"]) if name else PRINTED + row["loc"],
+                    "iter": indices[ctx], "seq": seq, "value": json.dumps(text), "loc": row["loc"]})
 
     for row in output:
         if row["stream"] != "stdout":

@@ -16,15 +16,15 @@ Values logged before or after the main loop are level 0, one row per run.
 """
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
 
-from .context import PRINTED, STATE, parse_location
+from .context import PRINTED, STATE
 from .printed import field_name as printed_field
 from .printed import fields as printed_fields
 from .printed import split as split_printed
+from .statements import Sources
 
 __all__ = ["select_runs", "script_args", "Values", "dataframes", "dataframe", "names",
            "names_frame", "statement"]
@@ -341,7 +341,7 @@ def names(store, script=None, run=None, runs=None) -> list[dict]:
     selected = select_runs(store, script, run, runs)
     values = Values(store, selected, None, printed=True, fields=True)
     by_id = {r["run_id"]: r for r in selected}
-    cache: dict = {}
+    sources = Sources(store)
     out = []
     for name, rows in values.rows.items():
         run_id, loc = rows[0][0], rows[0][4]
@@ -349,7 +349,7 @@ def names(store, script=None, run=None, runs=None) -> list[dict]:
             "printed number" if split_printed(name)[1] is not None else "printed"
         out.append({"name": name, "level": values.level(name), "kind": kind,
                     "values": len(rows), "runs": list(dict.fromkeys(r[0] for r in rows)),
-                    "where": loc, "source": statement(store, by_id[run_id], loc, cache)})
+                    "where": loc, "source": sources.statement(by_id[run_id], loc)})
     return sorted(out, key=lambda d: (d["level"], d["kind"] != "log", d["name"]))
 
 
@@ -359,45 +359,4 @@ NAME_COLUMNS = ["name", "level", "kind", "values", "runs", "where", "source"]
 def names_frame(store, script=None, run=None, runs=None):
     """names() as a pandas DataFrame (its columns even when there are none)."""
     return _pandas().DataFrame(names(store, script, run, runs), columns=NAME_COLUMNS)
-
-
-def statement(store, run, loc, cache=None) -> str | None:
-    """The text of the statement at location `loc` (``file:line``, or
-    ``file:new:line`` for a line that a replay added) of a run: recorded
-    lines are read from the record's kept source, added lines from the
-    replay's."""
-    if not loc:
-        return None
-    rel, line, new = parse_location(loc)
-    if line is None:
-        return None
-    source_run = run["run_id"] if new or run["kind"] == "record" else (run["parent"] or
-                                                                       run["run_id"])
-    cache = {} if cache is None else cache
-    key = (source_run, rel)
-    if key not in cache:
-        sources = store.layout.module_sources(source_run)
-        owner = store.run(source_run) or run
-        text = sources.get(None) if rel == (owner["script_name"] or "") else sources.get(rel)
-        tree = None
-        if text is not None:
-            try:
-                tree = ast.parse(text)
-            except SyntaxError:
-                pass
-        cache[key] = (text, tree)
-    text, tree = cache[key]
-    if text is None:
-        return None
-    best = None
-    for node in ast.walk(tree) if tree is not None else ():
-        if isinstance(node, ast.stmt) and node.lineno <= line <= node.end_lineno and (
-                best is None or node.end_lineno - node.lineno <= best.end_lineno - best.lineno):
-            best = node  # the innermost statement on the line
-    if best is not None and not hasattr(best, "body"):  # a simple statement
-        segment = ast.get_source_segment(text, best)
-        if segment:
-            return segment
-    lines = text.splitlines()
-    return lines[line - 1].strip() if 0 < line <= len(lines) else None
 

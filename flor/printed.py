@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 
 from .context import PRINTED
+from .statements import STABLE
 
 __all__ = ["fields", "number", "split", "field_name"]
 
@@ -39,7 +40,7 @@ _ALONE = re.compile(rf"{_BEFORE}{_NUM}{_AFTER}")
 _TENSOR_EXTRA = re.compile(r",\s*(?:device|dtype|grad_fn|requires_grad)=[^,)]*")
 _FILLER = {"a", "an", "the", "is", "was", "are", "were", "of", "in", "on", "at", "to", "for",
            "with", "after", "using", "so", "far", "and", "or", "by", "from", "done"}
-_FIELD = re.compile(r"(.*?:\d+)/(.+)")
+_FIELD = re.compile(rf"(.*?:(?:\d+|{STABLE}))/(.+)")
 _BIG = 2**63
 
 
@@ -81,8 +82,9 @@ def unnamed(text: str):
 
 
 def split(name: str) -> tuple[str, str | None]:
-    """(printed statement's name, field) of ``stdout@file:line/field``;
-    (name, None) for any other name."""
+    """(printed statement's name, field) of ``stdout@file:line/field`` (or
+    of an added statement's ``stdout@file:function~digest/field``,
+    flor/statements.py); (name, None) for any other name."""
     if name.startswith(PRINTED):
         m = _FIELD.fullmatch(name)
         if m:

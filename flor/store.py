@@ -10,6 +10,7 @@ milliseconds.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from .layout import Layout, new_run_id, process_alive, process_start, store_root
 from .runinfo import PartInfo, encoded, run_row
 from .schema import (BLOCKRUNS, BLOCKS, DECISIONS, LOGS, LOOPS, OUTPUT, PART_TABLES, PARTS, RUNS,
                      WRITES)
+from .statements import Sources
 
 __all__ = ["Store", "Layout", "store_root", "new_run_id", "SCHEMA_VERSION", "ddl", "unusable",
            "printed_lines", "process_start", "process_alive"]
@@ -32,6 +34,10 @@ class Store(Database):
     """The run store.  `db_file` points a replay part at a database of its
     own (merge copies it into flor.db): one writer per file, which is safe
     where SQLite's write-ahead log is not, on network file systems."""
+
+    @functools.cached_property
+    def _sources(self) -> Sources:
+        return Sources(self)
 
     # -- runs ---------------------------------------------------------------
 
@@ -223,8 +229,12 @@ class Store(Database):
         rows = [dict(r) for r in self.db.execute(
             "SELECT * FROM logs WHERE run_id = ?" + where, [run_id, *(names or ())])]
         if printed and (names is None or any(n.startswith(PRINTED) for n in names)):
-            rows += [r for r in printed_lines(self.run_rows("output", run_id))
-                     if names is None or r["name"] in names]
+            for r in self._printed(run_id, run):
+                if names is None or r["name"] in names:
+                    rows.append(r)
+                old = PRINTED + (r["loc"] or "")  # an added line's name by its place
+                if names is not None and old != r["name"] and old in names:
+                    rows.append(dict(r, name=old))
         return sorted((r for r in rows if _makes_up(r, nparts)),
                       key=lambda r: (r["part"], r["ord"]))
 
@@ -301,8 +311,15 @@ class Store(Database):
         A printed line is a value of the statement that printed it, named
         ``stdout@file:line``; its ``seq`` counts its statement's lines in
         its context."""
-        rows = self.run_rows("logs", run_id) + printed_lines(self.run_rows("output", run_id))
+        rows = self.run_rows("logs", run_id) + self._printed(run_id)
         return sorted(rows, key=lambda r: (r["part"], r["ord"]))
+
+    def _printed(self, run_id, run=None) -> list[dict]:
+        """The run's printed lines as log rows, a replay's added statements
+        named by their function and text (flor/statements.py)."""
+        run = run or self.run(run_id)
+        name = self._sources.namer(run) if run and run.get("kind") == "replay" else None
+        return printed_lines(self.run_rows("output", run_id), name)
 
     def add_writes(self, rows):
         self._insert(WRITES, rows)

@@ -139,8 +139,9 @@ def edit(path, anchor, line, after=True):
 
 
 def values(st, run_id, name):
-    return [(r["iter"], r["seq"], json.loads(r["value"])) for r in st.logs(run_id)
-            if r["name"] == name]
+    """(iter, seq, value) of what run `run_id` logged or printed as `name`
+    (an added print also by its old name, ``stdout@file:new:line``)."""
+    return [(r["iter"], r["seq"], json.loads(r["value"])) for r in st.logged(run_id, [name])]
 
 
 def runs(st, kind):

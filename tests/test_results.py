@@ -7,6 +7,7 @@ second record is replayed with a hindsight flor.log in the batch loop and
 a print added to the epoch loop, once for the module."""
 import json
 import os
+import re
 import shutil
 import sys
 from types import SimpleNamespace
@@ -49,8 +50,12 @@ def results(tmp_path_factory):
     rec1, rec2 = (r["run_id"] for r in runs(st, "record"))
     (rep,) = (r["run_id"] for r in runs(st, "replay"))
     line = next(n for n, text in enumerate(read(script).splitlines(), 1) if PRINT in text)
-    return SimpleNamespace(dir=d, store=st, rec1=rec1, rec2=rec2, rep=rep,
-                           printed=f"stdout@train.py:new:{line}")
+    # The added print is named by its function and text, not its line.
+    (printed,) = {r["name"] for r in st.logs(rep) if r["name"].startswith("stdout@")} - \
+        {r["name"] for r in st.logs(rec2)}
+    assert re.fullmatch(r"stdout@train\.py:main~[0-9a-f]{8}", printed), printed
+    return SimpleNamespace(dir=d, store=st, rec1=rec1, rec2=rec2, rep=rep, printed=printed,
+                           at_line=f"stdout@train.py:new:{line}")
 
 
 @pytest.fixture
@@ -139,6 +144,11 @@ def test_printed_lines_are_values_when_named(here):
     with pytest.raises(LookupError, match="no values named"):
         flor.dataframe(f"{r.printed}/loss")
     assert not [c for c in flor.dataframe(level=1).columns if c.startswith("stdout@")]
+    # The name by its line in the edited file, as replays named it before,
+    # still finds the same lines and numbers.
+    old = flor.dataframe(r.at_line, f"{r.at_line}/acc")
+    assert list(old[r.at_line]) == list(df[r.printed])
+    assert list(old[f"{r.at_line}/acc"]) == list(numbers[f"{r.printed}/acc"])
 
 
 def test_frames_of_nested_generators_leave_out_other_ranks_and_unfinished_runs(tmp_path):
