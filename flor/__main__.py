@@ -118,14 +118,15 @@ def _cores():
     return max(1, cores)
 
 
-def _plan(store, o, jobs, part=None):
+def _plan(store, o, jobs, part=None, source=None):
     from .replay.plan import plan_replay
 
     try:
         plan, notes = plan_replay(
             store, o.script, o.args if o.explicit_args else None, jobs, o.run, part=part,
             tolerance=o.tolerance, threads=_threads(o),
-            cores=None if part is not None else _cores(), args_differ_ok=o.args_differ_ok)
+            cores=None if part is not None else _cores(), args_differ_ok=o.args_differ_ok,
+            source=source)
     except FlorError as e:
         hint = _hint_options(o) if "arguments" in str(e) else None
         if o.peeled and "arguments" in str(e):
@@ -144,7 +145,6 @@ def _plan(store, o, jobs, part=None):
 
 def cmd_replay(o) -> int:
     from .replay.plan import describe
-    from .replay.workers import run_local
     from .runtime.entry import run_part
     from .store import Store
 
@@ -194,24 +194,99 @@ def cmd_replay(o) -> int:
              f"{'finished' if code == 0 else 'failed'}; once every part has run: "
              f"flor merge {plan.replay_id}")
         return code
-    if o.backend == "ray":
-        from .replay.distributed import run_ray
-
-        plan = _plan(store, o, o.jobs, part=-1)
-        return run_ray(store, plan, describe(plan, store), strict=strict, started=started)
-    server = _fork_server(o, store)  # its imports go on while the replay plans
-    try:
-        plan = _plan(store, o, o.jobs)
-    except BaseException:
-        if server is not None:
-            server.close()
-        raise
-    code = run_local(store, plan, describe(plan, store), strict=strict, started=started,
-                     server=server)
+    if o.runs is not None:
+        return _replay_runs(store, o, strict, started)
+    code, plan = _replay_one(store, o, strict, started)
     hint = _hint_options(o) if code and _failed(store, plan.replay_id) else None
     if hint:
         note(hint)
     return code
+
+
+def _replay_one(store, o, strict, started, source=None):
+    """Plan and run the replay of record o.run (None: the latest) on the
+    local workers or on Ray; (exit status, plan)."""
+    from .replay.plan import describe
+    from .replay.workers import run_local
+
+    if o.backend == "ray":
+        from .replay.distributed import run_ray
+
+        plan = _plan(store, o, o.jobs, part=-1, source=source)
+        return run_ray(store, plan, describe(plan, store), strict=strict, started=started), plan
+    server = _fork_server(o, store)  # its imports go on while the replay plans
+    try:
+        plan = _plan(store, o, o.jobs, source=source)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    return run_local(store, plan, describe(plan, store), strict=strict, started=started,
+                     server=server), plan
+
+
+def _replay_runs(store, o, strict, started) -> int:
+    """replay --runs: the added statements over every chosen record, one
+    record after another (flor/replay/many.py)."""
+    from .replay.many import choose, targets
+
+    if o.run is not None or o.part is not None or o.parts is not None:
+        raise FlorError("--runs chooses the records itself: it does not go with --run, --part "
+                        "or --parts")
+    if o.explicit_args:
+        raise FlorError("--runs replays each record with the arguments it was recorded with; "
+                        "give no ARGS")
+    script = os.path.abspath(o.script)
+    records, unusable = choose(store, script, o.runs)
+    chosen, base = targets(store, script, records)
+    for rec, why in unusable:
+        note(f"run {rec['run_id']} is not replayed: {why}")
+    todo = [t for t in chosen if t.skipped is None]
+    for t in chosen:
+        if t.skipped is not None:
+            note(f"run {t.record['run_id']} is skipped: {t.skipped}")
+    if not todo:
+        raise FlorError(f"--runs {o.runs!r}: no record of {os.path.basename(script)} can be "
+                        "replayed (see above)")
+    note(f"replaying {len(todo)} record{'s' if len(todo) > 1 else ''} of "
+         f"{os.path.basename(script)} with the statements added to it (edited from the "
+         f"version of run {base})")
+    ray = None
+    if o.backend == "ray":
+        from .replay.distributed import import_ray
+
+        ray = import_ray()
+        if not ray.is_initialized():  # one cluster for every record's segments
+            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False,
+                     include_dashboard=False)
+        else:
+            ray = None
+    done, failed = [], []
+    try:
+        for k, t in enumerate(todo, 1):
+            rid = t.record["run_id"]
+            how = "the script as edited" if t.source is None else \
+                f"its own version, {t.carried} added line{'s' if t.carried != 1 else ''} carried"
+            note(f"record {k} of {len(todo)}: run {rid} ({how})")
+            o.run = rid
+            try:
+                code, plan = _replay_one(store, o, strict, time.time() if k > 1 else started,
+                                         t.source)
+            except FlorError as e:
+                note(f"run {rid} is not replayed: {e}")
+                failed.append(rid)
+                continue
+            (done if code == 0 else failed).append(plan.replay_id if code == 0 else rid)
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    skipped = len(chosen) - len(todo) + len(unusable)
+    note(f"replay --runs: {len(done)} of {len(chosen) + len(unusable)} records replayed"
+         + (f", {len(failed)} failed ({', '.join(failed)})" if failed else "")
+         + (f", {skipped} skipped" if skipped else "")
+         + (f"; their values beside each run's arguments: flor.dataframe(NAME, runs="
+            f"{done!r}) (flor.names(runs=...) lists the names)" if done else ""))
+    return 1 if failed else 0
 
 
 def _fork_server(o, store):

@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", metavar="ID", help="replay this record: its id, a unique start "
                    "of it, its name, or `latest` (default: the latest finished or interrupted "
                    "one of SCRIPT)")
+    p.add_argument("--runs", metavar="WHICH", help="replay many records of SCRIPT, one after "
+                   "another, each with its own arguments and its own version of SCRIPT with "
+                   "the added statements carried onto it: `all`, run ids or names (separated "
+                   "by commas), or a filter such as 'lr < 0.01' (docs/results.md)")
     parts = p.add_mutually_exclusive_group()
     parts.add_argument("--part", metavar="I/N", help="run only segment I of N, counting "
                        "from 0 (0/4 ... 3/4), for a scheduler; then `flor merge`")

@@ -74,6 +74,10 @@ class Plan:
     ended: bool = False  # the record's main loop ended with its iterable (not by a
     # break): the last part draws it to its end too, so its code after the last item runs
     changed_functions: frozenset[str] = frozenset()  # functions whose code changed
+    # The script's text that the workers run where it is not the file's: the
+    # record's version with the statements added to the script carried onto
+    # it (replay --runs, flor/program/transplant.py).
+    source: str | None = None
     # A hands-free replay's instrumented script, compiled once by the process
     # that plans; saved beside plan.json (not in it), compiled again only by
     # a worker of another Python version (see code()).
@@ -88,7 +92,7 @@ class Plan:
                     files={rel: f.to_json() for rel, f in self.files.items()},
                     checkpoints=[[*k, f] for k, f in self.checkpoints.items()],
                     resume={str(i): f for i, f in self.resume.items()})
-        for optional in ("tolerance", "threads", "workers", "ranks"):
+        for optional in ("tolerance", "threads", "workers", "ranks", "source"):
             if data[optional] is None:
                 del data[optional]
         return data
@@ -141,14 +145,23 @@ class Plan:
         record's), else the `cores` shared among the `workers`."""
         return self.threads or max(1, cores // max(1, workers))
 
+    def text(self) -> str:
+        """The script's text that the replay runs."""
+        if self.source is not None:
+            return self.source
+        with open(self.script) as f:
+            return f.read()
+
     def code(self):
-        """The code a worker runs for the script: None for the script itself
-        (manual API), else its instrumented code (hands-free)."""
-        if not self.hands_free or self.instrumented is not None:
+        """The code a worker runs for the script: None for the script file
+        itself (manual API), else its instrumented code (hands-free), or the
+        compiled `source` that the plan carries."""
+        if not self.hands_free:
+            return None if self.source is None else compile(self.source, self.script, "exec")
+        if self.instrumented is not None:
             return self.instrumented
         fmap = self.files.get(os.path.basename(self.script))
-        with open(self.script) as f:
-            return instrument_current(f.read(), self.script, fmap.lines if fmap else {}).code
+        return instrument_current(self.text(), self.script, fmap.lines if fmap else {}).code
 
 
 def _code_path(plan_path: str) -> str:
@@ -251,9 +264,9 @@ def _interrupted(store, rec):
             "does (`python -m flor record --resume` completes the record)"]
 
 
-def _compare(store, script, rec):
+def _compare(store, script, rec, source=None):
     """(Comparison, hands-free summary or None, the instrumented code or
-    None, the current sources)."""
+    None, the current sources: the script's is `source` where given)."""
     recorded = store.layout.module_sources(rec["run_id"])
     if None not in recorded:
         raise FlorError(f"the source of run {rec['run_id']} is missing from {store.root}")
@@ -263,7 +276,9 @@ def _compare(store, script, rec):
         rel = rel or os.path.basename(script)
         old[rel] = text
         path = os.path.join(base, rel)
-        if os.path.isfile(path):
+        if source is not None and rel == os.path.basename(script):
+            new[rel] = source
+        elif os.path.isfile(path):
             with open(path) as f:
                 new[rel] = f.read()
     cmp = Comparison(files=map_files(old, new), changed_functions=changed_functions(old, new),
@@ -348,13 +363,14 @@ def worker_threads(rec, jobs: int, threads=None, cores=None):
 
 
 def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=None,
-                tolerance=None, threads=None, cores=None, args_differ_ok=False):
+                tolerance=None, threads=None, cores=None, args_differ_ok=False, source=None):
     """Plan the replay of the latest finished record of `script` (or `run_id`)
     with `args` (None: the recorded ones) on up to `jobs` workers of
     `threads` torch threads each (the record's by default; no more workers
     than `cores` allow).  `part`: the part of a --part I/N replay, or -1 for
     Ray (one segment per worker).  Arguments that differ from the recorded
-    ones are refused unless `args_differ_ok`.  Returns (plan, notes)."""
+    ones are refused unless `args_differ_ok`.  `source`: the script's text
+    to run instead of the file's (replay --runs).  Returns (plan, notes)."""
     if not os.path.isfile(script):
         raise FlorError(f"no such script: {script}")
     rec = _pick_record(store, script, run_id)
@@ -367,7 +383,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     asked_threads = threads
     threads, jobs, notes = worker_threads(rec, jobs, threads, cores)
     notes += _interrupted(store, rec) + ([unsealed] if unsealed else [])
-    cmp, hands_free, code, new = _compare(store, script, rec)
+    cmp, hands_free, code, new = _compare(store, script, rec, source)
     recorded = store.rows("decisions", rec["run_id"])
     epochs = {d["block"] for d in recorded if is_epoch(d["block"])}
     if epochs and (cmp.training_changed or (hands_free or {}).get("other")):
@@ -454,7 +470,7 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
         workers=jobs, ranks=group_plan, ended=rec["info"].main_ended,
-        changed_functions=frozenset(cmp.changed_functions), instrumented=code)
+        changed_functions=frozenset(cmp.changed_functions), source=source, instrumented=code)
     return plan, notes
 
 
@@ -463,9 +479,7 @@ def register(store: Store, plan: Plan, mode: str):
     of the project's modules it instruments: a statement added there is
     named from them), and write its plan next to it."""
     if store.run(plan.replay_id) is None:
-        with open(plan.script) as f:
-            source = f.read()
-        store.new_run("replay", plan.script, plan.argv, source, parent=plan.record,
+        store.new_run("replay", plan.script, plan.argv, plan.text(), parent=plan.record,
                       run_id=plan.replay_id, main_loop=plan.main_loop,
                       main_run=plan.main_run, iterations=plan.iterations,
                       info=ReplayInfo(nparts=len(plan.segments), mode=mode,

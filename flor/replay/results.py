@@ -47,8 +47,7 @@ def conclude(store: Store, plan: Plan, seconds, strict) -> int:
     sys.stderr.write(err)
     rec = store.run(plan.record)
     report = compare_logs(store, rec["run_id"], replay_id, plan, tolerance=plan.tolerance or 0.0)
-    with open(plan.script) as f:
-        explain(report, store, plan, f.read(), rec)
+    explain(report, store, plan, plan.text(), rec)
     info = store.run(replay_id)["info"]
     info.checks_passed, info.compared = report.passed, report.compared
     info.mismatches, info.missing = len(report.mismatches), len(report.missing)

@@ -1,0 +1,157 @@
+"""Hindsight over many past runs: `flor replay --runs` applies the statements
+added to the script to every chosen record, each with its own arguments and
+its own version of the script (the statements carried onto it by matching
+the code around them), and a record they cannot be carried onto is skipped
+with the reason."""
+import os
+import re
+
+import pytest
+
+from flor.program.transplant import base_of, carry
+from flor.replay.many import choose
+
+from conftest import flor as flor_cli, plain, read, runs, store, values, write_script
+
+# Four versions of one training script, as a project's history has them: a
+# variable renamed, a line moved, an argument added.
+V1 = """
+import argparse
+
+import torch
+import torch.nn as nn
+
+
+def batches(x, y, size):
+    for i in range(0, len(x), size):
+        yield x[i:i + size], y[i:i + size]
+
+
+def train(model, opt, x, y, epochs):
+    for epoch in range(epochs):
+        running = 0.0
+        for xb, yb in batches(x, y, 16):
+            loss = nn.functional.mse_loss(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            running += loss.item()
+        print(f"epoch {epoch} loss {running:.5f}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--epochs", type=int, default=3)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    y = x @ torch.randn(8, 1) + 0.1 * torch.randn(64, 1)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    train(model, opt, x, y, args.epochs)
+
+
+if __name__ == "__main__":
+    main()
+""".lstrip()
+V2 = V1.replace("running", "total_loss")
+V3 = V2.replace("            loss = nn.functional.mse_loss(model(xb), yb)\n"
+                "            opt.zero_grad()\n",
+                "            opt.zero_grad()\n"
+                "            loss = nn.functional.mse_loss(model(xb), yb)\n")
+V4 = V3.replace('    p.add_argument("--epochs", type=int, default=3)\n',
+                '    p.add_argument("--epochs", type=int, default=3)\n'
+                '    p.add_argument("--momentum", type=float, default=0.0)\n').replace(
+    "lr=args.lr)", "lr=args.lr, momentum=args.momentum)")
+# An older version whose step is written otherwise: nothing to carry onto.
+V0 = re.sub(r"\bopt\b", "optimizer", V1).replace("running += loss.item()", "running += float(loss)")
+PROBE = "print('w', round(model.weight.norm().item(), 6))"
+
+
+def with_probe(text):
+    """The version with the statement added by hand, after the step."""
+    for step in ("            opt.step()\n", "            optimizer.step()\n"):
+        if step in text:
+            return text.replace(step, step + "            " + PROBE + "\n")
+    raise AssertionError("no step")
+
+
+@pytest.mark.unit
+def test_added_lines_are_carried_by_the_code_around_them():
+    edited = with_probe(V4)
+    for older in (V1, V2, V3):  # renamed, moved, one argument fewer
+        got = carry(V4, edited, older, "train.py")
+        assert got.why is None and got.lines == 1
+        assert got.text == with_probe(older)
+    # Both lines around it changed: not carried, and why.
+    got = carry(V4, edited, V0, "train.py")
+    assert got.text is None and "line 'opt.step()' above it changed" in got.why
+    assert "at line 20 of train.py" in got.why and PROBE in got.why
+    # Carried, but the result does not parse: not carried.
+    tabbed = V1.replace("            running += loss.item()", "\trunning += loss.item()")
+    got = carry(V1, with_probe(V1).replace("opt.step()\n", "opt.step()\n    if True:\n"), tabbed)
+    assert got.text is None and "does not parse" in got.why
+    # Nothing added: the version as it is.
+    assert carry(V4, V4, V1) == (V1, None, 0)
+    # The version edited is the one the script shares the most lines with.
+    assert base_of(edited, {"a": V1, "b": V4, "c": V3}) == "b"
+    assert base_of(with_probe(V2), {"a": V1, "b": V4, "c": V2}) == "c"
+
+
+def test_one_statement_over_records_of_four_versions(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    monkeypatch.setenv("FLOR_DIR", os.path.join(d, ".flor"))
+    monkeypatch.chdir(d)
+    path = os.path.join(d, "train.py")
+    versions = [(V0, "0.01"), (V1, "0.02"), (V2, "0.03"), (V3, "0.04"), (V4, "0.05")]
+    for text, lr in versions:
+        write_script(d, "train.py", text)
+        flor_cli(d, "record", "--no-adaptive", "train.py", "--lr", lr)
+    st = store(d)
+    records = [r["run_id"] for r in runs(st, "record")]
+    write_script(d, "train.py", with_probe(V4))
+
+    rep = flor_cli(d, "replay", "--runs", "all", "train.py")
+    assert f"run {records[0]} is skipped: the code around the statement added at line 20" \
+        in rep.stderr
+    assert "4 of 5 records replayed, 1 skipped" in rep.stderr
+    assert rep.stderr.count("deferred checks passed") == 4, rep.stderr
+    replays = runs(st, "replay")
+    assert [r["parent"] for r in replays] == records[1:]
+
+    # Each record replayed its own version with the statement, and its own
+    # arguments: its values are what a plain run of that prints.
+    names = {r["name"] for rp in replays for r in st.logs(rp["run_id"])
+             if r["loc"] and ":new:" in r["loc"]}
+    (name,) = names  # one name over the four versions
+    assert re.fullmatch(r"stdout@train\.py:train~[0-9a-f]{8}", name)
+    for (text, lr), rp in zip(versions[1:], replays):
+        assert rp["argv"][1:] == ["--lr", lr]
+        write_script(d, "plain.py", with_probe(text))
+        want = [l for l in plain(d, "plain.py", "--lr", lr).stdout.splitlines()
+                if l.startswith("w ")]
+        assert len(want) == 12
+        assert [v for _, _, v in values(st, rp["run_id"], name)] == want
+        with open(os.path.join(st.layout.run_dir(rp["run_id"]), "source.py")) as f:
+            assert f.read() == with_probe(text)  # what it ran, kept
+
+    # One frame: each run's values beside its own arguments.
+    import flor
+
+    df = flor.dataframe(f"{name}/w", runs=[r["run_id"] for r in replays])
+    firsts = df.groupby("run", sort=False).head(1)
+    assert list(firsts["lr"]) == [0.02, 0.03, 0.04, 0.05]
+    assert firsts["momentum"].isna().tolist() == [True, True, True, False]
+    assert len(set(firsts[f"{name}/w"])) == 4
+
+    # Which records: ids (a unique start will do) or a filter of parameters.
+    assert [r["run_id"] for r in choose(st, path, f"{records[3]},{records[1][:-2]}")[0]] == \
+        [records[3], records[1]]
+    assert [r["run_id"] for r in choose(st, path, "lr < 0.035 and lr > 0.015")[0]] == \
+        records[1:3]
+    bad = flor_cli(d, "replay", "--runs", "lr <", "train.py", check=False)
+    assert bad.returncode == 2 and "neither run ids or names" in bad.stderr
+    bad = flor_cli(d, "replay", "--runs", "all", "train.py", "--lr", "1", check=False)
+    assert bad.returncode == 2 and "give no ARGS" in bad.stderr
+    assert read(path) == with_probe(V4)  # the user's script as they left it
