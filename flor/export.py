@@ -378,11 +378,15 @@ def _to_mlflow(client, uri, store, selected, targets, keys, entities, out):
         tags = _mlflow_tags(run)
         mlrun, have = _mlflow_find(client, experiments[exp], run), {}
         if mlrun is not None:
-            have = _mlflow_values(client, mlrun, {k for k, _ in values})
-            if any(not _same(have.get(at, value), value) for at, value in values.items()):
-                note(f"MLflow export: run {run['run_id']}'s values changed since it was "
-                     f"exported (a statement replayed again); MLflow run {mlrun} is deleted "
-                     "and written anew")
+            names = {k for k, _ in values}
+            have = _mlflow_values(client, mlrun, names)
+            gone = set(client.get_run(mlrun).data.metrics) - names
+            if gone or any(not _same(have.get(at, value), value) for at, value in values.items()):
+                why = (f"names flor no longer gives it ({', '.join(sorted(gone)[:3])}"
+                       f"{', ...' if len(gone) > 3 else ''})" if gone else
+                       "values changed since it was exported (a statement replayed again)")
+                note(f"MLflow export: run {run['run_id']} has {why}; MLflow run {mlrun} is "
+                     "deleted and written anew")
                 client.delete_run(mlrun)
                 mlrun, have = None, {}
         if mlrun is None:

@@ -24,7 +24,6 @@ from .context import PRINTED, STATE
 from .printed import field_name as printed_field
 from .printed import fields as printed_fields
 from .printed import split as split_printed
-from .statements import Sources
 
 __all__ = ["select_runs", "script_args", "Values", "dataframes", "dataframe", "names",
            "names_frame", "statement"]
@@ -341,7 +340,7 @@ def names(store, script=None, run=None, runs=None) -> list[dict]:
     selected = select_runs(store, script, run, runs)
     values = Values(store, selected, None, printed=True, fields=True)
     by_id = {r["run_id"]: r for r in selected}
-    sources = Sources(store)
+    sources = store._sources  # (read once per store)
     out = []
     for name, rows in values.rows.items():
         run_id, loc = rows[0][0], rows[0][4]

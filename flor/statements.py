@@ -14,7 +14,10 @@ function is ``Trainer.fit``).  The eight hex digits are a digest of the
 function and of the statement's syntax tree, so that spacing, comments
 and the lines around it do not change the name, and the same statement
 added in replays of different records, or moved between two replays, has
-one name.  A line of the recorded file keeps its recorded number
+one name.  Identical statements in one function are told apart by their
+order: a copy added above one takes its name.  A statement whose text
+changes (a corrected statement) gets a new name; the values of the old
+one stay under the old name.  A line of the recorded file keeps its recorded number
 (``stdout@train.py:57``): it does not move.  The old name of an added
 line (``stdout@train.py:new:31``) still finds what that line printed
 (flor/store.py).
@@ -67,18 +70,41 @@ def _simple_statements(tree):
     return out
 
 
+def _shape(node) -> str:
+    """A syntax tree as text, positions left out, the same on every Python
+    version: a field that is empty (None, []) is left out, since versions
+    differ in showing those (ast.dump does)."""
+    if isinstance(node, ast.AST):
+        fields = [f"{f}={_shape(v)}" for f in node._fields
+                  if (v := getattr(node, f, None)) is not None and not (isinstance(v, list)
+                                                                       and not v)]
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ",".join(_shape(x) for x in node) + "]"
+    return repr(node)
+
+
 def printed_names(tree, rel: str) -> dict[int, str]:
     """{line: name} of the printed lines of each simple statement of the
-    parsed source `tree` (file `rel`), for every line the statement spans."""
+    parsed source `tree` (file `rel`), for every line the statement spans.
+    Statements that share a line (``print(x); sys.stdout.flush()``) are
+    named together: a printed line's location cannot tell them apart."""
+    groups: list = []  # [scope, statements, first line, last line]
+    for scope, node in _simple_statements(tree):
+        if groups and groups[-1][0] == scope and node.lineno <= groups[-1][3]:
+            groups[-1][1].append(node)
+            groups[-1][3] = max(groups[-1][3], node.end_lineno)
+        else:
+            groups.append([scope, [node], node.lineno, node.end_lineno])
     seen: dict = {}
     out: dict[int, str] = {}
-    for scope, node in _simple_statements(tree):
-        shape = ast.dump(node)  # positions left out: spacing and moves do not count
+    for scope, nodes, first, last in groups:
+        shape = "\n".join(_shape(n) for n in nodes)  # spacing and moves do not count
         nth = seen.get((scope, shape), 0)
         seen[(scope, shape)] = nth + 1
         digest = hashlib.sha1(f"{scope}\0{shape}\0{nth}".encode()).hexdigest()[:8]
         name = f"{PRINTED}{rel}:{scope}~{digest}"
-        for line in range(node.lineno, node.end_lineno + 1):
+        for line in range(first, last + 1):
             out[line] = name
     return out
 

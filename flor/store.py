@@ -37,6 +37,7 @@ class Store(Database):
 
     @functools.cached_property
     def _sources(self) -> Sources:
+        """The runs' kept sources, each file read once (flor/statements.py)."""
         return Sources(self)
 
     # -- runs ---------------------------------------------------------------

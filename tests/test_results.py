@@ -360,8 +360,8 @@ def test_mlflow_export_reads_back_with_mlflows_client(here, tmp_path):
 def test_mlflow_export_again_follows_the_store(tmp_path):
     """Exporting again: a corrected hindsight statement's values replace the
     old ones (the MLflow run is written anew), a name and tags follow `flor
-    tag`, tags and names MLflow refuses as they are are made legal, and
-    colliding names are told apart."""
+    tag`, tags and names MLflow refuses as they are are made legal,
+    colliding names are told apart, and names the store no longer has go."""
     from mlflow.tracking import MlflowClient
 
     d = str(tmp_path)
@@ -418,6 +418,12 @@ def test_mlflow_export_again_follows_the_store(tmp_path):
     third = flor_cli(d, "export", "--mlflow", uri, env=env)  # nothing new: nothing written
     assert third.stdout.strip().endswith(f"MLflow run {two.info.run_id}, 0 metric values "
                                          "written")
+    # The replays deleted: a name the store no longer gives the record goes.
+    st = store(d)
+    flor_cli(d, "rm", *(r["run_id"] for r in runs(st, "replay")))
+    fourth = flor_cli(d, "export", "--mlflow", uri, env=env)
+    assert "names flor no longer gives it (w2)" in fourth.stderr
+    assert "w2" not in the_run().data.metrics and history(the_run(), "val") == history(two, "val")
     for bad in ("", "sqlite:///"):
         proc = flor_cli(d, "export", "--mlflow", bad, env=env, check=False)
         assert proc.returncode == 2 and "is not an MLflow tracking store" in proc.stderr

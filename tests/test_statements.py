@@ -82,6 +82,15 @@ def test_names_follow_function_and_text_not_lines():
     # Every line of a statement that spans several has its name.
     long = names("def f():\n    print(\n        1,\n    )\n")
     assert long[2] == long[3] == long[4]
+    # Statements that share a line are named together: a printed line's
+    # place cannot tell which of them printed it.
+    shared = names("def f():\n    print('w', 1); flush()\n    print('b', 1); flush()\n")
+    assert shared[2] != shared[3] != names("def f():\n    print('w', 1)\n")[2]
+    # The same name on every Python version flor supports (ast.dump's text
+    # differs between them): a golden value.
+    assert names("def train():\n    for e in range(3):\n"
+                 "        print('w norm', model.weight.norm().item())\n")[3] == \
+        "stdout@t.py:train~462f97ee"
 
 
 def test_a_moved_statement_keeps_its_name_across_replays_and_records(tmp_path, monkeypatch):
