@@ -168,6 +168,9 @@ def cmd_replay(o) -> int:
     except OSError as e:
         raise FlorError(f"flor's signing key {trust.key_path()} cannot be read ({e}); fix its "
                         "permissions, or delete it (checkpoints then load in safe mode)") from None
+    if o.runs is not None and (o.run is not None or o.part is not None or o.parts is not None):
+        raise FlorError("--runs chooses the records itself: it does not go with --run, --part "
+                        "or --parts")
     if o.parts is not None:
         from .replay.distributed import array_index
 
@@ -230,9 +233,6 @@ def _replay_runs(store, o, strict, started) -> int:
     record after another (flor/replay/many.py)."""
     from .replay.many import choose, targets
 
-    if o.run is not None or o.part is not None or o.parts is not None:
-        raise FlorError("--runs chooses the records itself: it does not go with --run, --part "
-                        "or --parts")
     if o.explicit_args:
         raise FlorError("--runs replays each record with the arguments it was recorded with; "
                         "give no ARGS")
@@ -276,6 +276,9 @@ def _replay_runs(store, o, strict, started) -> int:
                 note(f"run {rid} is not replayed: {e}")
                 failed.append(rid)
                 continue
+            if t.names:  # its carried statements, by their names in the script edited
+                store.layout.save_printed_names(plan.replay_id,
+                                                {os.path.basename(script): t.names})
             (done if code == 0 else failed).append(plan.replay_id if code == 0 else rid)
     finally:
         if ray is not None:

@@ -122,6 +122,25 @@ class Layout:
         except FileNotFoundError:
             return {}
 
+    def save_printed_names(self, run_id, names: dict):
+        """Keep the names of a replay's printed statements that replay --runs
+        carried onto a record's version ({relpath: {line: name}}): their
+        names in the script the user edited."""
+        path = os.path.join(self.run_dir(run_id), "names.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(names, f)
+        os.replace(path + ".tmp", path)
+
+    def printed_names(self, run_id) -> dict:
+        """save_printed_names' {relpath: {line: name}} of a replay (lines as ints)."""
+        try:
+            with open(os.path.join(self.run_dir(run_id), "names.json")) as f:
+                data = json.load(f)
+        except (FileNotFoundError, ValueError):
+            return {}
+        return {rel: {int(line): name for line, name in lines.items()}
+                for rel, lines in data.items()}
+
     def value(self, run_id, value):
         """A logged value (decoded JSON) as flor.log received it: a large
         tensor or array is read back from its file."""

@@ -20,7 +20,9 @@ changes (a corrected statement) gets a new name; the values of the old
 one stay under the old name.  A line of the recorded file keeps its recorded number
 (``stdout@train.py:57``): it does not move.  The old name of an added
 line (``stdout@train.py:new:31``) still finds what that line printed
-(flor/store.py).
+(flor/store.py).  A statement that ``replay --runs`` carried onto an
+older version of the script (flor/replay/many.py) is named as it is in the
+script the user edited, whatever that version calls its function.
 """
 from __future__ import annotations
 
@@ -168,6 +170,9 @@ class Sources:
                 if key not in self._names:
                     _, tree = self._file(run, rel, True)
                     self._names[key] = printed_names(tree, rel) if tree is not None else {}
+                    # Lines replay --runs carried: named as in the script edited.
+                    carried = self.store.layout.printed_names(run["run_id"]).get(rel, {})
+                    self._names[key].update(carried)
                 found = self._names[key].get(line)
                 if found is not None:
                     return found

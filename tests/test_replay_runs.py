@@ -14,7 +14,8 @@ from flor.replay.many import choose
 from conftest import flor as flor_cli, plain, read, runs, store, values, write_script
 
 # Four versions of one training script, as a project's history has them: a
-# variable renamed, a line moved, an argument added.
+# variable renamed (and the training function, for one version), a line
+# moved, an argument added.
 V1 = """
 import argparse
 
@@ -55,8 +56,8 @@ def main():
 if __name__ == "__main__":
     main()
 """.lstrip()
-V2 = V1.replace("running", "total_loss")
-V3 = V2.replace("            loss = nn.functional.mse_loss(model(xb), yb)\n"
+V2 = V1.replace("running", "total_loss").replace("train(", "fit(")  # and a function
+V3 = V2.replace("fit(", "train(").replace("            loss = nn.functional.mse_loss(model(xb), yb)\n"
                 "            opt.zero_grad()\n",
                 "            opt.zero_grad()\n"
                 "            loss = nn.functional.mse_loss(model(xb), yb)\n")
@@ -86,17 +87,36 @@ def test_added_lines_are_carried_by_the_code_around_them():
         assert got.text == with_probe(older)
     # Both lines around it changed: not carried, and why.
     got = carry(V4, edited, V0, "train.py")
-    assert got.text is None and "line 'opt.step()' above it changed" in got.why
+    assert got.text is None and "line 'opt.step()' above it is not" in got.why
     assert "at line 20 of train.py" in got.why and PROBE in got.why
+    # The line above it is in another function too, first: it goes in the
+    # same function as in the edited script.
+    twice = V1.replace("def train(", "def pretrain(model, opt, x, y, epochs):\n" +
+                       V1[V1.index("    for epoch"):V1.index("def main")] + "def train(")
+    assert twice.count("opt.step()") == 2
+    got = carry(V1, with_probe(V1), twice)
+    assert got.text.index(PROBE) > got.text.index("def train(") > got.text.index("opt.step()")
+    # A function renamed: its one such line still places it.
+    renamed = V1.replace("def train(", "def fit(").replace("    train(model", "    fit(model")
+    assert carry(V1, with_probe(V1), renamed).text == with_probe(renamed)
+    # A line added beside a changed one is added; the changed one stays.
+    edited_more = with_probe(V4).replace("loss {total_loss:.5f}", "loss {total_loss:.4f}") \
+        .replace('        print(f"epoch', '        print("after", epoch)\n        print(f"epoch')
+    got = carry(V4, edited_more, V3)
+    assert got.lines == 2 and 'print("after", epoch)' in got.text and ":.5f" in got.text
+    assert got.at == {20: 20, 22: 22}  # its lines there -> in the edited script
     # Carried, but the result does not parse: not carried.
     tabbed = V1.replace("            running += loss.item()", "\trunning += loss.item()")
     got = carry(V1, with_probe(V1).replace("opt.step()\n", "opt.step()\n    if True:\n"), tabbed)
     assert got.text is None and "does not parse" in got.why
     # Nothing added: the version as it is.
-    assert carry(V4, V4, V1) == (V1, None, 0)
-    # The version edited is the one the script shares the most lines with.
+    assert carry(V4, V4, V1).text == V1
+    # The version edited is the one the script differs least from: a newer
+    # version with one line more is not it.
     assert base_of(edited, {"a": V1, "b": V4, "c": V3}) == "b"
     assert base_of(with_probe(V2), {"a": V1, "b": V4, "c": V2}) == "c"
+    extra = V2.replace("            opt.step()\n", "            opt.step()\n            check()\n")
+    assert base_of(with_probe(V2), {"newer": extra, "older": V2}) == "older"
 
 
 def test_one_statement_over_records_of_four_versions(tmp_path, monkeypatch):
@@ -124,7 +144,7 @@ def test_one_statement_over_records_of_four_versions(tmp_path, monkeypatch):
     # arguments: its values are what a plain run of that prints.
     names = {r["name"] for rp in replays for r in st.logs(rp["run_id"])
              if r["loc"] and ":new:" in r["loc"]}
-    (name,) = names  # one name over the four versions
+    (name,) = names  # one name over the four versions (`fit` in one of them)
     assert re.fullmatch(r"stdout@train\.py:train~[0-9a-f]{8}", name)
     for (text, lr), rp in zip(versions[1:], replays):
         assert rp["argv"][1:] == ["--lr", lr]

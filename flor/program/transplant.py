@@ -6,11 +6,13 @@ edited (a variable renamed, a line moved, an argument added).  What is
 carried is the lines the edit added: each run of added lines goes into the
 other version next to the same code it follows in the edited script (the
 line above it, else the line below it, skipping blank and comment lines),
-matched line for line, indentation included.  A run of added lines whose
-neighbours are not in the other version is not carried, and neither is a
-version where the result does not parse: the caller skips that record and
-says why.  Lines the edit changed or removed (rather than added) stay as
-the other version has them.
+matched line for line, indentation included, in the same function.  A line
+of the edit that resembles the line it replaces is a changed line, not an
+added one: changed and removed lines stay as the other version has them.
+A run of added lines whose neighbours are not in the other version (or
+are there more than once, in no way told apart) is not carried, and
+neither is a version where the result does not parse: the caller skips
+that record and says why.
 """
 from __future__ import annotations
 
@@ -20,42 +22,116 @@ from typing import NamedTuple
 
 __all__ = ["Carried", "base_of", "carry"]
 
+SIMILAR = 0.6  # a replacing line at least this like the line it replaces is a change
+
 
 class Carried(NamedTuple):
     """`text`: the other version with the added lines, or None where they
-    cannot be carried (`why`); `lines`: how many lines were added."""
+    cannot be carried (`why`); `lines`: how many lines were added;
+    `at`: {line in text: its line in the edited script} of those lines."""
 
     text: str | None
     why: str | None = None
     lines: int = 0
+    at: dict = {}
 
 
 def _matcher(a, b):
     return difflib.SequenceMatcher(None, a, b, autojunk=False)
 
 
+def _split_replacement(a_lines, b_lines, i1, j1):
+    """Insertions among lines `b_lines` (from new line j1 + 1) that replace
+    `a_lines` (from base line i1 + 1): each line of b that resembles a line
+    of a (in order) changes it; the others are added after the last line
+    of a matched so far.  [(after base line p, lines, new line of the first)]."""
+    out, k = [], 0
+    for n, line in enumerate(b_lines):
+        hit = None
+        for m in range(k, len(a_lines)):
+            s = _matcher(a_lines[m].strip(), line.strip())
+            if s.real_quick_ratio() >= SIMILAR and s.quick_ratio() >= SIMILAR and \
+                    s.ratio() >= SIMILAR:
+                hit = m
+                break
+        if hit is not None:
+            k = hit + 1
+            continue
+        p = i1 + k
+        if out and out[-1][0] == p and out[-1][2] + len(out[-1][1]) == j1 + n + 1:
+            out[-1][1].append(line)
+        else:
+            out.append((p, [line], j1 + n + 1))
+    return out
+
+
 def _added(base: list[str], new: list[str]):
-    """(insertions, changed): each run of lines `new` adds to `base` as
-    (after base line p (1-based, 0 = the start), the new lines, where they
-    start in new); and the new lines (1-based) of changes other than
-    additions."""
-    insertions, changed = [], []
+    """Each run of lines `new` adds to `base`: (after base line p (1-based,
+    0 = the start), the new lines, the new line (1-based) of the first)."""
+    insertions = []
     for tag, i1, i2, j1, j2 in _matcher(base, new).get_opcodes():
         if tag == "insert":
             insertions.append((i1, new[j1:j2], j1 + 1))
-        elif tag != "equal":
-            changed.append(j1 + 1 if j2 > j1 else None)
-    return insertions, changed
+        elif tag == "replace":
+            insertions += _split_replacement(base[i1:i2], new[j1:j2], i1, j1)
+    return insertions
 
 
-def _same_lines(base: list[str], other: list[str]) -> dict[int, int]:
-    """{base line: its line in other} of the lines both have, unchanged."""
-    m = {}
-    for tag, i1, i2, j1, _ in _matcher(base, other).get_opcodes():
-        if tag == "equal":
-            for k in range(i2 - i1):
-                m[i1 + k + 1] = j1 + k + 1
-    return m
+def _scopes(text: str, n: int) -> list[str]:
+    """The dotted function or class each of the `n` lines of `text` is in
+    (index 0 unused), "" at the top level."""
+    out = [""] * (n + 2)
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return out
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{scope}.{child.name}" if scope else child.name
+                first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                for line in range(first, min(child.end_lineno, n) + 1):
+                    out[line] = inner
+                visit(child, inner)
+            else:
+                visit(child, scope)
+    visit(tree, "")
+    return out
+
+
+class _Version:
+    """Another version's lines, matched against the base's."""
+
+    def __init__(self, base: list[str], base_scopes, text: str):
+        self.lines = text.splitlines()
+        self.base, self.base_scopes = base, base_scopes
+        self.scopes = _scopes(text, len(self.lines))
+        self.same = {}
+        for tag, i1, i2, j1, _ in _matcher(base, self.lines).get_opcodes():
+            if tag == "equal":
+                for k in range(i2 - i1):
+                    self.same[i1 + k + 1] = j1 + k + 1
+        self.where: dict = {}  # (scope, text) -> its lines here, in order
+        for i, line in enumerate(self.lines, 1):
+            self.where.setdefault((self.scopes[i], line), []).append(i)
+
+    def find(self, b: int) -> int | None:
+        """The line of this version that is base line `b`, in the same
+        function: where the diff matched it, else the same line in the same
+        function at the same place among its copies there, else the one
+        line of that text in the version; None where none or several."""
+        text, scope = self.base[b - 1], self.base_scopes[b]
+        got = self.same.get(b)
+        if got is not None and self.scopes[got] == scope:
+            return got
+        nth = sum(1 for i in range(1, b) if self.base[i - 1] == text
+                  and self.base_scopes[i] == scope)
+        here = self.where.get((scope, text), [])
+        if len(here) > nth:
+            return here[nth]
+        every = [i for i, line in enumerate(self.lines, 1) if line == text]
+        return every[0] if len(every) == 1 else None
 
 
 def _quiet(line: str) -> bool:
@@ -65,52 +141,63 @@ def _quiet(line: str) -> bool:
 
 def base_of(new: str, versions: dict) -> object:
     """The key of the version in `versions` ({key: text}) that the edited
-    script `new` differs least from (the one the user edited): the first
-    of those that share the most lines with it."""
+    script `new` differs least from (the one the user edited): the fewest
+    lines that one has and the other lacks; the first of those that tie."""
     b = new.splitlines()
-    best, score = None, -1
+    best, score = None, None
     for key, text in versions.items():
-        same = sum(n for *_, n in _matcher(text.splitlines(), b).get_matching_blocks())
-        if same > score:
-            best, score = key, same
+        a = text.splitlines()
+        same = sum(n for *_, n in _matcher(a, b).get_matching_blocks())
+        differ = len(a) + len(b) - 2 * same
+        if score is None or differ < score:
+            best, score = key, differ
     return best
 
 
 def carry(base: str, new: str, other: str, name: str = "the script") -> Carried:
     """`other` with the lines that `new` adds to `base` (see the module's
     docstring)."""
-    a, b, c = base.splitlines(), new.splitlines(), other.splitlines()
-    insertions, _ = _added(a, b)
+    a, b = base.splitlines(), new.splitlines()
+    insertions = _added(a, b)
     if not insertions:
         return Carried(other)
-    same = _same_lines(a, c)
-    placed = []  # (index in c to insert before, order, lines)
+    version = _Version(a, _scopes(base, len(a)), other)
+    c = list(version.lines)
+    placed = []  # (index in c to insert before, order, lines, new line of the first)
     for order, (p, lines, at) in enumerate(insertions):
         before = p  # the nearest line above that says something
-        while before > 0 and _quiet(a[before - 1]) and before not in same:
+        while before > 0 and _quiet(a[before - 1]):
             before -= 1
         after = p + 1
-        while after <= len(a) and _quiet(a[after - 1]) and after not in same:
+        while after <= len(a) and _quiet(a[after - 1]):
             after += 1
+        up = version.find(before) if before > 0 else None
+        down = version.find(after) if after <= len(a) else None
         if before == 0:
-            where = 0 if after > len(a) or after not in same else same[after] - 1
-        elif before in same:
-            where = same[before]
-        elif after <= len(a) and after in same:
-            where = same[after] - 1
+            where = 0 if down is None else down - 1
+        elif up is not None:
+            where = up
+        elif down is not None:
+            where = down - 1
         else:
             first = next((x.strip() for x in lines if not _quiet(x)), lines[0].strip())
             around = a[before - 1].strip()
             return Carried(None, f"the code around the statement added at line {at} of {name} "
-                           f"({first}) is not in this version: line {around!r} above it "
-                           "changed here, and so did the line below it")
-        placed.append((where, order, lines))
-    for where, _, lines in sorted(placed, key=lambda x: (-x[0], -x[1])):
+                           f"({first}) is not in this version: line {around!r} above it is "
+                           "not (or not once in the same function), nor is the line below it")
+        placed.append((where, order, lines, at))
+    at_lines = {}
+    for where, _, lines, at in sorted(placed, key=lambda x: (-x[0], -x[1])):
         c[where:where] = lines
+    shift = 0
+    for where, _, lines, at in sorted(placed, key=lambda x: (x[0], x[1])):
+        for k in range(len(lines)):
+            at_lines[where + shift + k + 1] = at + k
+        shift += len(lines)
     text = "\n".join(c) + ("\n" if other.endswith("\n") or not other else "")
     try:
         ast.parse(text)
     except SyntaxError as e:
         return Carried(None, f"the statements added to {name} do not fit this version: with "
                        f"them it does not parse ({e.msg}, line {e.lineno})")
-    return Carried(text, None, sum(len(lines) for _, _, lines in placed))
+    return Carried(text, None, sum(len(lines) for _, _, lines, _ in placed), at_lines)

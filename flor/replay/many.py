@@ -17,6 +17,7 @@ one Ray cluster.
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 from typing import NamedTuple
@@ -24,6 +25,7 @@ from typing import NamedTuple
 from ..errors import FlorError
 from ..program.transplant import base_of, carry
 from ..query import Query, QueryError, RunValues
+from ..statements import printed_names
 
 __all__ = ["Target", "choose", "targets"]
 
@@ -37,6 +39,7 @@ class Target(NamedTuple):
     source: str | None = None
     carried: int = 0  # lines added to its version
     skipped: str | None = None
+    names: dict = {}  # {line of source: its statement's name in the script edited}
 
 
 def _replayable(store, run) -> bool:
@@ -56,14 +59,22 @@ def choose(store, script: str, spec: str) -> tuple[list[dict], list[tuple[dict, 
         raise FlorError(f"no recorded run of {name} in {store.root}; record it first "
                         f"(flor record {script})")
     spec = spec.strip()
+    if not spec.strip(", "):
+        raise FlorError("--runs needs `all`, run ids or names, or a filter (docs/results.md, "
+                        "Hindsight over many runs)")
     if spec == "all":
         chosen = records
     else:
-        chosen = _by_id(store, script, spec)
+        try:
+            chosen, ambiguous = _by_id(store, script, spec), None
+        except _Ambiguous as e:  # (a filter may start with a number)
+            chosen, ambiguous = None, e.error
         if chosen is None:
             try:
                 query = Query(spec)
             except QueryError as e:
+                if ambiguous is not None:
+                    raise ambiguous from None
                 raise FlorError(f"--runs {spec!r} is neither run ids or names of records of "
                                 f"{name} nor a filter: {e}") from None
             chosen = [r for r in records if query.matches(RunValues(store, r))]
@@ -78,13 +89,22 @@ def choose(store, script: str, spec: str) -> tuple[list[dict], list[tuple[dict, 
     return ok, out
 
 
+class _Ambiguous(Exception):
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _by_id(store, script, spec):
     """The records `spec` names one by one, in its order, or None where a
     word of it names no run."""
     words = [w for w in re.split(r"[,\s]+", spec) if w]
     out = []
     for word in words:
-        row = store.run(store.resolve(word, "record", script))
+        try:
+            row = store.run(store.resolve(word, "record", script))
+        except FlorError as e:  # the start of several ids
+            raise _Ambiguous(e) from None
         if row is None:
             return None
         if row["kind"] != "record":
@@ -110,6 +130,10 @@ def targets(store, script: str, records: list[dict]) -> tuple[list[Target], str 
         if text is not None:
             versions[r["run_id"]] = text
     base_id = base_of(new, versions)
+    try:
+        edited = printed_names(ast.parse(new), name)
+    except SyntaxError:
+        edited = {}
     out = []
     for rec in records:
         text = versions.get(rec["run_id"])
@@ -119,6 +143,7 @@ def targets(store, script: str, records: list[dict]) -> tuple[list[Target], str 
             out.append(Target(rec))  # the version edited: the script as it is
         else:
             got = carry(versions[base_id], new, text, name)
-            out.append(Target(rec, got.text, got.lines) if got.text is not None
+            names = {line: edited[at] for line, at in got.at.items() if at in edited}
+            out.append(Target(rec, got.text, got.lines, names=names) if got.text is not None
                        else Target(rec, skipped=got.why))
     return out, base_id

@@ -157,7 +157,8 @@ class Plan:
         itself (manual API), else its instrumented code (hands-free), or the
         compiled `source` that the plan carries."""
         if not self.hands_free:
-            return None if self.source is None else compile(self.source, self.script, "exec")
+            return None if self.source is None else compile(self.source, self.script, "exec",
+                                                            dont_inherit=True)
         if self.instrumented is not None:
             return self.instrumented
         fmap = self.files.get(os.path.basename(self.script))

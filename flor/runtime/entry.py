@@ -8,6 +8,7 @@ merge imports).  Each sets up its Session (session.py) with its policy
 from __future__ import annotations
 
 import atexit
+import linecache
 import os
 import signal
 import sys
@@ -211,6 +212,8 @@ def run_part(plan: Plan, part: int, tee=False, own_db=False, progress_fd=None,
     if not forked:
         sys.path[0] = os.path.dirname(script)
     instrumented = plan.code()
+    if plan.source is not None:  # a traceback shows the lines run, not the file's
+        linecache.cache[script] = (len(plan.source), None, plan.source.splitlines(True), script)
     modules = (plan.hands_free or {}).get("modules") or []
     hook = Instrumenting(os.path.dirname(script), replay_keys(script, modules, plan.files),
                          lambda path, *_: session.project_files.add(path), modules_of(script)) \
