@@ -111,12 +111,42 @@ def test_added_lines_are_carried_by_the_code_around_them():
     assert got.text is None and "does not parse" in got.why
     # Nothing added: the version as it is.
     assert carry(V4, V4, V1).text == V1
+    # Its line is not in its function there, but in another function, or
+    # in the other branch: that is not where it goes.
+    two = ("def train(xs):\n    s = 0\n    for x in xs:\n        s += x.item()\n    return s\n\n"
+           "def evaluate(xs):\n    s = 0\n    for x in xs:\n        s += x.item()\n    return s\n")
+    edited = two.replace("s += x.item()\n", "s += x.item()\n        print(s)\n", 1)
+    older = two.replace("s += x.item()\n", "s += float(x)\n", 1)
+    got = carry(two, edited, older).text
+    assert got.index("print(s)") < got.index("def evaluate")  # (before train's return)
+    branches = ("def step(i, x):\n    if i % 2:\n        y = x * 2\n        z = 1\n    else:\n"
+                "        y = x * 2\n        z = 2\n    return y, z\n")
+    edited = branches.replace("y = x * 2\n", "y = x * 2\n        print(y)\n", 1)
+    older = branches.replace("        y = x * 2\n        z = 1\n", "        y = x * 3\n        z = 3\n")
+    got = carry(branches, edited, older)
+    assert got.text is None and "not in this version" in got.why
+    # A print added before a line the edit changes, and like it: the line
+    # most like the old one is the change, the print is added.
+    base = "def f(xs):\n    t = 0\n    for x in xs:\n        t += x.item()\n    return t\n"
+    edited = base.replace("        t += x.item()\n",
+                          "        print(x.item())\n        t += x.detach().item()\n")
+    assert carry(base, edited, base.replace("t = 0", "t = 0.0")).text == \
+        base.replace("t = 0", "t = 0.0").replace("        t += x.item()\n",
+                                                 "        print(x.item())\n        t += x.item()\n")
+    # Lines added beside a line rewritten past likeness: not told apart.
+    edited = base.replace("        t += x.item()\n",
+                          "        print('t', t + x.item())\n        t = t + float(x)\n")
+    got = carry(base, edited, base.replace("t = 0", "t = 0.0"))
+    assert got.text is None and "cannot tell which lines are added" in got.why
     # The version edited is the one the script differs least from: a newer
     # version with one line more is not it.
-    assert base_of(edited, {"a": V1, "b": V4, "c": V3}) == "b"
+    assert base_of(with_probe(V4), {"a": V1, "b": V4, "c": V3}) == "b"
     assert base_of(with_probe(V2), {"a": V1, "b": V4, "c": V2}) == "c"
     extra = V2.replace("            opt.step()\n", "            opt.step()\n            check()\n")
     assert base_of(with_probe(V2), {"newer": extra, "older": V2}) == "older"
+    # The newest version the edit only adds to, even where it recreates an
+    # older one line for line.
+    assert base_of(extra, {"newer": V2, "older": extra}) == "newer"
 
 
 def test_one_statement_over_records_of_four_versions(tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ line above it, else the line below it, skipping blank and comment lines),
 matched line for line, indentation included, in the same function.  A line
 of the edit that resembles the line it replaces is a changed line, not an
 added one: changed and removed lines stay as the other version has them.
+Where an edit both adds lines and removes or rewrites lines beside them,
+which are added cannot be told, and nothing is carried.
 A run of added lines whose neighbours are not in the other version (or
 are there more than once, in no way told apart) is not carried, and
 neither is a version where the result does not parse: the caller skips
@@ -22,7 +24,8 @@ from typing import NamedTuple
 
 __all__ = ["Carried", "base_of", "carry"]
 
-SIMILAR = 0.6  # a replacing line at least this like the line it replaces is a change
+SIMILAR = 0.6  # a replacing line at least this like the line it replaces may change it
+CLEARLY = 0.7  # beside added lines, each changed line at least this like its line
 
 
 class Carried(NamedTuple):
@@ -40,28 +43,68 @@ def _matcher(a, b):
     return difflib.SequenceMatcher(None, a, b, autojunk=False)
 
 
+def _similar(x: str, y: str) -> float:
+    s = _matcher(x.strip(), y.strip())
+    if s.real_quick_ratio() < SIMILAR or s.quick_ratio() < SIMILAR:
+        return 0.0
+    r = s.ratio()
+    return r if r >= SIMILAR else 0.0
+
+
+class Unclear(Exception):
+    """Lines of an edit that may be changed lines or added ones."""
+
+
 def _split_replacement(a_lines, b_lines, i1, j1):
     """Insertions among lines `b_lines` (from new line j1 + 1) that replace
-    `a_lines` (from base line i1 + 1): each line of b that resembles a line
-    of a (in order) changes it; the others are added after the last line
-    of a matched so far.  [(after base line p, lines, new line of the first)]."""
+    `a_lines` (from base line i1 + 1).  Lines are paired in order where they
+    resemble each other, the pairs chosen for the most likeness in all
+    (a changed line); a line of b left unpaired is added, after the last
+    line of a paired before it.  Where a line of a is left unpaired too, or
+    a pair is not clearly alike, which of b's lines are added cannot be
+    told: Unclear.
+    [(after base line p, lines, new line of the first)]."""
+    n, m = len(a_lines), len(b_lines)
+    if n * m > 40000:
+        raise Unclear(f"lines {j1 + 1}-{j1 + m}")
+    sim = [[_similar(x, y) for y in b_lines] for x in a_lines]
+    # best[i][j]: the most likeness pairing a[i:] with b[j:] in order
+    best = [[0.0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            pair = sim[i][j] + best[i + 1][j + 1] if sim[i][j] else 0.0
+            best[i][j] = max(pair, best[i + 1][j], best[i][j + 1])
+    paired_b, i, j, k_of = set(), 0, 0, {}
+    unpaired_a, weakest = 0, 1.0
+    while i < n and j < m:
+        if sim[i][j] and best[i][j] == sim[i][j] + best[i + 1][j + 1]:
+            paired_b.add(j)
+            k_of[j] = i + 1
+            weakest = min(weakest, sim[i][j])
+            i, j = i + 1, j + 1
+        elif best[i][j] == best[i + 1][j]:
+            unpaired_a += 1
+            i += 1
+        else:
+            j += 1
+    unpaired_a += n - i
+    added = [j for j in range(m) if j not in paired_b]
+    if not added:
+        return []  # changed lines only
+    if unpaired_a or weakest < CLEARLY:
+        # A line removed or rewritten beside added ones, or a change that
+        # is only somewhat like its line: which lines are added is a guess.
+        raise Unclear(f"line {j1 + added[0] + 1}")
     out, k = [], 0
-    for n, line in enumerate(b_lines):
-        hit = None
-        for m in range(k, len(a_lines)):
-            s = _matcher(a_lines[m].strip(), line.strip())
-            if s.real_quick_ratio() >= SIMILAR and s.quick_ratio() >= SIMILAR and \
-                    s.ratio() >= SIMILAR:
-                hit = m
-                break
-        if hit is not None:
-            k = hit + 1
+    for j in range(m):
+        if j in paired_b:
+            k = k_of[j]
             continue
         p = i1 + k
-        if out and out[-1][0] == p and out[-1][2] + len(out[-1][1]) == j1 + n + 1:
-            out[-1][1].append(line)
+        if out and out[-1][0] == p and out[-1][2] + len(out[-1][1]) == j1 + j + 1:
+            out[-1][1].append(b_lines[j])
         else:
-            out.append((p, [line], j1 + n + 1))
+            out.append((p, [b_lines[j]], j1 + j + 1))
     return out
 
 
@@ -107,20 +150,24 @@ class _Version:
         self.lines = text.splitlines()
         self.base, self.base_scopes = base, base_scopes
         self.scopes = _scopes(text, len(self.lines))
-        self.same = {}
+        self.same, self.taken = {}, {}  # base line <-> its line here, where the diff matched
         for tag, i1, i2, j1, _ in _matcher(base, self.lines).get_opcodes():
             if tag == "equal":
                 for k in range(i2 - i1):
                     self.same[i1 + k + 1] = j1 + k + 1
+                    self.taken[j1 + k + 1] = i1 + k + 1
         self.where: dict = {}  # (scope, text) -> its lines here, in order
         for i, line in enumerate(self.lines, 1):
             self.where.setdefault((self.scopes[i], line), []).append(i)
+        self.functions = set(self.scopes)
 
     def find(self, b: int) -> int | None:
         """The line of this version that is base line `b`, in the same
-        function: where the diff matched it, else the same line in the same
-        function at the same place among its copies there, else the one
-        line of that text in the version; None where none or several."""
+        function: where the diff matched it; else the same line at the same
+        place among its copies in the function; else, where the version has
+        no function of that name (renamed), the one line of that text in the
+        version.  A line the diff matched to another base line is none of
+        these.  None where there is no such line."""
         text, scope = self.base[b - 1], self.base_scopes[b]
         got = self.same.get(b)
         if got is not None and self.scopes[got] == scope:
@@ -129,9 +176,13 @@ class _Version:
                   and self.base_scopes[i] == scope)
         here = self.where.get((scope, text), [])
         if len(here) > nth:
-            return here[nth]
-        every = [i for i, line in enumerate(self.lines, 1) if line == text]
-        return every[0] if len(every) == 1 else None
+            got = here[nth]
+        elif scope not in self.functions:
+            every = [i for i, line in enumerate(self.lines, 1) if line == text]
+            got = every[0] if len(every) == 1 else None
+        else:
+            got = None
+        return got if got is not None and self.taken.get(got, b) == b else None
 
 
 def _quiet(line: str) -> bool:
@@ -140,14 +191,18 @@ def _quiet(line: str) -> bool:
 
 
 def base_of(new: str, versions: dict) -> object:
-    """The key of the version in `versions` ({key: text}) that the edited
-    script `new` differs least from (the one the user edited): the fewest
-    lines that one has and the other lacks; the first of those that tie."""
+    """The key of the version in `versions` ({key: text}, newest first) that
+    the edited script `new` was edited from: the newest that `new` only adds
+    lines to, else the one it differs least from (the fewest lines one has
+    and the other lacks; the newest of those that tie)."""
     b = new.splitlines()
     best, score = None, None
     for key, text in versions.items():
         a = text.splitlines()
-        same = sum(n for *_, n in _matcher(a, b).get_matching_blocks())
+        ops = _matcher(a, b).get_opcodes()
+        if all(tag in ("equal", "insert") for tag, *_ in ops):
+            return key
+        same = sum(i2 - i1 for tag, i1, i2, *_ in ops if tag == "equal")
         differ = len(a) + len(b) - 2 * same
         if score is None or differ < score:
             best, score = key, differ
@@ -158,7 +213,11 @@ def carry(base: str, new: str, other: str, name: str = "the script") -> Carried:
     """`other` with the lines that `new` adds to `base` (see the module's
     docstring)."""
     a, b = base.splitlines(), new.splitlines()
-    insertions = _added(a, b)
+    try:
+        insertions = _added(a, b)
+    except Unclear as e:
+        return Carried(None, f"{e} of {name} replace lines of the version edited so unlike them "
+                       "that flor cannot tell which lines are added and which changed")
     if not insertions:
         return Carried(other)
     version = _Version(a, _scopes(base, len(a)), other)
