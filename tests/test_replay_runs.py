@@ -138,6 +138,33 @@ def test_added_lines_are_carried_by_the_code_around_them():
                           "        print('t', t + x.item())\n        t = t + float(x)\n")
     got = carry(base, edited, base.replace("t = 0", "t = 0.0"))
     assert got.text is None and "cannot tell which lines are added" in got.why
+    # A line its function has twice (a warm-up loop's step) is an anchor
+    # only where the line on the other side confirms it.
+    warm = ("def fit(m, opt, data):\n    for _ in range(1):\n        for x in data:\n"
+            "            opt.step()\n"
+            "    for e in range(3):\n        for x in data:\n            opt.step()\n"
+            "        print(e)\n")
+    one = "def fit(m, opt, data):\n    for e in range(3):\n        for x in data:\n" \
+          "            opt.step()\n        print('epoch', e)\n"
+    edited = one.replace("opt.step()\n", "opt.step()\n            print('w')\n")
+    got = carry(one, edited, warm)
+    assert got.text is None and "not in this version" in got.why
+    # Lines the version has there already are not added again.
+    again = V1.replace("            opt.step()\n", "            opt.step()\n            " + PROBE + "\n")
+    assert carry(V1, with_probe(V1), again) == (again, None, 0, {})
+    # Lines that close the block above go where that block ends there.
+    epoch_end = V1.replace('        print(f"epoch', "        with torch.no_grad():\n"
+                           "            print('w', model.weight.norm().item())\n"
+                           '        print(f"epoch')
+    sched = V1.replace('        print(f"epoch', '        sched.step()\n        print(f"epoch')
+    got = carry(V1.replace('        print(f"epoch {epoch} loss {running:.5f}")\n', ""),
+                epoch_end.replace('        print(f"epoch {epoch} loss {running:.5f}")\n', ""),
+                sched.replace('        print(f"epoch {epoch} loss {running:.5f}")\n', ""))
+    assert got.text.index("sched.step()") < got.text.index("with torch.no_grad()")
+    # An added line that assigns what the changed line did: not told apart.
+    edited = base.replace("        t += x.item()\n",
+                          "        u = x.item()\n        t += x.item() * 2\n        print(u)\n")
+    assert "cannot tell" in carry(base, edited, base.replace("t = 0", "t = 0.0")).why
     # The version edited is the one the script differs least from: a newer
     # version with one line more is not it.
     assert base_of(with_probe(V4), {"a": V1, "b": V4, "c": V3}) == "b"

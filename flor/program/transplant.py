@@ -6,7 +6,10 @@ edited (a variable renamed, a line moved, an argument added).  What is
 carried is the lines the edit added: each run of added lines goes into the
 other version next to the same code it follows in the edited script (the
 line above it, else the line below it, skipping blank and comment lines),
-matched line for line, indentation included, in the same function.  A line
+matched line for line, indentation included, in the same function (a
+line its function has more than once counts only where the line on the
+other side confirms it; lines that close the block above go where that
+block ends; lines the version already has there are not added again).  A line
 of the edit that resembles the line it replaces is a changed line, not an
 added one: changed and removed lines stay as the other version has them.
 Where an edit both adds lines and removes or rewrites lines beside them,
@@ -51,6 +54,20 @@ def _similar(x: str, y: str) -> float:
     return r if r >= SIMILAR else 0.0
 
 
+def _targets(line: str):
+    """What an assignment on `line` assigns (None for another statement)."""
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:
+        return None
+    node = tree.body[0] if len(tree.body) == 1 else None
+    if isinstance(node, ast.Assign):
+        return [ast.dump(t) for t in node.targets]
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [ast.dump(node.target)]
+    return None
+
+
 class Unclear(Exception):
     """Lines of an edit that may be changed lines or added ones."""
 
@@ -91,9 +108,14 @@ def _split_replacement(a_lines, b_lines, i1, j1):
     added = [j for j in range(m) if j not in paired_b]
     if not added:
         return []  # changed lines only
-    if unpaired_a or weakest < CLEARLY:
-        # A line removed or rewritten beside added ones, or a change that
-        # is only somewhat like its line: which lines are added is a guess.
+    pairs = [(k_of[j] - 1, j) for j in paired_b]
+    if unpaired_a or weakest < CLEARLY or \
+            any(_targets(a_lines[i]) != _targets(b_lines[j]) for i, j in pairs) or \
+            any(_targets(b_lines[j]) is not None and _targets(b_lines[j]) == _targets(x)
+                for j in added for x in a_lines):
+        # A line removed or rewritten beside added ones, a change that is
+        # only somewhat like its line or assigns another name, or an added
+        # line that assigns what a replaced one did: which are added is a guess.
         raise Unclear(f"line {j1 + added[0] + 1}")
     out, k = [], 0
     for j in range(m):
@@ -160,6 +182,16 @@ class _Version:
         for i, line in enumerate(self.lines, 1):
             self.where.setdefault((self.scopes[i], line), []).append(i)
         self.functions = set(self.scopes)
+        self.base_where: dict = {}
+        for i, line in enumerate(base, 1):
+            self.base_where.setdefault((base_scopes[i], line), []).append(i)
+
+    def specific(self, b: int, got: int) -> bool:
+        """Whether base line `b`, found at line `got` here, is the only line
+        of its text in its function, in the base and here."""
+        key = (self.base_scopes[b], self.base[b - 1])
+        return len(self.base_where.get(key, ())) == 1 and \
+            len(self.where.get((self.scopes[got], self.lines[got - 1]), ())) == 1
 
     def find(self, b: int) -> int | None:
         """The line of this version that is base line `b`, in the same
@@ -183,6 +215,14 @@ class _Version:
         else:
             got = None
         return got if got is not None and self.taken.get(got, b) == b else None
+
+
+def _indent(lines) -> int:
+    """The indentation of the first line that says something."""
+    for x in lines:
+        if not _quiet(x):
+            return len(x) - len(x.lstrip())
+    return 0
 
 
 def _quiet(line: str) -> bool:
@@ -232,6 +272,17 @@ def carry(base: str, new: str, other: str, name: str = "the script") -> Carried:
             after += 1
         up = version.find(before) if before > 0 else None
         down = version.find(after) if after <= len(a) else None
+        # A line its function has more than once (`)`, `else:`, a repeated
+        # step) places the lines only where the line on their other side
+        # confirms it: next to it in this version too.
+        adjacent = up is not None and down is not None and \
+            all(_quiet(x) for x in c[up:down - 1]) and down > up
+        if up is not None and not (version.specific(before, up) or adjacent):
+            up = None
+        if down is not None and not (version.specific(after, down) or adjacent):
+            down = None
+        if up is not None and down is not None and _indent(lines) < _indent([a[before - 1]]):
+            up = None  # lines that close the block above go where it ends here
         if before == 0:
             where = 0 if down is None else down - 1
         elif up is not None:
@@ -244,6 +295,8 @@ def carry(base: str, new: str, other: str, name: str = "the script") -> Carried:
             return Carried(None, f"the code around the statement added at line {at} of {name} "
                            f"({first}) is not in this version: line {around!r} above it is "
                            "not (or not once in the same function), nor is the line below it")
+        if c[where:where + len(lines)] == lines or c[max(0, where - len(lines)):where] == lines:
+            continue  # the version has them there already
         placed.append((where, order, lines, at))
     at_lines = {}
     for where, _, lines, at in sorted(placed, key=lambda x: (-x[0], -x[1])):
