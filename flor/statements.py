@@ -17,8 +17,8 @@ added in replays of different records, or moved between two replays, has
 one name.  Identical statements in one function are told apart by their
 order: a copy added above one takes its name.  A statement whose text
 changes (a corrected statement) gets a new name; the values of the old
-one stay under the old name.  A line of the recorded file keeps its recorded number
-(``stdout@train.py:57``): it does not move.  The old name of an added
+one stay under the old name.  A line of the recorded file keeps its
+recorded number (``stdout@train.py:57``): it does not move.  The old name of an added
 line (``stdout@train.py:new:31``) still finds what that line printed
 (flor/store.py).  A statement that ``replay --runs`` carried onto an
 older version of the script (flor/replay/many.py) is named as it is in the

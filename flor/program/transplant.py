@@ -9,15 +9,15 @@ line above it, else the line below it, skipping blank and comment lines),
 matched line for line, indentation included, in the same function (a
 line its function has more than once counts only where the line on the
 other side confirms it; lines that close the block above go where that
-block ends; lines the version already has there are not added again).  A line
-of the edit that resembles the line it replaces is a changed line, not an
-added one: changed and removed lines stay as the other version has them.
-Where an edit both adds lines and removes or rewrites lines beside them,
-which are added cannot be told, and nothing is carried.
-A run of added lines whose neighbours are not in the other version (or
-are there more than once, in no way told apart) is not carried, and
-neither is a version where the result does not parse: the caller skips
-that record and says why.
+block ends; lines the version already has there are not added again).
+
+A line of the edit that resembles the line it replaces is a changed
+line, not an added one: changed and removed lines stay as the other
+version has them.  Where an edit both adds lines and removes or rewrites
+lines beside them, which are added cannot be told, and nothing is
+carried.  Nor is a run of added lines whose neighbours are not in the
+other version, nor a version where the result does not parse: the caller
+skips that record and says why.
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ record of it.  Each record is replayed as ``flor replay --run ID`` would
 arguments, and with its own recorded version of the script: where that
 version is not the one the user edited, the added lines are carried onto
 it (flor/program/transplant.py), and a record they cannot be carried onto
-is skipped with the reason.  The version the user edited is the record's
-source that the script shares the most lines with.  The replays' values
+is skipped with the reason.  The version the user edited is the newest
+record's source that the script only adds lines to, else the one it
+differs least from (transplant.base_of).  The replays' values
 are named alike (flor/statements.py), so that one ``flor.dataframe`` holds
 them all beside each run's arguments.
 
