@@ -30,6 +30,7 @@ import ast
 import hashlib
 
 from .context import PRINTED, parse_location
+from .program.syntax import bodies
 
 __all__ = ["Sources", "innermost", "printed_names", "STABLE"]
 
@@ -58,15 +59,13 @@ def _simple_statements(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 visit(node.body, scope + (node.name,))
                 continue
-            children = [getattr(node, f, None) for f in ("body", "orelse", "finalbody")]
-            children += [h.body for h in getattr(node, "handlers", ())]
-            children += [c.body for c in getattr(node, "cases", ())]
-            nested = [c for c in children if isinstance(c, list)]
-            if nested:
-                for c in nested:
-                    visit(c, scope)
-            else:
+            nested = bodies(node)
+            if not nested:
                 out.append((".".join(scope), node))
+            for _, sub in nested:
+                visit([x for part in sub for x in (
+                    part.body if isinstance(part, (ast.ExceptHandler, ast.match_case))
+                    else [part])], scope)
 
     visit(tree.body, ())
     return out
