@@ -2,6 +2,7 @@
 spread over it (flor/runtime/thinning.py): the files it removes are gone,
 their decisions say so, and replay and resume start only from files kept."""
 import copy
+import math
 import os
 import random
 
@@ -58,9 +59,9 @@ def test_the_kept_checkpoints_stay_spread_over_the_loop(limit, shape):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("limit", [2, 3, 8])
-def test_a_checkpoint_before_due_would_only_take_the_newest_ones_place(limit):
-    """Thinning.due(): the record does not ask the rule below it, where a
-    checkpoint would displace the newest kept one and buy no start point."""
+def test_a_checkpoint_from_due_on_buys_a_start_point(limit):
+    """Thinning.due(): the record does not ask the rule below it; a
+    checkpoint from it on never takes the newest kept one's place."""
     rng = random.Random(limit)
     t, at = Thinning(limit), 0
     for n in range(200):
@@ -71,11 +72,40 @@ def test_a_checkpoint_before_due_would_only_take_the_newest_ones_place(limit):
         if len(kept) < limit:
             assert due == 0
             continue
+        assert due > at
         for x in range(at + 1, at + 80):
             trial = copy.deepcopy(t)
             trial.written("loop", 0, x, f"ck{x}", n + 1)
-            displaced = at not in [i for i, _, _ in trial._kept[("loop", 0)]]
-            assert displaced == (x < due), (kept, x, due)
+            if at not in [i for i, _, _ in trial._kept[("loop", 0)]]:  # displaced
+                assert x < due, (kept, x, due)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("limit", [4, 16, 64])
+@pytest.mark.parametrize("every", [1, 7, 70])
+def test_a_loop_checkpointed_whenever_due_writes_fewer_as_it_runs(limit, every):
+    """A rule that could checkpoint every `every` iterations, asked only
+    where one is due: each one due is about 1 + 2 / limit times as far into
+    the loop as the one before, so the record writes about
+    limit + ln(n / n0) / ln(1 + 2 / limit) checkpoints in n iterations (n0:
+    where the loop reached its limit), not n / every; and at every moment
+    the largest gap (the iterations since the newest kept one included) is
+    at most twice an even spread's, in whole iterations."""
+    t, last, written, n = Thinning(limit), None, 0, 100_000
+    reached = None
+    for i in range(n):
+        if (last is None or i - last >= every) and i >= t.due("loop", 0):
+            t.written("loop", 0, i, f"ck{i}", written)
+            written, last = written + 1, i
+        kept = [p for p, _, _ in t._kept[("loop", 0)]]
+        if len(kept) < limit:
+            continue
+        reached = reached or i
+        gaps = [b - a for a, b in zip([-1] + kept, kept + [i])]
+        assert max(gaps) <= max(math.ceil(2 * (i + 1) / limit), every), (i, kept)
+    assert written <= limit + math.log(n / reached) / math.log(1 + 2 / limit) + 1, \
+        (written, reached)
+    assert written < n / every / 2
 
 
 class _Mat:

@@ -11,10 +11,12 @@ at most ``limit`` iteration checkpoints of each run of a loop
 DEFAULT_LIMIT).  When one more is written, one kept goes: the one whose
 removal leaves the smallest gap between its neighbours (the loop's start
 counts as a point before iteration 0; on ties, the oldest; never the
-newest).  Written at every iteration, the kept ones thin from the start
-of the loop onward to every second, every fourth... iteration: at any
-moment the largest gap is about 1.4 times an even spread's (twice at
-most), unless the adaptive rule left a larger one.
+newest).  Once a loop has its limit, the record asks the rule again only
+where a checkpoint is worth its cost (``due``): the kept ones thin from
+the start of the loop onward and the new ones grow sparser, and at any
+moment the largest gap, the loop's last iterations since the newest
+included, is at most twice an even spread's, unless the adaptive rule left
+a larger one.
 
 A file goes once its write, and that of the newer checkpoint that took
 its place, have finished (one whose newer checkpoint failed to write
@@ -99,15 +101,24 @@ class Thinning:
             self._tried = None
         if len(kept) == self.limit > 1:
             points = [origin] + [p[0] for p in kept]
-            self._due[(loop, run)] = points[-2] + min(
-                b - a for a, b in zip(points, points[2:]))
+            displaces = points[-2] + min(b - a for a, b in zip(points, points[2:]))
+            spread = -(-2 * (points[-1] - origin) // self.limit)  # twice an even spread's gap
+            self._due[(loop, run)] = max(displaces, points[-1] + spread)
 
     def due(self, loop, run) -> int:
-        """The first iteration of (loop, run) whose checkpoint would not just
-        take the place of the newest kept one: below it, the newest one's
-        removal leaves the smallest gap, and a checkpoint buys no start
-        point, only a newer one for ``record --resume`` (the newest is at
-        most one gap behind).  0 until the loop has its limit."""
+        """The first iteration of (loop, run) worth a checkpoint once the
+        loop has its limit (0 until then): the newest kept one plus twice
+        the gap of an even spread of the kept ones over the loop so far
+        (and never where the checkpoint would just take the newest one's
+        place: there its removal leaves the smallest gap).  Nearer, a
+        checkpoint buys only a newer start point for ``record --resume``,
+        at the price of removing an older one.  Written at every
+        iteration, a loop's checkpoints then grow sparser as it runs, each
+        about 1 + 2 / limit times as far into the loop as the one before:
+        a record writes about limit + (limit / 2) * ln(n / n0) of them in
+        n iterations (n0: where it reached the limit) rather than one at
+        every gap the rule allows, and ``record --resume`` gives up at
+        most that gap."""
         return self._due.get((loop, run), 0)
 
     def pending(self) -> bool:
