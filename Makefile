@@ -23,6 +23,8 @@ demo: setup
 # Two test processes (pytest-xdist): most of the suite's time is end-to-end
 # tests whose subprocesses run one torch thread each.
 PYTEST_JOBS := -n auto --maxprocesses=2
+# The slowest tests, listed after each full run: where CI's time goes.
+DURATIONS := --durations=25
 
 # Ray (the optional extra for replay --backend ray) is installed for its test,
 # which starts a local Ray cluster; Lightning, Accelerate and transformers for
@@ -34,7 +36,7 @@ test: setup
 	$(BIN)/$(PIP) 'ray>=2.9' 'omegaconf==2.3.0' 'jsonargparse==4.53.0'
 	$(BIN)/$(PIP) $(TORCH) 'mlflow==3.17.2'
 	$(BIN)/$(PIP) $(TORCH) 'lightning==2.6.6' 'accelerate==1.15.0' 'transformers==5.24.0'
-	$(BIN)/python -m pytest -q $(PYTEST_JOBS)
+	$(BIN)/python -m pytest -q $(PYTEST_JOBS) $(DURATIONS)
 
 # The edit-test loop's first step: the unit tier, the tests that run in the
 # test process (marker `unit`: no script recorded or replayed), in seconds.
@@ -70,7 +72,7 @@ test-asan:
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/python -c \
 		"import flor._core as c, sys; sys.exit(0 if '$(ASAN_VENV)' in c.__file__ else 'not the sanitizer build: ' + c.__file__)"
 	cd tests && $(ASAN_ENV) ../$(ASAN_VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_JOBS) \
-		-m "unit or core" .
+		$(DURATIONS) -m "unit or core" .
 
 # The manual as a site (mkdocs.yml): the command-line page must be what
 # docs/gen_cli.py makes of flor/cli.py, and MkDocs warnings are errors.
