@@ -464,3 +464,25 @@ def test_a_stopped_record_counts_every_iteration_it_stored(tmp_path):
     assert json.loads(printed[-1]["value"]).startswith("step 299 ")
     rep = flor(d, "replay", "steps.py")
     assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
+@pytest.mark.unit
+def test_the_main_loop_so_far_is_the_top_level_loop_that_has_run_longest():
+    """What a killed record's run row names as its main loop: a data
+    preparation loop that began first and ended soon is not it once the
+    training loop after it has run longer (record --resume restarted the
+    training from a checkpoint of the preparation loop's)."""
+    from flor.runtime.loops import Loops
+
+    loops = Loops(None)
+    loops.began = {("prep", 0): 100.0, ("train", 0): 101.0}
+    for i in range(10):  # 100.0 to 100.9
+        assert loops.main_so_far((None, "prep", 0, i), now=100.1 + i / 10) == ("prep", 0, i + 1)
+    # The training loop has run 0.5 s at its fifth iteration's end: less
+    # than the preparation loop's 1.0 s.
+    assert loops.main_so_far((None, "train", 0, 4), now=101.5) is None
+    assert loops.main_so_far((None, "train", 0, 9), now=102.0) == ("train", 0, 10)
+    assert loops.main_so_far((None, "train", 0, 10), now=102.1) == ("train", 0, 11)
+    # A later top-level loop is measured against the training loop's 1.1 s.
+    loops.began[("eval", 0)] = 103.0
+    assert loops.main_so_far((None, "eval", 0, 0), now=103.5) is None

@@ -83,6 +83,7 @@ class Loops:
         self.config: config.Config | None = None
         self._config_read = False
         self._main = None  # (loop, run, iterations) of the main loop so far
+        self._main_end = 0.0  # when its latest iteration ended (time.time())
         # top-level loop -> flor's seconds at the iterations of its runs that
         # ended (LoopFrame.own: the one running)
         self.own: dict[str, float] = {}
@@ -259,18 +260,17 @@ class Loops:
         items is the script's): a step loop's bookkeeping."""
         return self.own.get(frame[1], 0.0) + frame.own
 
-    def main_so_far(self, frame):
-        """Top-level iteration `frame` is done: (loop, run, iterations done)
-        if its loop is the main loop so far (the top-level loop running
-        longest), else None."""
+    def main_so_far(self, frame, now=None):
+        """Top-level iteration `frame` is done (at `now`, time.time()):
+        (loop, run, iterations done) if its loop is the main loop so far
+        (the top-level loop that has run longest, from its first
+        iteration's start to its latest iteration's end), else None."""
         loop, run, i = frame[1:4]
+        now = time.time() if now is None else now
         best = self._main
-        if best is None or (best[0] == loop and best[1] == run):
-            self._main = (loop, run, i + 1)
-            return self._main
-        now = time.time()
-        if now - self.began.get((loop, run), now) >= now - self.began[best[:2]]:
-            self._main = (loop, run, i + 1)
+        if best is None or (best[0] == loop and best[1] == run) or \
+                now - self.began.get((loop, run), now) >= self._main_end - self.began[best[:2]]:
+            self._main, self._main_end = (loop, run, i + 1), now
             return self._main
         return None
 
