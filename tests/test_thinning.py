@@ -81,20 +81,24 @@ def test_a_checkpoint_from_due_on_buys_a_start_point(limit):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("limit", [4, 16, 64])
+@pytest.mark.parametrize("limit", [1, 2, 4, 16, 64])
 @pytest.mark.parametrize("every", [1, 7, 70])
-def test_a_loop_checkpointed_whenever_due_writes_fewer_as_it_runs(limit, every):
-    """A rule that could checkpoint every `every` iterations, asked only
-    where one is due: each one due is about 1 + 2 / limit times as far into
-    the loop as the one before, so the record writes about
-    limit + ln(n / n0) / ln(1 + 2 / limit) checkpoints in n iterations (n0:
-    where the loop reached its limit), not n / every; and at every moment
-    the largest gap (the iterations since the newest kept one included) is
-    at most twice an even spread's, in whole iterations."""
+@pytest.mark.parametrize("grid", [False, True])
+def test_a_loop_checkpointed_whenever_due_writes_fewer_as_it_runs(limit, every, grid):
+    """A rule that can checkpoint `every` iterations after its last one (or,
+    `grid`, only at multiples of `every`), asked only where one is due:
+    each one due is about 1 + 2 / limit times as far into the loop as the
+    one before, so the record writes about limit + ln(n / n0) / ln(1 + 2 /
+    limit) checkpoints in n iterations (n0: where the loop reached its
+    limit), not n / every; and at every moment the largest gap (the
+    iterations since the newest kept one included) is at most twice an
+    even spread's, in whole iterations, plus what the rule waits once one
+    is due (every - 1)."""
     t, last, written, n = Thinning(limit), None, 0, 100_000
     reached = None
     for i in range(n):
-        if (last is None or i - last >= every) and i >= t.due("loop", 0):
+        can = i % every == 0 if grid else last is None or i - last >= every
+        if can and i >= t.due("loop", 0):
             t.written("loop", 0, i, f"ck{i}", written)
             written, last = written + 1, i
         kept = [p for p, _, _ in t._kept[("loop", 0)]]
@@ -102,7 +106,7 @@ def test_a_loop_checkpointed_whenever_due_writes_fewer_as_it_runs(limit, every):
             continue
         reached = reached or i
         gaps = [b - a for a, b in zip([-1] + kept, kept + [i])]
-        assert max(gaps) <= max(math.ceil(2 * (i + 1) / limit), every), (i, kept)
+        assert max(gaps) <= math.ceil(2 * (i + 1) / limit) + every - 1, (i, kept)
     assert written <= limit + math.log(n / reached) / math.log(1 + 2 / limit) + 1, \
         (written, reached)
     assert written < n / every / 2

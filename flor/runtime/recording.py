@@ -9,9 +9,9 @@ runtime/writes.py's Speeds), against C, the block's mean compute time;
 a checkpoint that passes is handed, with the random state, to a background
 Materializer.  Each decision and its reason is stored.  At a main loop's
 iterations the rule also weighs flor's own time there (B), and is not asked
-where it cannot say yes (charge.py's Waits) nor where the checkpoint would
-only take the place of the newest one kept (thinning.py).  The run's row in
-the store is recordrow.py's.
+where it cannot say yes (charge.py's Waits) nor, once a loop has all the
+iteration checkpoints a record keeps, before a new one is due
+(thinning.py's Thinning.due).  The run's row in the store is recordrow.py's.
 """
 from __future__ import annotations
 

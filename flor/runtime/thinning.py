@@ -15,8 +15,8 @@ newest).  Once a loop has its limit, the record asks the rule again only
 where a checkpoint is worth its cost (``due``): the kept ones thin from
 the start of the loop onward and the new ones grow sparser, and at any
 moment the largest gap, the loop's last iterations since the newest
-included, is at most twice an even spread's, unless the adaptive rule left
-a larger one.
+included, is at most twice an even spread's, plus however long the
+adaptive rule waited to say yes (or a larger gap the rule left).
 
 A file goes once its write, and that of the newer checkpoint that took
 its place, have finished (one whose newer checkpoint failed to write
@@ -99,11 +99,13 @@ class Thinning:
             _, gone, n = kept.pop(victim([p[0] for p in kept], origin))
             self._going.append((gone, n, name, number))
             self._tried = None
-        if len(kept) == self.limit > 1:
+        if len(kept) == self.limit:
             points = [origin] + [p[0] for p in kept]
-            displaces = points[-2] + min(b - a for a, b in zip(points, points[2:]))
             spread = -(-2 * (points[-1] - origin) // self.limit)  # twice an even spread's gap
-            self._due[(loop, run)] = max(displaces, points[-1] + spread)
+            due = points[-1] + spread
+            if self.limit > 1:  # where the newest one's removal leaves the smallest gap
+                due = max(due, points[-2] + min(b - a for a, b in zip(points, points[2:])))
+            self._due[(loop, run)] = due
 
     def due(self, loop, run) -> int:
         """The first iteration of (loop, run) worth a checkpoint once the
@@ -115,10 +117,13 @@ class Thinning:
         at the price of removing an older one.  Written at every
         iteration, a loop's checkpoints then grow sparser as it runs, each
         about 1 + 2 / limit times as far into the loop as the one before:
-        a record writes about limit + (limit / 2) * ln(n / n0) of them in
-        n iterations (n0: where it reached the limit) rather than one at
-        every gap the rule allows, and ``record --resume`` gives up at
-        most that gap."""
+        a record writes about limit + ln(n / n0) / ln(1 + 2 / limit) of
+        them in n iterations (n0: where it reached the limit; about
+        limit + (limit / 2) * ln(n / n0) for a large limit) rather than
+        one at every gap the rule allows.  The largest gap then stays
+        within twice an even spread's, plus however long the rule, once
+        a checkpoint is due, waits before it says yes; ``record --resume``
+        gives up at most that."""
         return self._due.get((loop, run), 0)
 
     def pending(self) -> bool:
