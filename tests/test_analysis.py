@@ -420,6 +420,87 @@ def test_probe_detection_steps_into_blocks_that_reach_a_changed_function():
     assert probe.other == [(8, "changed: for y in val[:2]:")]
 
 
+DCGAN = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Generator(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.main = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+
+        def forward(self, z):
+            return self.main(z)
+
+    def main():
+        netG = Generator()
+        opt = torch.optim.SGD(netG.parameters(), lr=0.1)
+        for epoch in range(3):
+            for x in torch.randn(5, 8).split(1):
+                loss = (netG(torch.randn(1, 4)) - x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            print(epoch)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_a_model_attribute_named_like_a_changed_function_is_no_call_of_it():
+    """pytorch/examples' DCGAN: Generator.forward calls self.main(z), an
+    nn.Sequential, and the script's main() holds the probe.  The forward
+    does not call main(), so the batch loop (which runs the forward) is
+    skipped."""
+    new = DCGAN.replace("        print(epoch)", "        print(epoch)\n"
+                        "        print(sum(p.norm() for p in netG.parameters()))")
+    changed = changed_functions({"s.py": DCGAN}, {"s.py": new})
+    assert changed == {"main"}
+    probe = detect(DCGAN, new, instrument(new, "s.py", lambda line: f"s.py:{line}"), changed)
+    assert probe.probed == set() and probe.other == []
+    # Once the forward is edited, the batch loop is stepped into.
+    edited = new.replace("return self.main(z)", "print(z.shape)\n        return self.main(z)")
+    changed = changed_functions({"s.py": DCGAN}, {"s.py": edited})
+    assert changed == {"main", "forward"}
+    probe = detect(DCGAN, edited, instrument(edited, "s.py", lambda line: f"s.py:{line}"),
+                   changed)
+    assert probe.probed == {"s.py:18"}  # (a line further down now)
+
+
+def test_the_call_graph_links_an_attribute_of_self_only_to_methods():
+    old = textwrap.dedent("""
+        class Trainer(Base):
+            def fit(self):
+                self.main()
+            def step(self):
+                super().update()
+            def evaluate(self):
+                self.model.update()
+            def update(self):
+                pass
+        def main():
+            pass
+        def update():
+            pass
+        def run(t):
+            t.main()
+        def loop(t):
+            update()
+    """)
+    def changed(edit_old, edit_new):
+        return changed_functions({"s.py": old}, {"s.py": old.replace(edit_old, edit_new)})
+    # The module's main(): fit's self.main() is no call of it; t.main() may be.
+    assert changed("def main():\n    pass", "def main():\n    print(1)") == {"main", "run"}
+    # The method update(): super().update() and self.model.update() may
+    # reach it, and so may a bare update() (by simple names, as before).
+    assert changed("    def update(self):\n        pass",
+                   "    def update(self):\n        print(1)") == \
+        {"update", "step", "evaluate", "loop"}
+    assert changed("def update():\n    pass", "def update():\n    print(1)") == \
+        {"update", "loop"}
+
+
 def test_probe_detection_steps_into_the_block_whose_function_lost_a_statement():
     """A statement deleted at the end of train() changes train(), not the
     function defined after it."""

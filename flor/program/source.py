@@ -26,7 +26,8 @@ import difflib
 from dataclasses import dataclass, field
 
 from ..context import location
-from .syntax import bodies, called_names, callers_closure, functions
+from .syntax import (bodies, call_graph, called_names, callers_closure, functions, reaches,
+                     simple_name)
 
 __all__ = ["BlockSite", "FileMap", "Comparison", "map_files", "changed_functions",
            "passed_as_values",
@@ -172,24 +173,26 @@ def map_files(old: dict[str, str], new: dict[str, str]) -> dict[str, FileMap]:
     return files
 
 
-def _changes(old: dict[str, str], new: dict[str, str]) -> tuple[set[str], dict]:
-    """(simple names of the functions whose definition changed, {simple
-    name: the simple names it calls}) over the current files."""
-    changed, calls = set(), {}
-    for _, text, cur in _pairs(old, new):
+def _changes(old: dict[str, str], new: dict[str, str]) -> tuple[set[str], dict, set[str]]:
+    """(the functions whose definition changed, what each function calls,
+    the methods), keyed ``file:qualname`` over the current files
+    (syntax.call_graph)."""
+    changed, trees = set(), {}
+    for rel, text, cur in _pairs(old, new):
         before = {k: ast.dump(v) for k, v in functions(ast.parse(text)).items()}
-        for qual, node in functions(ast.parse(cur)).items():
-            simple = qual.rsplit(".", 1)[-1]
-            calls.setdefault(simple, set()).update(called_names(node.body))
+        trees[rel] = ast.parse(cur)
+        for qual, node in functions(trees[rel]).items():
             if before.get(qual) != ast.dump(node):
-                changed.add(simple)
-    return changed, calls
+                changed.add(f"{rel}:{qual}")
+    calls, meths = call_graph(trees)
+    return changed, calls, meths
 
 
 def changed_functions(old: dict[str, str], new: dict[str, str]) -> set[str]:
     """Simple names of the functions whose definition changed, and of every
     function that calls one of them."""
-    return callers_closure(*_changes(old, new))
+    changed, calls, meths = _changes(old, new)
+    return {simple_name(k) for k in callers_closure(changed, calls, meths)}
 
 
 def passed_as_values(new: dict[str, str], names) -> set[str]:
@@ -217,17 +220,17 @@ def changed_outside(old: dict[str, str], new: dict[str, str], hooks) -> set[str]
     named in `hooks` (a library's hooks, which it calls at known points):
     those not in `hooks` that a function other than these, or nothing in
     the program, calls.  A new helper that only a hook calls is not one."""
-    changed, calls = _changes(old, new)
-    only_hooks = set(hooks)  # functions called only from these, directly or not
+    changed, calls, meths = _changes(old, new)
+    only_hooks = {k for k in calls if simple_name(k) in hooks}  # called only from these
     grew = True
     while grew:
         grew = False
-        for name in set(calls) - only_hooks:
-            callers = {f for f, called in calls.items() if name in called and f != name}
+        for key in set(calls) - only_hooks:
+            callers = {f for f, called in calls.items() if f != key and reaches(called, key, meths)}
             if callers and callers <= only_hooks:
-                only_hooks.add(name)
+                only_hooks.add(key)
                 grew = True
-    return changed - only_hooks
+    return {simple_name(k) for k in changed - only_hooks}
 
 
 def manual_blocks(old: dict[str, str], new: dict[str, str], files: dict[str, FileMap],

@@ -5,8 +5,9 @@
 - scopes: `walk_scope` (not entering nested functions, classes, lambdas),
   `assigned_names`, `loaded_names`, `free_names`;
 - paths, the objects statements read and change: `path_of`, `root`, `targets`;
-- functions and calls: `functions`, `called_names`, and `callers_closure`,
-  the fixpoint of "changed functions and everything that calls them".
+- functions and calls: `functions`, `methods`, `called_names`, `call_graph`
+  and `callers_closure`, the fixpoint of "changed functions and everything
+  that calls them".
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import copy
 
 __all__ = ["BODIES", "bodies", "is_compound", "header", "own_nodes", "simple_statements",
            "walk_scope", "assigned_names", "loaded_names", "free_names", "path_of", "root",
-           "targets", "functions", "called_names", "callers_closure"]
+           "targets", "functions", "methods", "called_names", "call_graph", "reaches",
+           "callers_closure", "simple_name"]
 
 # The fields of a compound statement that hold statements (or except
 # handlers and match cases, which hold statements), in source order.
@@ -205,6 +207,25 @@ def functions(tree) -> dict[str, ast.AST]:
     return out
 
 
+def methods(tree) -> set[str]:
+    """Qualified names (as `functions` gives them) of the functions defined
+    directly in a class body."""
+    out = set()
+
+    def visit(node, prefix, in_class):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if in_class:
+                    out.add(prefix + child.name)
+                visit(child, prefix + child.name + ".", False)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".", True)
+            else:
+                visit(child, prefix, in_class)
+    visit(tree, "", False)
+    return out
+
+
 def called_names(nodes) -> set[str]:
     """Simple names of everything `nodes` call: f() gives f, a.b.m() gives m."""
     names = set()
@@ -218,16 +239,77 @@ def called_names(nodes) -> set[str]:
     return names
 
 
-def callers_closure(changed: set[str], calls: dict[str, set[str]]) -> set[str]:
-    """`changed` function names and every function that calls one of them,
-    directly or not; `calls` maps a function's simple name to the simple
-    names it calls."""
+# Receivers that are an instance or a class: an attribute called on them
+# (self.m(), self.net.m(), cls.m(), super().m()) is a method, or an object
+# held in an attribute (self.main = nn.Sequential(...)), never a module's
+# function.
+_OWN = {"self", "cls"}
+
+
+def _on_instance(func: ast.Attribute) -> bool:
+    node = func.value
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Name) and node.func.id == "super"
+    return isinstance(node, ast.Name) and node.id in _OWN
+
+
+def _calls(nodes) -> set[str]:
+    """Like `called_names`, but an attribute called on an instance
+    (`_on_instance`) gives ``.m``: it can reach only a method named m."""
+    names = set()
+    for node in nodes:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call):
+                if isinstance(n.func, ast.Name):
+                    names.add(n.func.id)
+                elif isinstance(n.func, ast.Attribute):
+                    names.add(("." if _on_instance(n.func) else "") + n.func.attr)
+    return names
+
+
+def call_graph(trees: dict[str, ast.AST]) -> tuple[dict[str, set[str]], set[str]]:
+    """({``file:qualname``: what its body calls}, the keys that are
+    methods) over `trees` ({file: module tree}).  What a function calls is
+    given by simple names, f() and a.b.m() as f and m, except that an
+    attribute called on self, cls or super() is ``.m``: a method.  A
+    script's ``self.main(z)`` (an nn.Sequential held in an attribute) is
+    then no call of its function ``main``."""
+    calls, meths = {}, set()
+    for rel, tree in trees.items():
+        own = methods(tree)
+        for qual, node in functions(tree).items():
+            key = f"{rel}:{qual}"
+            calls[key] = _calls(node.body)
+            if qual in own:
+                meths.add(key)
+    return calls, meths
+
+
+def reaches(called: set[str], key: str, meths: set[str]) -> bool:
+    """Whether a function calling `called` (`call_graph`) may call the
+    function `key`, a method when `meths` holds it."""
+    simple = simple_name(key)
+    return simple in called or (key in meths and "." + simple in called)
+
+
+def callers_closure(changed: set[str], calls: dict[str, set[str]],
+                    meths: set[str] = frozenset()) -> set[str]:
+    """`changed` functions and every function that calls one of them,
+    directly or not, as keys of `calls` (`call_graph`)."""
     affected = set(changed)
     grew = True
     while grew:
         grew = False
-        for name, called in calls.items():
-            if name not in affected and called & affected:
-                affected.add(name)
+        for key, called in calls.items():
+            if key not in affected and any(reaches(called, a, meths) for a in affected):
+                affected.add(key)
                 grew = True
     return affected
+
+
+def simple_name(key: str) -> str:
+    """The simple name of a `call_graph` key (``s.py:Net.forward`` gives
+    forward)."""
+    return key.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
