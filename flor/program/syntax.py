@@ -226,19 +226,6 @@ def methods(tree) -> set[str]:
     return out
 
 
-def called_names(nodes) -> set[str]:
-    """Simple names of everything `nodes` call: f() gives f, a.b.m() gives m."""
-    names = set()
-    for node in nodes:
-        for n in ast.walk(node):
-            if isinstance(n, ast.Call):
-                if isinstance(n.func, ast.Name):
-                    names.add(n.func.id)
-                elif isinstance(n.func, ast.Attribute):
-                    names.add(n.func.attr)
-    return names
-
-
 # Receivers that are an instance or a class: an attribute called on them
 # (self.m(), self.net.m(), cls.m(), super().m()) is a method, or an object
 # held in an attribute (self.main = nn.Sequential(...)), never a module's
@@ -255,8 +242,9 @@ def _on_instance(func: ast.Attribute) -> bool:
     return isinstance(node, ast.Name) and node.id in _OWN
 
 
-def _calls(nodes) -> set[str]:
-    """Like `called_names`, but an attribute called on an instance
+def called_names(nodes, methods_apart: bool = False) -> set[str]:
+    """Simple names of everything `nodes` call: f() gives f, a.b.m() gives
+    m.  With `methods_apart`, an attribute called on an instance
     (`_on_instance`) gives ``.m``: it can reach only a method named m."""
     names = set()
     for node in nodes:
@@ -265,7 +253,8 @@ def _calls(nodes) -> set[str]:
                 if isinstance(n.func, ast.Name):
                     names.add(n.func.id)
                 elif isinstance(n.func, ast.Attribute):
-                    names.add(("." if _on_instance(n.func) else "") + n.func.attr)
+                    own = methods_apart and _on_instance(n.func)
+                    names.add(("." if own else "") + n.func.attr)
     return names
 
 
@@ -281,7 +270,7 @@ def call_graph(trees: dict[str, ast.AST]) -> tuple[dict[str, set[str]], set[str]
         own = methods(tree)
         for qual, node in functions(tree).items():
             key = f"{rel}:{qual}"
-            calls[key] = _calls(node.body)
+            calls[key] = called_names(node.body, methods_apart=True)
             if qual in own:
                 meths.add(key)
     return calls, meths
