@@ -72,6 +72,15 @@ class Layout:
         with open(os.path.join(run_dir, "handsfree.json"), "w") as f:
             json.dump(summary, f, indent=1)
 
+    def handsfree_summary(self, run_id) -> dict:
+        """A hands-free record's summary of its script's instrumentation
+        (handsfree.json: its loops and blocks); {} if it has none."""
+        try:
+            with open(os.path.join(self.run_dir(run_id), "handsfree.json")) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+
     def save_code_diff(self, run_id, text: str) -> str:
         """Keep the diff of a record's repository against its commit; returns
         its name in the run directory."""

@@ -273,6 +273,12 @@ IDIOM_CASES = {
     # optimizers stepped in comprehensions: the weights they change are state
     "comprehension_steps.py": (["--no-adaptive"], [], 'print(f"epoch',
                                'print("  w", round(models[0].weight.sum().item(), 6))', False),
+    # the gradients the batch loop leaves, read after it by the hindsight
+    # statement only: the record's checkpoints do not hold them, so the
+    # block runs again, and no worker starts from an iteration checkpoint
+    "grads_after_block.py": (["--no-adaptive"], ["--jobs", "2"], 'print(f"epoch',
+                             'print(f"  grad {model[2].weight.grad.norm().item():.6f}")',
+                             False),
     # a trainer class of the script: the block changes self through a method
     "trainer_class.py": (["--no-adaptive"], [], "self.log.append(total)",
                          'print("  w", self.model.weight.sum().item())', True),

@@ -293,9 +293,12 @@ def _compare(store, script, rec, source=None):
         inst = instrument_current(new[rel], script, lines, modules=modules)
         probe = detect(old[rel], new[rel], inst, cmp.changed_functions)
         cmp.probed = probe.probed
+        summary = inst.summary()
         hands_free = {"hindsight": probe.hindsight, "other": probe.other,
-                      "blocks": inst.summary()["blocks"]}
+                      "blocks": summary["blocks"], "grads": [], "grads_loops": []}
         code = inst.code
+        _gradients_read_anew(cmp, hands_free, store.layout.handsfree_summary(rec["run_id"]),
+                             summary)
         _compare_modules(cmp, hands_free, script, old, new,
                          store.layout.handsfree_modules(rec["run_id"]), modules)
         # A changed function handed to other code as a value (a callback)
@@ -322,10 +325,30 @@ def _compare_modules(cmp, hands_free, script, old, new, modules, analysis):
         inst = instrument_current(new[rel], script, lines, rel=rel, modules=analysis)
         probe = detect(old[rel], new[rel], inst, cmp.changed_functions)
         cmp.probed |= probe.probed
+        summary = inst.summary()
+        _gradients_read_anew(cmp, hands_free, modules[rel], summary)
         hands_free["hindsight"] += [(f"{rel}:{line}", text) for line, text in probe.hindsight]
         hands_free["other"] += [(f"{rel}:{line}", text) for line, text in probe.other]
-        hands_free["blocks"] += inst.summary()["blocks"]
+        hands_free["blocks"] += summary["blocks"]
     hands_free["modules"] = sorted(rel for rel in modules if rel in new)
+
+
+def _gradients_read_anew(cmp, hands_free, recorded: dict, current: dict):
+    """Blocks and loops after which the current script reads the parameters'
+    gradients where the recorded one did not (a hindsight statement that
+    prints a gradient norm after the batch loop): the record's checkpoints
+    of them do not hold the gradients (program/gradients.py), so such a
+    block runs again, and such a loop is not started from its iteration
+    checkpoints.  `recorded` and `current` are summaries as handsfree.json's."""
+    def live(summary, kind):
+        return {x["key"]: x.get("grads", False) for x in summary.get(kind) or []}
+    for kind, into in (("blocks", "grads"), ("loops", "grads_loops")):
+        before = live(recorded, kind)
+        anew = sorted(k for k, now in live(current, kind).items()
+                      if now and not before.get(k, False))
+        hands_free[into] += anew
+        if kind == "blocks":
+            cmp.probed |= set(anew)
 
 
 def worker_threads(rec, jobs: int, threads=None, cores=None):
@@ -405,13 +428,22 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     main_top = top_key(rec["main_loop"], rec["main_run"])
     total = min(r["iterations"] or 0 for r in group or [rec])
     restorable: dict = {}
+    # A worker passes the iterations before its segment by restoring their
+    # blocks; one after which the script now reads the gradients cannot be.
+    grads = set((hands_free or {}).get("grads", ()))
     for d in decisions:
         if is_outermost(d["ctx"]):
-            ok = bool(d["checkpoint"]) and d["block"] not in cmp.changed_end
+            ok = bool(d["checkpoint"]) and d["block"] not in cmp.changed_end and \
+                d["block"] not in grads
             restorable.setdefault(main_iteration(d, main_top), []).append(ok)
     resumable = {i for i in range(total) if all(restorable.get(i, [True]))}
     work, pseudo = iteration_costs(rec, decisions, loops, cmp.probed, cmp.changed_end)
     resume, restart = resume_points(store, rec, iterations, total)
+    if rec["main_loop"] in (hands_free or {}).get("grads_loops", ()):
+        resume, restart = {}, {}
+        notes.append(f"an iteration of the main loop ({rec['main_loop']}) may now read the "
+                     "gradients the one before left, which its iteration checkpoints do not "
+                     "hold: replay runs it from its first iteration")
     segments = partition(total, segments_for(jobs, work, rec) if part is None else jobs,
                          resumable, work, pseudo, restart)
     runs = {r["run"] for r in loops if r["loop"] == rec["main_loop"] and r["depth"] == 0}
@@ -508,6 +540,9 @@ def describe(plan: Plan, store: Store) -> list[str]:
         notes.append("stepping into changed blocks: " + ", ".join(sorted(plan.probed)))
     else:
         notes.append("no block changed: every block is skipped")
+    if hf is not None and hf.get("grads"):
+        notes.append("gradients read after " + ", ".join(hf["grads"]) + " (their "
+                     "checkpoints do not hold them): they run again")
     if plan.changed_end:
         notes.append("end() changed for: " + ", ".join(sorted(plan.changed_end)) +
                      " (their checkpoints are not used)")
