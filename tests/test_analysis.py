@@ -46,6 +46,29 @@ def test_rule_2_function_call_assignment_adds_only_targets():
     assert e.paths == ["y"] and e.rules["y"] == 2 and "model" not in e.rules
 
 
+def test_library_calls_that_change_their_first_argument_in_place():
+    """random.shuffle(order) (also from a function of the script, as a
+    parameter), a numpy Generator's shuffle, heapq and bisect change their
+    argument; a call that only reads it (sorted) changes nothing."""
+    e = effects("""
+        import bisect, heapq, random
+        from random import shuffle
+        def train_epoch(order):
+            random.shuffle(order)
+        for ep in range(2):
+            for x in data:
+                train_epoch(order)
+                rng.shuffle(idx)
+                shuffle(extra)
+                heapq.heappush(best, x)
+                bisect.insort(seen, x)
+                sorted(kept)
+                other.heappush(notheap, x)
+        """, "print(order, idx, extra, best, seen, kept, notheap, rng, other)")
+    assert {"order", "idx", "extra", "best", "seen", "rng", "other"} <= set(e.paths)
+    assert "kept" not in e.paths and "notheap" not in e.paths
+
+
 def test_rule_3_plain_assignment_and_augmented_assignment():
     e = effects("""
         total = 0

@@ -302,6 +302,24 @@ def test_training_idioms_replay_like_a_plain_run(tmp_path, name):
     assert "deferred checks passed" in rep.stderr, rep.stderr
 
 
+def test_a_list_shuffled_in_place_is_carried_to_a_later_segment(tmp_path):
+    """The training function shuffles the epoch's order in place
+    (random.shuffle(order)): the main loop carries the list, so a worker
+    that starts from an iteration checkpoint trains on the recorded order
+    (it used the order of the script's start: other values, checks failing)."""
+    d = str(tmp_path)
+    path = os.path.join(d, "train.py")
+    shutil.copy(os.path.join(IDIOMS, "shuffled_order.py"), path)
+    flor(d, "record", "--no-adaptive", "train.py")
+    edit(path, "total += loss.item()", 'print(f"  batch {i} {loss.item():.6f}")', after=True)
+    want = plain(d, "train.py").stdout
+    rep = flor(d, "replay", "--jobs", "2", "train.py",
+               env={"FLOR_ALL_JOBS": "1", "FLOR_SEGMENTS": "3"})
+    assert "in segments [0, 3), [3, 6)" in rep.stderr, rep.stderr
+    assert rep.stdout == want
+    assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
 def test_a_gan_kept_in_dicts_resumes_a_worker_from_an_iteration_checkpoint(tmp_path):
     """Models called as items of a dict (models["G"](z)) whose forward
     counts its calls, and a loop variable (m) that names one of them: a

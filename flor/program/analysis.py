@@ -41,8 +41,10 @@ then removed.  What remains is completed at run time with PyTorch's own
 relations (see handsfree.py): an optimizer adds its modules, a scheduler its
 optimizer, a GradScaler itself, and every checkpoint holds the random state.
 Calls to code outside the script (rule 5) are assumed not to change the
-caller's state except through their receiver; the deferred checks of replay
-catch the cases where that assumption fails.
+caller's state except through their receiver, and a few library functions
+known to change their first argument in place (``random.shuffle(order)``,
+``heapq.heappush(h, x)``: `_IN_PLACE`) change that argument; the deferred
+checks of replay catch the cases where that assumption fails.
 """
 from __future__ import annotations
 
@@ -598,6 +600,13 @@ def _rule(script, s, eff, scope, depth, stack, handled):
         return
     if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
         call = s.value
+        arg = _changed_argument(call)
+        if arg is not None and script.resolve(call, scope) is None:
+            if script.state(arg):  # random.shuffle(order): the argument, in place
+                eff.add(arg, 4)
+            if not isinstance(call.func, ast.Attribute):
+                handled.add(id(call))
+                return
         if isinstance(call.func, ast.Attribute) and script.resolve(call, scope) is None:  # rule 4
             obj = path_of(call.func.value)
             if obj is not None and script.state(obj):
@@ -608,6 +617,30 @@ def _rule(script, s, eff, scope, depth, stack, handled):
         handled.add(id(call))  # rule 5
         if not _apply_call(script, call, eff, scope, depth, stack):
             eff.unknown.append(s.lineno)
+
+
+# Library functions that change their first argument in place, by name (and
+# the module that must be their receiver, or None for any receiver): a list
+# shuffled by random.shuffle, numpy's shuffle or a Generator's; a heap; a
+# sorted list that bisect inserts into.
+_IN_PLACE = {"shuffle": None, "heappush": "heapq", "heappop": "heapq", "heapify": "heapq",
+             "heapreplace": "heapq", "heappushpop": "heapq", "insort": "bisect",
+             "insort_left": "bisect", "insort_right": "bisect"}
+
+
+def _changed_argument(call):
+    """The path of the argument a library call changes in place
+    (``random.shuffle(order)``: ``order``), or None."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else (
+        func.id if isinstance(func, ast.Name) else None)
+    if name not in _IN_PLACE or not call.args:
+        return None
+    module = _IN_PLACE[name]
+    if module is not None and isinstance(func, ast.Attribute) and \
+            (path_of(func.value) or "").rsplit(".", 1)[-1] != module:
+        return None
+    return path_of(call.args[0])
 
 
 def block_effects(script: Script, block: list, scope) -> Effects:
