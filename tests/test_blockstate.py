@@ -142,3 +142,27 @@ def test_the_random_state_is_held_packed_and_put_back_exactly():
     random.seed(99)
     blockstate.set_rng_state(older)
     assert [random.random() for _ in range(5)] + [random.gauss(0, 1)] == want
+
+
+def test_a_modules_loose_tensor_attributes_are_held_but_not_its_own_tensors(tmp_path):
+    """A tensor a module keeps as a plain attribute (a running center its
+    forward reassigns) is no state dict's: the checkpoint holds it and puts
+    it back; a tensor that shares a parameter's or buffer's memory, or that
+    requires gradients (an activation kept), is left out."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    m[0].center = torch.arange(4.0)
+    m[0].alias = m[0].weight.detach()           # the weight's memory
+    m[1].stats = m[1].running_mean.view(2, 2)   # a buffer's memory
+    m[0].kept = m[0](torch.ones(2, 3))          # requires gradients
+    m[1].seen = 5
+    (attrs,) = blockstate.module_attributes([m])
+    assert sorted(attrs) == ["0", "1"]
+    assert sorted(attrs["0"]) == ["center", "in_features", "out_features"]
+    assert sorted(attrs["1"]) == ["eps", "momentum", "num_features", "seen"]
+    path = str(tmp_path / "b.flor")
+    flor.checkpoint.save({"attrs": [attrs]}, path)
+    saved = flor.checkpoint.load(path)
+    m[0].center = torch.zeros(4)
+    m[1].seen = 0
+    blockstate.set_module_attributes([m], saved["attrs"])
+    assert torch.equal(m[0].center, torch.arange(4.0)) and m[1].seen == 5

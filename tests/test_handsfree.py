@@ -279,6 +279,11 @@ IDIOM_CASES = {
     "grads_after_block.py": (["--no-adaptive"], ["--jobs", "2"], 'print(f"epoch',
                              'print(f"  grad {model[2].weight.grad.norm().item():.6f}")',
                              False),
+    # a tensor attribute (no buffer) that the model's forward reassigns:
+    # the checkpoints hold it with the module's int and float attributes
+    "tensor_attribute.py": (["--no-adaptive"], [], 'print(f"epoch',
+                            'print(f"  center {model.center.norm().item():.6f} '
+                            'steps {model.steps}")', False),
     # a trainer class of the script: the block changes self through a method
     "trainer_class.py": (["--no-adaptive"], [], "self.log.append(total)",
                          'print("  w", self.model.weight.sum().item())', True),

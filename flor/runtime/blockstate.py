@@ -4,9 +4,9 @@
      "sig": ["torch.nn.modules...Net", ...],         # what end() received
      "objs": [model, optimizer, ...],                # the objects (flor.snapshot)
      "modes": [{submodule: training flag}, ...],     # per nn.Module, else None
-     "attrs": [{submodule: {name: value}}, ...],     # per nn.Module, else None: its int
-                                                     # and float attributes (no state
-                                                     # dict holds them)
+     "attrs": [{submodule: {name: value}}, ...],     # per nn.Module, else None: its int,
+                                                     # float and loose tensor attributes
+                                                     # (no state dict holds them)
      "ddp": [flag or None, ...],                     # per DistributedDataParallel: whether
                                                      # its next forward syncs buffers
      "held": [[[path, state], ...] or None, ...],    # per other object: what the state
@@ -269,24 +269,52 @@ def set_held_state(objs, found):
 
 def module_attributes(objs):
     """The attributes of every submodule of every nn.Module in objs that
-    its state dict leaves out though they may change as it trains (a step
-    counter its forward() increments): those not named with a leading
-    underscore whose values are ints or floats.  (Not strings, which are
-    mostly settings of this machine, such as a device; not tensors, which
-    may share memory with a parameter or be a batch the module kept; not
-    containers, which may be large.)"""
+    its state dict leaves out though they may change as it trains: those
+    not named with a leading underscore whose values are ints, floats, or
+    tensors that are no parameter's or buffer's (a running center its
+    forward() reassigns, `self.center = 0.9 * self.center + ...`; a tensor
+    that shares memory with a parameter or buffer, or that requires
+    gradients, is the model's own or an activation, and is left out).
+    (Not strings, which are mostly settings of this machine, such as a
+    device; not containers, which may be large.)"""
     torch = sys.modules.get("torch")
     out = []
     for o in objs:
         found = {}
         if torch is not None and isinstance(o, torch.nn.Module):
+            owned = None
             for name, m in o.named_modules():
-                attrs = {k: v for k, v in vars(m).items()
-                         if not k.startswith("_") and type(v) in (int, float)}
+                attrs = {}
+                for k, v in vars(m).items():
+                    if k.startswith("_"):
+                        continue
+                    if type(v) in (int, float):
+                        attrs[k] = v
+                    elif _loose_tensor(torch, v):
+                        if owned is None:
+                            owned = _storages(torch, o)
+                        if _storage(v) not in owned:
+                            attrs[k] = v
                 if attrs:
                     found[name] = attrs
         out.append(found or None)
     return out
+
+
+def _loose_tensor(torch, v) -> bool:
+    """A dense tensor held as a plain attribute that no autograd graph needs."""
+    return isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and \
+        type(v) is torch.Tensor and v.layout == torch.strided and not v.is_meta and \
+        not v.requires_grad and not v.is_quantized and not v.is_nested
+
+
+def _storage(t):
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+def _storages(torch, module) -> set:
+    """The storages of the parameters and buffers of `module`'s tree."""
+    return {_storage(t) for t in list(module.parameters()) + list(module.buffers())}
 
 
 def _is_module(o) -> bool:
@@ -304,6 +332,11 @@ def set_module_attributes(objs, attrs):
             except AttributeError:  # not in the edited program's module
                 continue
             for k, v in values.items():
+                live = getattr(m, k, None)
+                torch = sys.modules.get("torch")
+                if torch is not None and isinstance(v, torch.Tensor) and \
+                        isinstance(live, torch.Tensor):
+                    v = v.to(live.device)  # read onto the CPU
                 setattr(m, k, v)
 
 
