@@ -166,3 +166,20 @@ def test_a_modules_loose_tensor_attributes_are_held_but_not_its_own_tensors(tmp_
     m[1].seen = 0
     blockstate.set_module_attributes([m], saved["attrs"])
     assert torch.equal(m[0].center, torch.arange(4.0)) and m[1].seen == 5
+
+
+def test_a_tensor_attribute_tied_to_another_modules_weight_is_left_out():
+    """A module that keeps another module's weight as a plain attribute
+    (tied) must keep following it: restored as a copy, it would not."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tied = torch.nn.Module()
+    tied.w = model.weight.detach()
+    tied.own = torch.ones(2)
+    assert blockstate.module_attributes([model, opt, tied])[2] == {"": {"own": tied.own}}
+    assert blockstate.module_attributes([opt, tied])[1] == {"": {"own": tied.own}}
+    trainer = Trainer(0)
+    trainer.tied = torch.nn.Module()
+    trainer.tied.w = trainer.model[0].weight.detach()
+    (inner,) = blockstate.held_state([trainer])
+    assert all("w" not in (state.get("attrs") or {}).get("", {}) for _, state in inner)

@@ -244,7 +244,7 @@ def held_state(objs) -> list:
         for path, x in held(o, (torch.nn.Module, torch.optim.Optimizer)):
             if isinstance(x, torch.nn.Module):
                 found.append([path, {"modes": module_modes([x])[0],
-                                     "attrs": module_attributes([x])[0],
+                                     "attrs": module_attributes([x], objs)[0],
                                      "ddp": ddp_flags([x])[0]}])
             else:
                 found.append([path, {"opt_called": bool(getattr(x, "_opt_called", False))}])
@@ -267,22 +267,23 @@ def set_held_state(objs, found):
                 x._opt_called = True
 
 
-def module_attributes(objs):
+def module_attributes(objs, scope=None):
     """The attributes of every submodule of every nn.Module in objs that
     its state dict leaves out though they may change as it trains: those
     not named with a leading underscore whose values are ints, floats, or
     tensors that are no parameter's or buffer's (a running center its
-    forward() reassigns, `self.center = 0.9 * self.center + ...`; a tensor
-    that shares memory with a parameter or buffer, or that requires
-    gradients, is the model's own or an activation, and is left out).
-    (Not strings, which are mostly settings of this machine, such as a
-    device; not containers, which may be large.)"""
+    forward() reassigns, `self.center = 0.9 * self.center + ...`).  A
+    tensor that shares memory with a parameter or buffer of a module in
+    `scope` (objs, and what they hold; a weight tied by a plain attribute),
+    or that requires gradients, is the models' own or an activation, and
+    is left out.  (Not strings, which are mostly settings of this machine,
+    such as a device; not containers, which may be large.)"""
     torch = sys.modules.get("torch")
     out = []
+    owned = None
     for o in objs:
         found = {}
         if torch is not None and isinstance(o, torch.nn.Module):
-            owned = None
             for name, m in o.named_modules():
                 attrs = {}
                 for k, v in vars(m).items():
@@ -292,7 +293,7 @@ def module_attributes(objs):
                         attrs[k] = v
                     elif _loose_tensor(torch, v):
                         if owned is None:
-                            owned = _storages(torch, o)
+                            owned = _storages(torch, objs if scope is None else scope)
                         if _storage(v) not in owned:
                             attrs[k] = v
                 if attrs:
@@ -312,9 +313,19 @@ def _storage(t):
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
 
 
-def _storages(torch, module) -> set:
-    """The storages of the parameters and buffers of `module`'s tree."""
-    return {_storage(t) for t in list(module.parameters()) + list(module.buffers())}
+def _storages(torch, objs) -> set:
+    """The storages of the parameters and buffers of the modules in `objs`
+    and of those they hold, and of the parameters their optimizers hold."""
+    tensors = []
+    for o in objs:
+        parts = [o] if isinstance(o, (torch.nn.Module, torch.optim.Optimizer)) else \
+            [x for _, x in held(o, (torch.nn.Module, torch.optim.Optimizer))]
+        for x in parts:
+            if isinstance(x, torch.nn.Module):
+                tensors += list(x.parameters()) + list(x.buffers())
+            else:
+                tensors += [p for g in x.param_groups for p in g["params"]]
+    return {_storage(t) for t in tensors if isinstance(t, torch.Tensor)}
 
 
 def _is_module(o) -> bool:
