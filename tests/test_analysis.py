@@ -64,8 +64,9 @@ def test_library_calls_that_change_their_first_argument_in_place():
                 bisect.insort(seen, x)
                 sorted(kept)
                 other.heappush(notheap, x)
-        """, "print(order, idx, extra, best, seen, kept, notheap, rng, other)")
-    assert {"order", "idx", "extra", "best", "seen", "rng", "other"} <= set(e.paths)
+                pri, b = heapq.heappop(queue)
+        """, "print(order, idx, extra, best, seen, kept, notheap, rng, other, queue, pri, b)")
+    assert {"order", "idx", "extra", "best", "seen", "rng", "other", "queue"} <= set(e.paths)
     assert "kept" not in e.paths and "notheap" not in e.paths
 
 

@@ -579,6 +579,9 @@ def _rule(script, s, eff, scope, depth, stack, handled):
     elif isinstance(s, (ast.With, ast.AsyncWith)):
         targets = [i.optional_vars for i in s.items if i.optional_vars is not None]
     if targets is not None:
+        arg = _changed_argument(value) if isinstance(value, ast.Call) else None
+        if arg is not None and script.resolve(value, scope) is None and script.state(arg):
+            eff.add(arg, 4)  # pri, b = heapq.heappop(queue): queue, in place
         paths = [path_of(tt) for t in targets for tt in single_targets(t)]
         if any(p is not None and p in eff.rules for p in paths):
             _add_targets(eff, targets, 0, script)  # rule 0
