@@ -307,6 +307,24 @@ def test_training_idioms_replay_like_a_plain_run(tmp_path, name):
     assert "deferred checks passed" in rep.stderr, rep.stderr
 
 
+def test_forced_segments_never_pass_over_a_block_whose_gradients_are_now_read(tmp_path):
+    """The FLOR_SEGMENTS seam bypasses the planner: a segment start that
+    would restore, to pass over it, a block whose gradients the hindsight
+    statement now reads (its checkpoints do not hold them) is refused with
+    a message naming the seam (the worker crashed on grad None)."""
+    d = str(tmp_path)
+    path = os.path.join(d, "train.py")
+    shutil.copy(os.path.join(IDIOMS, "grads_after_block.py"), path)
+    flor(d, "record", "--no-adaptive", "train.py")
+    edit(path, 'print(f"epoch', 'print(f"  grad {model[2].weight.grad.norm().item():.6f}")',
+         after=False)
+    rep = flor(d, "replay", "--jobs", "2", "train.py", check=False,
+               env={"FLOR_ALL_JOBS": "1", "FLOR_SEGMENTS": "2"})
+    assert rep.returncode == 2, rep.stderr
+    assert "FLOR_SEGMENTS: a segment cannot start at iteration 2" in rep.stderr, rep.stderr
+    assert "Traceback" not in rep.stderr and rep.stdout == ""
+
+
 def test_a_list_shuffled_in_place_is_carried_to_a_later_segment(tmp_path):
     """The training function shuffles the epoch's order in place
     (random.shuffle(order)): the main loop carries the list, so a worker

@@ -431,11 +431,14 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
     # A worker passes the iterations before its segment by restoring their
     # blocks; one after which the script now reads the gradients cannot be.
     grads = set((hands_free or {}).get("grads", ()))
+    reads_grads = set()  # iterations with such a block
     for d in decisions:
         if is_outermost(d["ctx"]):
             ok = bool(d["checkpoint"]) and d["block"] not in cmp.changed_end and \
                 d["block"] not in grads
             restorable.setdefault(main_iteration(d, main_top), []).append(ok)
+            if d["block"] in grads:
+                reads_grads.add(main_iteration(d, main_top))
     resumable = {i for i in range(total) if all(restorable.get(i, [True]))}
     work, pseudo = iteration_costs(rec, decisions, loops, cmp.probed, cmp.changed_end)
     resume, restart = resume_points(store, rec, iterations, total)
@@ -468,6 +471,14 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
             threads = worker_threads(rec, jobs, asked_threads, cores)[0]
     if os.environ.get(SEGMENTS_ENV):
         segments = forced_segments(os.environ[SEGMENTS_ENV], total)
+        for start, _ in segments:
+            passed = sorted(i for i in reads_grads if i is not None and i < start)
+            if passed and start not in restart:
+                raise FlorError(
+                    f"{SEGMENTS_ENV}: a segment cannot start at iteration {start}: its worker "
+                    f"would pass over iteration {passed[-1]} by restoring a block whose "
+                    "gradients the edited script now reads, which its checkpoints do not "
+                    "hold; leave the planner to choose the segments")
     if local:
         notes += planning_notes(rec, main_s, segments, alone, costs, jobs)
     if len(runs) > 1:
