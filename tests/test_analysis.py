@@ -1430,3 +1430,164 @@ def test_a_block_calls_what_the_analysis_followed():
     inst = instrument(src, "/p/train.py", lambda line: f"train.py:{line}", mods)
     (block,) = inst.blocks
     assert "train_one_epoch" in block.calls and "tr1" in block.calls
+
+
+def _method_block(src, cls, method, index=0):
+    """The effects of the `index`th statement of `cls.method` in src."""
+    tree = ast.parse(textwrap.dedent(src))
+    script = Script(tree)
+    fn = next(m for m in script.classes[cls].body if getattr(m, "name", None) == method)
+    return block_effects(script, [fn.body[index]], fn)
+
+
+HOOKED = """
+    def recorder(store, name):
+        def hook(module, inputs, output):
+            store.setdefault(name, []).append(output.mean().item())
+        return hook
+
+    class Trainer:
+        def __init__(self, model):
+            self.model, self.calls, self.peaks, self.acts = model, 0, [], {}
+            model[0].register_forward_hook(self._count)
+            model[1].register_forward_hook(lambda m, i, o: self.peaks.append(o.max()))
+            model[2].register_forward_hook(recorder(self.acts, "head"))
+
+        def _count(self, module, inputs, output):
+            self.calls += 1
+
+        def train_epoch(self, X, Y):
+            for x, y in zip(X, Y):
+                loss(self.model(x), y).backward()
+    """
+
+
+def test_hooks_handed_over_change_what_the_block_that_runs_them_holds():
+    """A forward hook (a bound method of the trainer, a lambda, a closure a
+    factory makes) runs when the block calls the model: what it changes of
+    the object it was taken from, or of the names it closes over, is the
+    block's state, as the block names it (self here, the arguments of the
+    factory's call there)."""
+    e = _method_block(HOOKED, "Trainer", "train_epoch")
+    assert {"self.calls", "self.peaks", "self.acts"} <= set(e.paths)
+
+    factory_here = textwrap.dedent(HOOKED).replace(
+        "        for x, y in zip(X, Y):",
+        "        stats = {}\n"
+        "        self.model[2].register_forward_hook(recorder(stats, 'h'))\n"
+        "        for x, y in zip(X, Y):")
+    e = _method_block(factory_here, "Trainer", "train_epoch", index=2)
+    assert "stats" in e.paths
+
+
+def test_a_hook_on_an_object_of_the_module_level_changes_that_object():
+    e = effects("""
+        class Stats:
+            def hook(self, module, inputs, output):
+                self.seen += 1
+        stats = Stats()
+        model.register_forward_hook(stats.hook)
+        acts = []
+        model.head.register_forward_hook(lambda m, i, o: acts.append(o))
+        for epoch in range(2):
+            for x in data:
+                model(x)
+        """, "print(stats.seen, acts)")
+    assert {"stats.seen", "acts"} <= set(e.paths)
+
+
+def test_a_hook_whose_object_the_block_cannot_name_gives_up():
+    """The block is not in a method of the hook's class and binds no
+    instance of it: the analysis cannot say what the hook changes."""
+    from flor.program.analysis import GiveUp
+
+    with pytest.raises(GiveUp, match="Trainer._count"):
+        effects(textwrap.dedent(HOOKED) + textwrap.dedent("""
+            model = make_model()
+            for epoch in range(2):
+                for x in data:
+                    model(x)
+            """))
+
+
+def test_a_method_result_changed_in_place_changes_its_receiver():
+    e = effects("""
+        for epoch in range(2):
+            for x in data:
+                store.setdefault("acts", []).append(x)
+                book.get("losses").extend([x])
+        """, "print(store, book)")
+    assert e.paths == ["store", "book"]
+
+
+def test_hooks_bound_by_partial_defaults_and_callable_objects():
+    """A hook's own parameters name the objects a ``functools.partial``
+    bound or a lambda's defaults name; an instance of a class with
+    ``__call__`` changes itself; a static factory's parameter is its
+    argument (no self to skip); a callback called with arguments changes
+    those (``cb(stats, loss)``)."""
+    e = effects("""
+        import functools
+        def record(store, name, module, inp, out):
+            store.setdefault(name, []).append(out)
+        class SaveOutput:
+            def __call__(self, module, inp, out):
+                self.outputs.append(out)
+        class Meter:
+            def update(self, stats, loss):
+                stats["n"] += 1
+        class Hooks:
+            @staticmethod
+            def make(scale, storage):
+                def hook(module, inp, out):
+                    storage.append(scale * out)
+                return hook
+        acts, peaks, kept = {}, {}, []
+        save = SaveOutput()
+        meter = Meter()
+        model[0].register_forward_hook(functools.partial(record, acts, "fc1"))
+        model[1].register_forward_hook(save)
+        model[2].register_forward_hook(lambda m, i, o, into=peaks: into.update(o=o))
+        model[4].register_forward_hook(lambda m, i, o, s=book.setdefault("a", []): s.append(o))
+        model[3].register_forward_hook(Hooks.make(2.0, kept))
+        callbacks = [meter.update]
+        for epoch in range(2):
+            for x in data:
+                model(x)
+                for cb in callbacks:
+                    cb(stats, x)
+        """, "print(acts, save.outputs, peaks, kept, stats, book)")
+    assert {"acts", "save.outputs", "peaks", "kept", "stats['n']", "book"} <= set(e.paths)
+    assert "data" not in e.paths and "x" not in e.paths
+
+
+def test_a_block_that_registers_a_hook_is_left_to_run():
+    """No checkpoint holds the hooks a module has: a block that registers
+    one, passed over by restoring it, would leave the hook out."""
+    from flor.program.analysis import GiveUp
+
+    with pytest.raises(GiveUp, match="register_full_backward_hook"):
+        effects("""
+            for epoch in range(2):
+                for name, layer in model.named_children():
+                    layer.register_full_backward_hook(functools.partial(seen, name))
+            """)
+
+
+def test_a_hook_of_a_module_level_object_is_a_global_of_a_function():
+    tree = ast.parse(textwrap.dedent("""
+        class Monitor:
+            def __init__(self, model):
+                self.stats = []
+                model.register_forward_pre_hook(self.pre)
+            def pre(self, module, inp):
+                self.stats.append(inp)
+        def train_epoch(model, opt):
+            for x in data:
+                model(x)
+        monitor = Monitor(model)
+        """))
+    script = Script(tree)
+    fn = script.functions["train_epoch"]
+    e = block_effects(script, [fn.body[0]], fn)
+    assert e.globals == ["monitor.stats"]

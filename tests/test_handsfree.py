@@ -284,6 +284,11 @@ IDIOM_CASES = {
     "tensor_attribute.py": (["--no-adaptive"], [], 'print(f"epoch',
                             'print(f"  center {model.center.norm().item():.6f} '
                             'steps {model.steps}")', False),
+    # forward hooks that keep statistics on the trainer (a bound method, a
+    # lambda, a closure a factory makes): what they change is state of the
+    # blocks that call the model, two workers
+    "forward_hooks.py": (["--no-adaptive"], ["--jobs", "2"], 'print(f"epoch',
+                         'print(f"  w {self.model[2].weight.norm().item():.6f}")', False),
     # a trainer class of the script: the block changes self through a method
     "trainer_class.py": (["--no-adaptive"], [], "self.log.append(total)",
                          'print("  w", self.model.weight.sum().item())', True),

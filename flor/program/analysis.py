@@ -231,19 +231,220 @@ def _apply_call(script, call, eff, scope, depth, stack):
         # trainer's callbacks, a model's forward).
         inside_forward = isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
             scope.name in _FORWARDS
+        passed, inners = script.passed_methods(), script.inner_hooks()
         for candidate in script.may_run(call, scope):
             # A model's forward and __call__ where the block or a function it
             # calls (a trainer's train_epoch) calls a model, but not inside a
             # forward: there every layer's call would run every forward again
             # (a fixpoint over all of them, too slow to reach).
             if candidate.name not in _FORWARDS or depth == 0 or not inside_forward:
-                _apply_fn(script, candidate, call, eff, scope, depth, stack)
+                sites = passed.get(id(candidate), (None, None))[1] if not (
+                    isinstance(call.func, ast.Attribute) and call.func.attr == candidate.name) \
+                    else None
+                inner = inners.get(id(candidate))
+                # (Not for a hook's or forward's own calls, output.mean():
+                # the call of the model that runs them runs every hook.)
+                hooked = not (inside_forward or id(scope) in passed or id(scope) in inners)
+                if inner is not None and hooked:
+                    _apply_inner(script, candidate, inner[1], call, eff, scope, depth, stack)
+                elif sites and hooked:
+                    _apply_hook(script, candidate, sites, call, eff, scope, depth, stack)
+                if (inner is None and not sites) or candidate.name in _FORWARDS:
+                    _apply_fn(script, candidate, call, eff, scope, depth, stack)
         return False
     _apply_fn(script, fn, call, eff, scope, depth, stack)
     if fn is not None and isinstance(call.func, ast.Attribute):
         for override in script.overrides(fn):  # a subclass's, on self
             _apply_fn(script, override, call, eff, scope, depth, stack)
     return True
+
+
+def _apply_hook(script, fn, sites, call, eff, scope, depth, stack):
+    """The effects of `fn`, a method handed over as a bound method at
+    `sites` (``register_forward_hook(self._hook)``, an instance of a class
+    with ``__call__``) or a function handed over through
+    ``functools.partial``, run by `call` (``self.model(x)``, which runs
+    the hook, or ``cb(stats, loss)``): what it changes of its self is the
+    object the site took the method of, and of a parameter the argument the
+    site bound it to, or else the argument of `call` in its place, all as
+    the caller names them."""
+    owner = script.owner(fn)
+    params, _, by_param, globals_, free, calls = owner.summary(fn, depth + 1, stack)
+    _hook_globals(script, owner, fn, globals_ + free, eff, scope)
+    eff.calls |= calls
+    method = id(fn) in owner.method_class and _method_kind(fn) == "method"
+    for site in sites if by_param else []:
+        held = {}
+        names = params
+        if method and site.receiver is not None:
+            names = params[1:]
+            receiver = path_of(site.receiver)
+            held[params[0]] = [] if receiver is None else \
+                _named_here(script, site.script, site.scope, receiver, scope)
+        for param, arg in _bound(names, site.args, site.keywords):
+            held[param] = [] if path_of(arg) is None else \
+                _named_here(script, site.script, site.scope, path_of(arg), scope)
+        for param, arg in _bound(names[len(site.args):], call.args, call.keywords):
+            if param not in held and path_of(arg) is not None:
+                held[param] = [path_of(arg)]
+        for param, suffixes in by_param.items():
+            if param in held and not held[param]:
+                cls = owner.method_class.get(id(fn))
+                raise GiveUp(f"line {call.lineno} may run {cls.name + '.' if cls else ''}"
+                             f"{fn.name}(), handed over at line "
+                             f"{site.node.lineno} as a hook or callback, which changes "
+                             f"{param}{suffixes[0]}, an object this code has no name for")
+            _add_held(eff, held.get(param, []), suffixes)
+
+
+def _bound(params, args, keywords):
+    """(parameter, argument) pairs of a call's arguments, up to a splat."""
+    for i, a in enumerate(args):
+        if isinstance(a, ast.Starred):
+            return
+        if i < len(params):
+            yield params[i], a
+    for k in keywords:
+        if k.arg is not None:
+            yield k.arg, k.value
+
+
+def _apply_inner(script, fn, enclosing, call, eff, scope, depth, stack):
+    """The effects of a lambda or inner function `fn` of `enclosing`, handed
+    over as a value (a hook, a callback, a closure a factory returns), run
+    by `call`: what it changes of `enclosing`'s names, as the caller names
+    them (the same names where the caller is `enclosing`, the instances of
+    its class for a method's self, and for a parameter the argument of each
+    call of `enclosing`, as the caller names that), and of its own
+    parameters, the objects their defaults name (``store=self.acts``) or
+    else the arguments of `call`."""
+    owner = script.owner(fn)
+    params, _, by_param, globals_, free, calls = owner.summary(fn, depth + 1, stack)
+    eff.calls |= calls
+    if isinstance(enclosing, ast.Module):
+        _hook_globals(script, owner, fn, globals_ + free, eff, scope)
+        local, enclosing_params = set(), []
+    else:
+        args = enclosing.args
+        enclosing_params = [a.arg for a in args.posonlyargs + args.args]
+        local = assigned_names(enclosing.body) | set(enclosing_params) | \
+            {a.arg for a in args.kwonlyargs}
+        _hook_globals(script, owner, fn, globals_ + [p for p in free if root(p) not in local],
+                      eff, scope)
+    defaults = dict(zip(params[::-1], fn.args.defaults[::-1]))
+    defaults.update((a.arg, d) for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults)
+                    if d is not None)
+    for param, suffixes in by_param.items():
+        default = defaults.get(param)
+        # (store=self.acts.setdefault(name, []): a part of self.acts)
+        named = None if default is None else path_of(default) or _result_of(default)
+        if named is not None:
+            holders = _named_here(script, owner, enclosing, named, scope)
+            suffixes = suffixes if path_of(default) is not None else [""]
+            if not holders:
+                raise GiveUp(f"line {call.lineno} may run a function defined at line "
+                             f"{fn.lineno} and handed over as a value, which changes "
+                             f"{param}{suffixes[0]}, an object this code has no name for")
+        else:
+            holders = [path_of(a) for p, a in _bound(params, call.args, call.keywords)
+                       if p == param and path_of(a) is not None]
+        _add_held(eff, holders, suffixes)
+    for p in free:
+        r = root(p)
+        if r not in local:
+            continue
+        holders = _named_here(script, owner, enclosing, r, scope)
+        if not holders and r in enclosing_params and r != _first_param(owner, enclosing):
+            kind = _method_kind(enclosing) if id(enclosing) in owner.method_class else None
+            i = enclosing_params.index(r) - (1 if kind in ("method", "classmethod") else 0)
+            for site_script, site_scope, c in script.call_sites(enclosing):
+                kw = [k.value for k in c.keywords if k.arg == r]
+                arg = kw[0] if kw else c.args[i] if 0 <= i < len(c.args) else None
+                if arg is not None and path_of(arg) is not None:
+                    holders += _named_here(script, site_script, site_scope, path_of(arg), scope)
+        if not holders:
+            raise GiveUp(f"line {call.lineno} may run a function defined at line {fn.lineno} "
+                         f"in {enclosing.name}() and handed over as a value, which changes "
+                         f"{p}, a name of {enclosing.name}() this code cannot name")
+        _add_held(eff, holders, [p[len(r):]])
+
+
+def _named_here(script, site_script, site_scope, path, scope) -> list:
+    """How `scope` names what `path` names in `site_scope`: the same path in
+    the same scope; a method's self as the instances of its class (or of
+    classes derived one from the other) that `scope` names (its own self
+    among them); a module global as itself (``(path,)`` where `scope` is a
+    function: a global it changes)."""
+    if site_scope is scope:
+        return [path]
+    r = root(path)
+    if r == _first_param(site_script, site_scope):
+        cls = site_script.method_class[id(site_scope)].name
+        here = [name + path[len(r):] for name in _instances(script, scope, {cls})]
+        if not here and not isinstance(scope, ast.Module):  # monitor = Monitor(model)
+            here = [(name + path[len(r):],) for name in _instances(script, script.tree, {cls})
+                    if name not in assigned_names(scope.body)]
+        return here
+    if isinstance(site_scope, ast.Module) and site_script is script and \
+            r in script.module_names:
+        return [path] if isinstance(scope, ast.Module) else [(path,)]
+    return []
+
+
+def _add_held(eff, holders, suffixes):
+    for holder, suffix in ((h, x) for h in holders for x in suffixes):
+        if isinstance(holder, str):
+            eff.add(_capped(holder + suffix), 2)
+        elif _capped(holder[0] + suffix) not in eff.globals:
+            eff.globals.append(_capped(holder[0] + suffix))
+
+
+def _first_param(script, scope) -> str | None:
+    """The name of a method's self, where `scope` is a method (not a static
+    or class method)."""
+    args = getattr(scope, "args", None)
+    if id(scope) not in script.method_class or args is None or \
+            not (args.posonlyargs + args.args) or _method_kind(scope) != "method":
+        return None
+    return (args.posonlyargs + args.args)[0].arg
+
+
+def _instances(script, scope, classes: set) -> list:
+    """The names `scope` binds to instances of the given classes, or of
+    classes derived one from another with them (a method's self among them)."""
+    return [name for name, (_, of) in script.types(scope).items()
+            if of in classes or any(_derives(script, of, c) or _derives(script, c, of)
+                                    for c in classes)]
+
+
+def _hook_globals(script, owner, fn, paths, eff, scope):
+    """A hook's changes of module globals: the block's own names where it is
+    at the module level of the hook's file, else globals it changes."""
+    if not paths:
+        return
+    if owner is not script:
+        raise GiveUp(f"{fn.name}() of {os.path.basename(owner.path or '?')} changes the "
+                     f"globals of its module ({', '.join(paths[:3])})")
+    for g in paths:
+        if isinstance(scope, ast.Module):
+            eff.add(_capped(g), 2)
+        elif g not in eff.globals:
+            eff.globals.append(g)
+
+
+def _derives(script, name, base, seen=()) -> bool:
+    """Whether the project's class `name` derives from class `base`."""
+    classes = {c.name: c for s in script._scripts() for c in s.classes.values()}
+    c = classes.get(name)
+    if c is None or name in seen:
+        return False
+    for b in c.bases:
+        b_name = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) \
+            else None
+        if b_name == base or (b_name is not None and _derives(script, b_name, base,
+                                                                seen + (name,))):
+            return True
+    return False
 
 
 def _apply_fn(script, fn, call, eff, scope, depth, stack):
@@ -350,6 +551,14 @@ def _collect(script, stmts, eff, scope, depth, stack):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
                     n.func.id in OPAQUE:
                 raise GiveUp(f"line {n.lineno}: {n.func.id}()")
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                    n.func.attr.startswith("register_") and "hook" in n.func.attr and \
+                    (depth == 0 or n.func.attr != "register_hook"):
+                # What a hook is registered on is in no checkpoint: a block
+                # passed over by restoring it would leave the hook out.  (A
+                # tensor's hook that a forward registers on its activation
+                # goes with the activation.)
+                raise GiveUp(f"line {n.lineno}: {n.func.attr}(), a hook no checkpoint holds")
             if isinstance(n, ast.Name):
                 eff.reads.add(n.id)
     for s in simple_statements(stmts):
@@ -611,7 +820,7 @@ def _rule(script, s, eff, scope, depth, stack, handled):
                 handled.add(id(call))
                 return
         if isinstance(call.func, ast.Attribute) and script.resolve(call, scope) is None:  # rule 4
-            obj = path_of(call.func.value)
+            obj = path_of(call.func.value) or _result_of(call.func.value)
             if obj is not None and script.state(obj):
                 eff.add(obj, 4)
             else:
@@ -620,6 +829,16 @@ def _rule(script, s, eff, scope, depth, stack, handled):
         handled.add(id(call))  # rule 5
         if not _apply_call(script, call, eff, scope, depth, stack):
             eff.unknown.append(s.lineno)
+
+
+def _result_of(value) -> str | None:
+    """The object that a method's result, changed in place, may be part of:
+    ``store``, in ``store.setdefault(k, []).append(v)``."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        value = value.func.value
+        if path_of(value) is not None:
+            return path_of(value)
+    return None
 
 
 # Library functions that change their first argument in place, by name (and
