@@ -54,10 +54,11 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from . import hooks
 from .calls import MISSING, Calls, Modules
 from .iterators import advanced, iterated
-from .syntax import (assigned_names, called_names, comprehension_names, free_names, own_nodes,
-                     path_of, root, simple_statements, stops, walk_scope)
+from .syntax import (assigned_names, called_names, comprehension_names, free_names, method_kind,
+                     own_nodes, path_of, root, simple_statements, stops, walk_scope)
 from .syntax import targets as single_targets
 
 __all__ = ["Effects", "GiveUp", "MISSING", "Modules", "Script", "block_effects", "globals_changed",
@@ -272,7 +273,7 @@ def _apply_hook(script, fn, sites, call, eff, scope, depth, stack):
     params, _, by_param, globals_, free, calls = owner.summary(fn, depth + 1, stack)
     _hook_globals(script, owner, fn, globals_ + free, eff, scope)
     eff.calls |= calls
-    method = id(fn) in owner.method_class and _method_kind(fn) == "method"
+    method = id(fn) in owner.method_class and method_kind(fn) == "method"
     for site in sites if by_param else []:
         held = {}
         names = params
@@ -280,10 +281,10 @@ def _apply_hook(script, fn, sites, call, eff, scope, depth, stack):
             names = params[1:]
             receiver = path_of(site.receiver)
             held[params[0]] = [] if receiver is None else \
-                _named_here(script, site.script, site.scope, receiver, scope)
+                hooks.named_here(script, site.script, site.scope, receiver, scope)
         for param, arg in _bound(names, site.args, site.keywords):
             held[param] = [] if path_of(arg) is None else \
-                _named_here(script, site.script, site.scope, path_of(arg), scope)
+                hooks.named_here(script, site.script, site.scope, path_of(arg), scope)
         for param, arg in _bound(names[len(site.args):], call.args, call.keywords):
             if param not in held and path_of(arg) is not None:
                 held[param] = [path_of(arg)]
@@ -339,7 +340,7 @@ def _apply_inner(script, fn, enclosing, call, eff, scope, depth, stack):
         # (store=self.acts.setdefault(name, []): a part of self.acts)
         named = None if default is None else path_of(default) or _result_of(default)
         if named is not None:
-            holders = _named_here(script, owner, enclosing, named, scope)
+            holders = hooks.named_here(script, owner, enclosing, named, scope)
             suffixes = suffixes if path_of(default) is not None else [""]
             if not holders:
                 raise GiveUp(f"line {call.lineno} may run a function defined at line "
@@ -353,42 +354,21 @@ def _apply_inner(script, fn, enclosing, call, eff, scope, depth, stack):
         r = root(p)
         if r not in local:
             continue
-        holders = _named_here(script, owner, enclosing, r, scope)
-        if not holders and r in enclosing_params and r != _first_param(owner, enclosing):
-            kind = _method_kind(enclosing) if id(enclosing) in owner.method_class else None
+        holders = hooks.named_here(script, owner, enclosing, r, scope)
+        if not holders and r in enclosing_params and r != hooks.first_param(owner, enclosing):
+            kind = method_kind(enclosing) if id(enclosing) in owner.method_class else None
             i = enclosing_params.index(r) - (1 if kind in ("method", "classmethod") else 0)
             for site_script, site_scope, c in script.call_sites(enclosing):
                 kw = [k.value for k in c.keywords if k.arg == r]
                 arg = kw[0] if kw else c.args[i] if 0 <= i < len(c.args) else None
                 if arg is not None and path_of(arg) is not None:
-                    holders += _named_here(script, site_script, site_scope, path_of(arg), scope)
+                    holders += hooks.named_here(script, site_script, site_scope, path_of(arg),
+                                                scope)
         if not holders:
             raise GiveUp(f"line {call.lineno} may run a function defined at line {fn.lineno} "
                          f"in {enclosing.name}() and handed over as a value, which changes "
                          f"{p}, a name of {enclosing.name}() this code cannot name")
         _add_held(eff, holders, [p[len(r):]])
-
-
-def _named_here(script, site_script, site_scope, path, scope) -> list:
-    """How `scope` names what `path` names in `site_scope`: the same path in
-    the same scope; a method's self as the instances of its class (or of
-    classes derived one from the other) that `scope` names (its own self
-    among them); a module global as itself (``(path,)`` where `scope` is a
-    function: a global it changes)."""
-    if site_scope is scope:
-        return [path]
-    r = root(path)
-    if r == _first_param(site_script, site_scope):
-        cls = site_script.method_class[id(site_scope)].name
-        here = [name + path[len(r):] for name in _instances(script, scope, {cls})]
-        if not here and not isinstance(scope, ast.Module):  # monitor = Monitor(model)
-            here = [(name + path[len(r):],) for name in _instances(script, script.tree, {cls})
-                    if name not in assigned_names(scope.body)]
-        return here
-    if isinstance(site_scope, ast.Module) and site_script is script and \
-            r in script.module_names:
-        return [path] if isinstance(scope, ast.Module) else [(path,)]
-    return []
 
 
 def _add_held(eff, holders, suffixes):
@@ -397,24 +377,6 @@ def _add_held(eff, holders, suffixes):
             eff.add(_capped(holder + suffix), 2)
         elif _capped(holder[0] + suffix) not in eff.globals:
             eff.globals.append(_capped(holder[0] + suffix))
-
-
-def _first_param(script, scope) -> str | None:
-    """The name of a method's self, where `scope` is a method (not a static
-    or class method)."""
-    args = getattr(scope, "args", None)
-    if id(scope) not in script.method_class or args is None or \
-            not (args.posonlyargs + args.args) or _method_kind(scope) != "method":
-        return None
-    return (args.posonlyargs + args.args)[0].arg
-
-
-def _instances(script, scope, classes: set) -> list:
-    """The names `scope` binds to instances of the given classes, or of
-    classes derived one from another with them (a method's self among them)."""
-    return [name for name, (_, of) in script.types(scope).items()
-            if of in classes or any(_derives(script, of, c) or _derives(script, c, of)
-                                    for c in classes)]
 
 
 def _hook_globals(script, owner, fn, paths, eff, scope):
@@ -430,21 +392,6 @@ def _hook_globals(script, owner, fn, paths, eff, scope):
             eff.add(_capped(g), 2)
         elif g not in eff.globals:
             eff.globals.append(g)
-
-
-def _derives(script, name, base, seen=()) -> bool:
-    """Whether the project's class `name` derives from class `base`."""
-    classes = {c.name: c for s in script._scripts() for c in s.classes.values()}
-    c = classes.get(name)
-    if c is None or name in seen:
-        return False
-    for b in c.bases:
-        b_name = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) \
-            else None
-        if b_name == base or (b_name is not None and _derives(script, b_name, base,
-                                                                seen + (name,))):
-            return True
-    return False
 
 
 def _apply_fn(script, fn, call, eff, scope, depth, stack):
@@ -465,7 +412,7 @@ def _apply_fn(script, fn, call, eff, scope, depth, stack):
         return
     bound: dict[str, ast.AST] = {}
     splat = False
-    kind = _method_kind(fn) if fn is not None and id(fn) in owner.method_class else None
+    kind = method_kind(fn) if fn is not None and id(fn) in owner.method_class else None
     # The object a method runs on: obj's in obj.name(...); the object called
     # in net(x) and self.model(x) (its forward or __call__).
     called = kind is not None and fn.name in ("forward", "__call__") and not (
@@ -517,12 +464,6 @@ def _capped(path: str) -> str:
     r = root(path)
     steps = _STEP.findall(path[len(r):])
     return r + "".join(steps[:MAX_STEPS]) if len(steps) > MAX_STEPS else path
-
-
-def _method_kind(fn) -> str:
-    names = {d.id for d in fn.decorator_list if isinstance(d, ast.Name)}
-    return "classmethod" if "classmethod" in names else \
-        "staticmethod" if "staticmethod" in names else "method"
 
 
 def _class_expr(script, receiver, scope, fn):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import ast
 import builtins
 import os
-from typing import NamedTuple
 
+from . import hooks
 from .syntax import assigned_names, path_of, root, walk_scope
 
-__all__ = ["MISSING", "Modules", "Calls", "Site", "imports_of"]
+__all__ = ["MISSING", "Modules", "Calls", "imports_of"]
 
 MISSING = "missing"  # what Modules' find gives for a module found nowhere
 _BUILTINS = set(dir(builtins))
@@ -322,103 +322,28 @@ class Calls:
             self._callable_list = list({id(f): f for f in out}.values())
         return self._callable_list
 
+    def project_classes(self) -> dict:
+        """{name: class} of the classes of the project's files."""
+        return {c.name: c for s in self._scripts() for c in s.classes.values()}
+
+    def passed_methods(self) -> dict:
+        """{id(method): (method, [Site])}: hooks.handed_over, once."""
+        if self._passed_methods is None:
+            self._passed_methods = hooks.handed_over(self._scripts())
+        return self._passed_methods
+
     def inner_hooks(self) -> dict:
-        """{id(fn): (fn, enclosing)} for each lambda, and each function
-        defined in another, that the code hands over as a value to run
-        later (``register_forward_hook(lambda m, i, o: acts.append(...))``,
-        ``return hook``) rather than only calling it where it is defined:
-        `fn` the definition (one made once for a lambda) and `enclosing`
-        the function, or module, it is defined in."""
+        """{id(fn): (fn, enclosing)}: hooks.inner_functions, once."""
         if self._inner_hooks is None:
-            out: dict = {}
-            for s in self._scripts():
-                for enclosing in [s.tree] + [n for n in ast.walk(s.tree) if isinstance(
-                        n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
-                    nodes = list(walk_scope(enclosing.body))
-                    called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
-                    valued = {n.id for n in nodes if isinstance(n, ast.Name) and
-                              isinstance(n.ctx, ast.Load) and id(n) not in called}
-                    for n in nodes:
-                        if isinstance(n, ast.Lambda):
-                            fn = _as_function(n)
-                        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
-                                enclosing is not s.tree and n.name in valued:
-                            fn = n
-                        else:
-                            continue
-                        if self.modules is not None:
-                            self.modules.owners[id(fn)] = s
-                        out[id(fn)] = (fn, enclosing)
-            self._inner_hooks = out
+            self._inner_hooks = hooks.inner_functions(self._scripts(), self.modules)
         return self._inner_hooks
 
     def call_sites(self, fn) -> list:
         """(Script, scope, call) for each call in the project that runs
         function `fn` by its name (``recorder(self.acts, "head")``)."""
         if self._call_sites is None:
-            self._call_sites = {}
-            for s in self._scripts():
-                for scope in [s.tree] + [n for n in ast.walk(s.tree) if isinstance(
-                        n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
-                    for n in walk_scope(scope.body):
-                        if isinstance(n, ast.Call):
-                            callee = s.resolve(n, scope)
-                            if callee is not None:
-                                self._call_sites.setdefault(id(callee), []).append(
-                                    (s, scope, n))
+            self._call_sites = hooks.calls_by_callee(self._scripts())
         return self._call_sites.get(id(fn), [])
-
-    def passed_methods(self) -> dict:
-        """{id(method): (method, sites)} for each method of the project's
-        classes that some code hands over as a bound method, to run later
-        as a hook or callback (``layer.register_forward_hook(self._hook)``,
-        ``callbacks=[trainer.on_step]``, ``partial(self._hook, name)``, an
-        instance of a class with ``__call__``), and each module-level
-        function handed over through ``functools.partial``: each site is a
-        `Site`."""
-        if self._passed_methods is None:
-            methods: dict = {}
-            callable_classes: dict = {}
-            for s in self._scripts():
-                for c in s.classes.values():
-                    for m in c.body:
-                        if not isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
-                                any(_attribute_like(d) for d in m.decorator_list):
-                            continue
-                        if m.name == "__call__":
-                            callable_classes.setdefault(c.name, []).append(m)
-                        elif m.name != "forward":
-                            methods.setdefault(m.name, []).append(m)
-            out: dict = {}
-            for s in self._scripts():
-                called = {id(n.func) for n in ast.walk(s.tree) if isinstance(n, ast.Call)}
-                scopes = [s.tree] + [n for n in ast.walk(s.tree) if isinstance(
-                    n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
-                for scope in scopes:
-                    body = [scope.body] if isinstance(scope, ast.Lambda) else scope.body
-                    nodes = list(walk_scope(body))
-                    partials = {id(n.args[0]): n for n in nodes if isinstance(n, ast.Call)
-                                and n.args and (path_of(n.func) or "").split(".")[-1]
-                                == "partial"}
-                    types = s.types(scope) if not isinstance(scope, ast.Lambda) else {}
-                    for n in nodes:
-                        if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
-                            continue
-                        found, receiver = [], None
-                        if isinstance(n, ast.Attribute) and n.attr in methods:
-                            found, receiver = methods[n.attr], n.value
-                        elif isinstance(n, ast.Name) and n.id in types:
-                            found, receiver = callable_classes.get(types[n.id][1], []), n
-                        elif isinstance(n, ast.Name) and id(n) in partials and \
-                                s.functions.get(n.id) is not None:
-                            found = [s.functions[n.id]]
-                        part = partials.get(id(n))
-                        for m in found:
-                            out.setdefault(id(m), (m, []))[1].append(Site(
-                                s, scope, n, receiver, part.args[1:] if part else [],
-                                part.keywords if part else []))
-            self._passed_methods = out
-        return self._passed_methods
 
     def overrides(self, fn) -> list:
         """The methods that override method `fn` in the project's classes
@@ -428,7 +353,7 @@ class Calls:
         cls = owner.method_class.get(id(fn))
         if cls is None:
             return []
-        classes = {c.name: c for s in self._scripts() for c in s.classes.values()}
+        classes = self.project_classes()
 
         def derives(c, seen=()):
             for b in c.bases:
@@ -489,36 +414,6 @@ class Calls:
                 self.resolve(call, scope) is not None
         return self.resolve(call, scope) is not None
 
-
-
-class Site(NamedTuple):
-    """Where code hands a method or function over to run later: in `scope`
-    of `script`, at `node`; `receiver` the expression of the object whose
-    method it is (None for a function), and the arguments a
-    ``functools.partial`` binds first (`args`, `keywords`)."""
-    script: object
-    scope: ast.AST
-    node: ast.AST
-    receiver: ast.AST | None
-    args: list
-    keywords: list
-
-
-def _attribute_like(decorator) -> bool:
-    """A decorator that makes a method read as an attribute (``@property``,
-    ``@functools.cached_property``, ``@x.setter``), never handed over."""
-    name = decorator.id if isinstance(decorator, ast.Name) else \
-        decorator.attr if isinstance(decorator, ast.Attribute) else None
-    return name in ("property", "cached_property", "setter", "getter", "deleter")
-
-
-def _as_function(lam: ast.Lambda) -> ast.FunctionDef:
-    """A function definition that stands for a lambda (its body an expression
-    statement: what it changes, not what it gives)."""
-    body = [ast.copy_location(ast.Expr(value=lam.body), lam.body)]
-    fn = ast.FunctionDef(name="<lambda>", args=lam.args, body=body, decorator_list=[],
-                         returns=None, type_comment=None, type_params=[])
-    return ast.copy_location(fn, lam)
 
 
 def _passed_names(tree) -> set[str]:

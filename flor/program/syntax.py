@@ -5,7 +5,7 @@
 - scopes: `walk_scope` (not entering nested functions, classes, lambdas),
   `assigned_names`, `loaded_names`, `free_names`;
 - paths, the objects statements read and change: `path_of`, `root`, `targets`;
-- functions and calls: `functions`, `methods`, `called_names`, `call_graph`
+- functions and calls: `method_kind`, `functions`, `methods`, `called_names`, `call_graph`
   and `callers_closure`, the fixpoint of "changed functions and everything
   that calls them".
 """
@@ -16,7 +16,7 @@ import copy
 
 __all__ = ["BODIES", "bodies", "is_compound", "header", "own_nodes", "simple_statements",
            "walk_scope", "assigned_names", "loaded_names", "free_names", "path_of", "root",
-           "targets", "functions", "methods", "called_names", "call_graph", "reaches",
+           "targets", "method_kind", "functions", "methods", "called_names", "call_graph", "reaches",
            "callers_closure", "simple_name"]
 
 # The fields of a compound statement that hold statements (or except
@@ -173,6 +173,14 @@ def _path(node):
             node.slice.value, (int, str)) and not isinstance(node.slice.value, bool):
         return f"{base[0]}[{node.slice.value!r}]", False
     return base[0], True
+
+
+def method_kind(fn) -> str:
+    """A method's kind by its decorators: "classmethod", "staticmethod" or
+    "method"."""
+    names = {d.id for d in fn.decorator_list if isinstance(d, ast.Name)}
+    return "classmethod" if "classmethod" in names else \
+        "staticmethod" if "staticmethod" in names else "method"
 
 
 def root(path: str) -> str:
