@@ -1591,3 +1591,111 @@ def test_a_hook_of_a_module_level_object_is_a_global_of_a_function():
     fn = script.functions["train_epoch"]
     e = block_effects(script, [fn.body[0]], fn)
     assert e.globals == ["monitor.stats"]
+
+
+def test_a_hook_taken_from_a_loop_variable_is_one_object_of_many():
+    """``[m.layer.register_forward_hook(m.record) for m in mons]``: the
+    variable names one monitor of many (the last, where a loop leaves
+    it), so the analysis gives up rather than name it."""
+    from flor.program.analysis import GiveUp
+
+    for register in ("handles = [m.layer.register_forward_hook(m.record) for m in mons]",
+                     "for m in mons:\n    m.layer.register_forward_hook(m.record)"):
+        with pytest.raises(GiveUp, match="ActMonitor.record"):
+            effects(textwrap.dedent("""
+                class ActMonitor:
+                    def record(self, module, inp, out):
+                        self.n += 1
+                mons = [ActMonitor(model[0]), ActMonitor(model[2])]
+                """) + register + textwrap.dedent("""
+                for epoch in range(2):
+                    for x in data:
+                        model(x)
+                """), "print(mons[0].n)")
+
+
+def test_callbacks_the_analysis_must_see_or_give_up_on():
+    """A callback registered by the project's own decorator is handed
+    over; one whose changed argument has no name here gives up; a lambda
+    a builtin runs at once, and a callable object the block reaches as an
+    attribute, hand nothing over."""
+    from flor.program.analysis import GiveUp
+
+    e = effects("""
+        CALLBACKS = []
+        def on_step(fn):
+            CALLBACKS.append(fn)
+            return fn
+        @on_step
+        def track(loss):
+            best["loss"] = loss
+        for epoch in range(2):
+            for x in data:
+                for cb in CALLBACKS:
+                    cb(x)
+        """, "print(best)")
+    assert "best['loss']" in e.globals
+    with pytest.raises(GiveUp, match="an argument this code has no name for"):
+        effects("""
+            log = lambda store, v: store.append(v)
+            for epoch in range(2):
+                for x in data:
+                    log(pick("train"), x)
+            """)
+    tree = ast.parse(textwrap.dedent("""
+        class Accuracy:
+            def __init__(self):
+                self.correct = 0
+            def __call__(self, out, y):
+                self.correct += 1
+        class Trainer:
+            def __init__(self):
+                self.metric = Accuracy()
+            def train_epoch(self):
+                for x in data:
+                    self.metric(model(x), x)
+        def main():
+            seen = []
+            list(map(lambda p: seen.append(p), model.parameters()))
+        """))
+    script = Script(tree)
+    fn = script.classes["Trainer"].body[1]
+    assert "self" in block_effects(script, [fn.body[0]], fn).paths  # (self.metric.correct)
+
+
+def test_a_block_that_removes_a_hook_is_left_to_run():
+    from flor.program.analysis import GiveUp
+
+    with pytest.raises(GiveUp, match="handle.remove"):
+        effects("""
+            handle = model.register_forward_hook(record)
+            for epoch in range(2):
+                for x in data:
+                    model(x)
+                    if epoch == 1:
+                        handle.remove()
+            """)
+
+
+def test_objects_a_loop_changes_through_its_variable_are_its_lists():
+    """``for k in callbacks: k.on_batch_end(loss)`` (or ``cb(loss)``, a
+    callable object) changes the objects the list holds: the list counts."""
+    for body in ("k.bad += 1", "k.on_batch_end(x)", "k(x)"):
+        e = effects(f"""
+            class Early:
+                def on_batch_end(self, loss):
+                    self.bad += 1
+            callbacks = [Early()]
+            for epoch in range(2):
+                for x in data:
+                    for k in callbacks:
+                        {body}
+            """, "print(callbacks)")
+        assert "callbacks" in e.paths, body
+    e = effects("""
+        for epoch in range(2):
+            for x in data:
+                for k in callbacks:
+                    print(k)
+        """, "print(callbacks)")
+    assert "callbacks" not in e.paths

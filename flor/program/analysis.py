@@ -286,8 +286,8 @@ def _apply_hook(script, fn, sites, call, eff, scope, depth, stack):
             held[param] = [] if path_of(arg) is None else \
                 hooks.named_here(script, site.script, site.scope, path_of(arg), scope)
         for param, arg in _bound(names[len(site.args):], call.args, call.keywords):
-            if param not in held and path_of(arg) is not None:
-                held[param] = [path_of(arg)]
+            if param not in held:
+                held[param] = [p for p in (path_of(arg) or _result_of(arg),) if p]
         for param, suffixes in by_param.items():
             if param in held and not held[param]:
                 cls = owner.method_class.get(id(fn))
@@ -347,8 +347,12 @@ def _apply_inner(script, fn, enclosing, call, eff, scope, depth, stack):
                              f"{fn.lineno} and handed over as a value, which changes "
                              f"{param}{suffixes[0]}, an object this code has no name for")
         else:
-            holders = [path_of(a) for p, a in _bound(params, call.args, call.keywords)
-                       if p == param and path_of(a) is not None]
+            args = [a for p, a in _bound(params, call.args, call.keywords) if p == param]
+            holders = [p for a in args for p in (path_of(a) or _result_of(a),) if p]
+            if args and not holders:
+                raise GiveUp(f"line {call.lineno} may run a function defined at line "
+                             f"{fn.lineno} and handed over as a value, which changes "
+                             f"{param}{suffixes[0]}, an argument this code has no name for")
         _add_held(eff, holders, suffixes)
     for p in free:
         r = root(p)
@@ -500,6 +504,12 @@ def _collect(script, stmts, eff, scope, depth, stack):
                 # tensor's hook that a forward registers on its activation
                 # goes with the activation.)
                 raise GiveUp(f"line {n.lineno}: {n.func.attr}(), a hook no checkpoint holds")
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                    n.func.attr == "remove" and not n.args and not n.keywords:
+                # handle.remove(): a hook's handle (what it removes, no
+                # checkpoint holds; a list's remove takes the item)
+                raise GiveUp(f"line {n.lineno}: {path_of(n.func) or 'remove'}(), a hook "
+                             "removed, which no checkpoint holds")
             if isinstance(n, ast.Name):
                 eff.reads.add(n.id)
     for s in simple_statements(stmts):
@@ -715,8 +725,13 @@ def _rule(script, s, eff, scope, depth, stack, handled):
         # The loop variable is an assignment (rule 3).  When the body changes
         # what it refers to (for p in model.parameters(): p -= ...), the
         # objects it is drawn from change: their receivers count (as rule 1).
-        if _mutates(s.body, {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)},
-                    script):
+        names = {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)}
+        if isinstance(s.iter, ast.Name) and script.state(s.iter.id) and (
+                _mutates(s.body, names, script) or any(
+                    isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and
+                    n.func.id in names for n in walk_scope(s.body))):
+            eff.add(s.iter.id, 1)  # for cb in callbacks: cb(loss): the list, and its items
+        elif _mutates(s.body, names, script):
             for n in ast.walk(s.iter):
                 obj = None
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):

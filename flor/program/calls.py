@@ -313,7 +313,8 @@ class Calls:
             out = []
             for s in self._scripts():
                 passed = _passed_names(s.tree)
-                out += [f for name, f in s.functions.items() if f is not None and name in passed]
+                out += [f for name, f in s.functions.items() if f is not None and (
+                    name in passed or _registered(f, s.functions))]
                 out += [m for c in s.classes.values() for m in c.body
                         if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
                         and m.name in ("forward", "__call__")]
@@ -414,6 +415,16 @@ class Calls:
                 self.resolve(call, scope) is not None
         return self.resolve(call, scope) is not None
 
+
+
+def _registered(fn, functions) -> bool:
+    """Whether a decorator of the project's own hands `fn` over (``@on_step``
+    that appends it to a list of callbacks)."""
+    for d in fn.decorator_list:
+        p = path_of(d.func if isinstance(d, ast.Call) else d)
+        if p is not None and root(p) in functions:
+            return True
+    return False
 
 
 def _passed_names(tree) -> set[str]:

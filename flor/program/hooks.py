@@ -59,6 +59,9 @@ def handed_over(scripts) -> dict:
                                     else scope.body))
             partials = {id(n.args[0]): n for n in nodes if isinstance(n, ast.Call) and n.args
                         and (path_of(n.func) or "").split(".")[-1] == "partial"}
+            # (self.correct = 0 reads self, but hands nothing over)
+            reached = {id(n.value) for n in nodes
+                       if isinstance(n, (ast.Attribute, ast.Subscript))}
             types = s.types(scope) if not isinstance(scope, ast.Lambda) else {}
             for n in nodes:
                 if id(n) in called or not isinstance(getattr(n, "ctx", None), ast.Load):
@@ -66,7 +69,7 @@ def handed_over(scripts) -> dict:
                 found, receiver = [], None
                 if isinstance(n, ast.Attribute) and n.attr in methods:
                     found, receiver = methods[n.attr], n.value
-                elif isinstance(n, ast.Name) and n.id in types:
+                elif isinstance(n, ast.Name) and n.id in types and id(n) not in reached:
                     found, receiver = callable_classes.get(types[n.id][1], []), n
                 elif isinstance(n, ast.Name) and id(n) in partials and \
                         s.functions.get(n.id) is not None:
@@ -77,6 +80,21 @@ def handed_over(scripts) -> dict:
                         s, scope, n, receiver, part.args[1:] if part else [],
                         part.keywords if part else []))
     return out
+
+
+#: Builtins that call the function they are given, or consume the iterator
+#: they are given, before they return (and keep neither): a lambda handed
+#: to one, or to a map or filter handed to one, runs there, never later.
+_CONSUMING = {"sorted", "min", "max", "sum", "any", "all", "list", "tuple", "set", "dict"}
+
+
+def _consuming(node) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+        node.func.id in _CONSUMING
+
+
+def _arguments(call) -> list:
+    return list(call.args) + [k.value for k in call.keywords]
 
 
 def inner_functions(scripts, modules) -> dict:
@@ -94,8 +112,12 @@ def inner_functions(scripts, modules) -> dict:
             called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
             valued = {n.id for n in nodes if isinstance(n, ast.Name) and
                       isinstance(n.ctx, ast.Load) and id(n) not in called}
+            at_once = {id(a) for n in nodes if _consuming(n) for a in _arguments(n)}
+            at_once |= {id(a) for n in nodes if id(n) in at_once and isinstance(n, ast.Call)
+                        and isinstance(n.func, ast.Name) and n.func.id in ("map", "filter")
+                        for a in _arguments(n)}  # list(map(lambda p: ..., params))
             for n in nodes:
-                if isinstance(n, ast.Lambda):
+                if isinstance(n, ast.Lambda) and id(n) not in at_once:
                     fn = _as_function(n)
                 elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                         enclosing is not s.tree and n.name in valued:
@@ -128,10 +150,14 @@ def named_here(script, site_script, site_scope, path, scope) -> list:
     the same scope; a method's self as the instances of its class (or of
     classes derived one from the other) that `scope` names (its own self
     among them); a module global as itself (``(path,)`` where `scope` is a
-    function: a global it changes)."""
+    function: a global it changes).  Nothing for a loop's or comprehension's
+    variable (``for mon in monitors: layer.register_forward_hook(
+    mon.record)``): it names one object of many."""
+    r = root(path)
+    if r in _loop_targets(site_scope):
+        return []
     if site_scope is scope:
         return [path]
-    r = root(path)
     if r == first_param(site_script, site_scope):
         cls = site_script.method_class[id(site_scope)].name
         here = [name + path[len(r):] for name in _instances(script, scope, {cls})]
@@ -143,6 +169,16 @@ def named_here(script, site_script, site_scope, path, scope) -> list:
             r in script.module_names:
         return [path] if isinstance(scope, ast.Module) else [(path,)]
     return []
+
+
+def _loop_targets(scope) -> set:
+    """The names `scope`'s for loops and comprehensions bind."""
+    body = [scope.body] if isinstance(scope, ast.Lambda) else scope.body
+    out = set()
+    for n in walk_scope(body):
+        if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+            out |= {t.id for t in ast.walk(n.target) if isinstance(t, ast.Name)}
+    return out
 
 
 def first_param(script, scope) -> str | None:
