@@ -3,8 +3,9 @@ loop.
 
 The Trainer runs the training loop itself and offers no hook to skip an
 epoch's batches or to add a callback to every Trainer, so in a flor record
-or replay flor wraps four of its methods once ``transformers.trainer`` is
-imported (runtime/effects.py puts them back at the session's end):
+or replay flor wraps five of its methods and one function once
+``transformers.trainer`` is imported (runtime/effects.py puts them back at
+the session's end):
 
 - ``Trainer.__init__`` adds flor's callback, first among the Trainer's
   callbacks, through the Trainer's own ``add_callback``;
@@ -19,7 +20,11 @@ imported (runtime/effects.py puts them back at the session's end):
 - ``Trainer.train``: a training that raises leaves its block and main
   loop without checkpoints;
 - ``Trainer._maybe_log_save_evaluate``: the gradient norm and learning
-  rate it was last given, which the epoch's end logs.
+  rate it was last given, which the epoch's end logs;
+- ``Trainer._save_checkpoint`` and ``transformers.trainer.rotate_checkpoints``:
+  in a replay split among workers (which share the Trainer's output
+  directory) a worker's rotation deletes only the checkpoint directories it
+  saved itself, never one another worker saved or is writing.
 
 What a checkpoint holds is what the Trainer's own resume restores: the
 model (and its config), the optimizer and the LR scheduler (the ones
@@ -38,6 +43,7 @@ import ast
 import copy
 import inspect
 import os
+import shutil
 import textwrap
 
 from .errors import FlorReplayError
@@ -85,6 +91,54 @@ def follow(module, patch):
     patch(trainer_class, "train", _train)
     patch(trainer_class, "_run_epoch", _run_epoch)
     patch(trainer_class, "_maybe_log_save_evaluate", _log_save_evaluate)
+    saved: set = set()  # the global steps this process saved a checkpoint at
+    patch(trainer_class, "_save_checkpoint", lambda original: _saving(original, saved))
+    patch(module, "rotate_checkpoints", lambda original: _rotating(original, saved))
+
+
+def _split_replay() -> bool:
+    """Whether this process is one of several replay workers (local, or
+    run by a scheduler with ``--part``)."""
+    s = session()
+    plan = getattr(getattr(s, "policy", None), "plan", None)
+    return bool(s is not None and s.replaying and len(getattr(plan, "segments", ())) > 1)
+
+
+def _saving(original, saved):
+    def _save_checkpoint(self, *args, **kwargs):
+        saved.add(self.state.global_step)
+        return original(self, *args, **kwargs)
+    return _save_checkpoint
+
+
+def _rotating(original, saved):
+    """transformers' rule (keep at most ``save_total_limit`` checkpoints,
+    the most recent and the best among them, deleting the oldest) over the
+    checkpoints this worker saved: the others' belong to other workers,
+    which may be writing them."""
+    def rotate_checkpoints(*args, **kwargs):
+        if not _split_replay():
+            return original(*args, **kwargs)
+        given = inspect.signature(original).bind(*args, **kwargs)
+        given.apply_defaults()
+        a = given.arguments
+        limit = a.get("save_total_limit")
+        if limit is None or limit <= 0:
+            return None
+        prefix = a.get("checkpoint_prefix", "checkpoint")
+        own = [p for p in (os.path.join(a["output_dir"], f"{prefix}-{step}")
+                           for step in sorted(saved)) if os.path.isdir(p)]
+        best = a.get("best_model_checkpoint")
+        protected = set(own[-1:]) | ({os.path.normpath(best)} if best else set())
+        extra = len(own) - max(limit, len(protected))
+        for path in own:
+            if extra <= 0:
+                break
+            if os.path.normpath(path) not in protected:
+                shutil.rmtree(path, ignore_errors=True)
+                extra -= 1
+        return None
+    return rotate_checkpoints
 
 
 def _init(original):

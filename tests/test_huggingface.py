@@ -90,6 +90,12 @@ def test_trainer_epochs_are_the_main_loop(tmp_path):
     assert "ran again from its start" not in err and "without verifying" not in err, err
     parts = st.parts(replay["run_id"])
     assert [p["info"].resumed_from is not None for p in parts] == [False, True], parts
+    # The workers share the Trainer's output directory (save_total_limit=2):
+    # each one's rotation deletes only what it saved (a checkpoint directory
+    # of one worker deleted by the other's rotation, while it was being
+    # written, failed that worker's segment), so every epoch's is there.
+    out = os.path.join(d, "hf-digits")
+    assert sorted(os.listdir(out)) == ["checkpoint-22", "checkpoint-44", "checkpoint-66"], os.listdir(out)
 
     # The probe that draws random numbers: the epochs after the first run
     # again, as a plain run of the edited script trains them, and the checks
