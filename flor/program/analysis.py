@@ -361,13 +361,13 @@ def _apply_inner(script, fn, enclosing, call, eff, scope, depth, stack):
         holders = hooks.named_here(script, owner, enclosing, r, scope)
         if not holders and r in enclosing_params and r != hooks.first_param(owner, enclosing):
             kind = method_kind(enclosing) if id(enclosing) in owner.method_class else None
-            i = enclosing_params.index(r) - (1 if kind in ("method", "classmethod") else 0)
+            names = enclosing_params[1:] if kind in ("method", "classmethod") else \
+                enclosing_params
             for site_script, site_scope, c in script.call_sites(enclosing):
-                kw = [k.value for k in c.keywords if k.arg == r]
-                arg = kw[0] if kw else c.args[i] if 0 <= i < len(c.args) else None
-                if arg is not None and path_of(arg) is not None:
-                    holders += hooks.named_here(script, site_script, site_scope, path_of(arg),
-                                                scope)
+                for arg in (a for q, a in _bound(names, c.args, c.keywords) if q == r):
+                    if path_of(arg) is not None:
+                        holders += hooks.named_here(script, site_script, site_scope,
+                                                    path_of(arg), scope)
         if not holders:
             raise GiveUp(f"line {call.lineno} may run a function defined at line {fn.lineno} "
                          f"in {enclosing.name}() and handed over as a value, which changes "

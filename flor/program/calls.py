@@ -131,7 +131,7 @@ class Calls:
         self._passed_methods = None
         self._inner_hooks = None
         self._call_sites = None
-
+        self._project_classes = None
 
     @staticmethod
     def defs(scope) -> dict:
@@ -324,8 +324,25 @@ class Calls:
         return self._callable_list
 
     def project_classes(self) -> dict:
-        """{name: class} of the classes of the project's files."""
-        return {c.name: c for s in self._scripts() for c in s.classes.values()}
+        """{name: class} of the classes of the project's files, once."""
+        if self._project_classes is None:
+            self._project_classes = {c.name: c for s in self._scripts()
+                                     for c in s.classes.values()}
+        return self._project_classes
+
+    def derives(self, cls, base: str, seen=()) -> bool:
+        """Whether the project's class `cls` (a ClassDef, or its name)
+        derives from the class named `base` (through the project's classes)."""
+        c = self.project_classes().get(cls) if isinstance(cls, str) else cls
+        if c is None or c.name in seen:
+            return False
+        for b in c.bases:
+            b_name = b.id if isinstance(b, ast.Name) else b.attr \
+                if isinstance(b, ast.Attribute) else None
+            if b_name == base or (b_name is not None
+                                  and self.derives(b_name, base, seen + (c.name,))):
+                return True
+        return False
 
     def passed_methods(self) -> dict:
         """{id(method): (method, [Site])}: hooks.handed_over, once."""
@@ -354,18 +371,8 @@ class Calls:
         cls = owner.method_class.get(id(fn))
         if cls is None:
             return []
-        classes = self.project_classes()
-
-        def derives(c, seen=()):
-            for b in c.bases:
-                name = b.id if isinstance(b, ast.Name) else b.attr \
-                    if isinstance(b, ast.Attribute) else None
-                if name == cls.name or (name in classes and name not in seen
-                                        and derives(classes[name], seen + (name,))):
-                    return True
-            return False
-
-        return [m for c in classes.values() if c is not cls and derives(c) for m in c.body
+        return [m for c in self.project_classes().values()
+                if c is not cls and self.derives(c, cls.name) for m in c.body
                 if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == fn.name]
 
     def owner(self, fn) -> "Script":

@@ -195,22 +195,8 @@ def _instances(script, scope, classes: set) -> list:
     """The names `scope` binds to instances of the given classes, or of
     classes derived one from another with them (a method's self among them)."""
     return [name for name, (_, of) in script.types(scope).items()
-            if of in classes or any(_derives(script, of, c) or _derives(script, c, of)
+            if of in classes or any(script.derives(of, c) or script.derives(c, of)
                                     for c in classes)]
-
-
-def _derives(script, name, base, seen=()) -> bool:
-    """Whether the project's class `name` derives from class `base`."""
-    c = script.project_classes().get(name)
-    if c is None or name in seen:
-        return False
-    for b in c.bases:
-        b_name = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) \
-            else None
-        if b_name == base or (b_name is not None and _derives(script, b_name, base,
-                                                                seen + (name,))):
-            return True
-    return False
 
 
 def _attribute_like(decorator) -> bool:
