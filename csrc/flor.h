@@ -294,11 +294,17 @@ typedef struct {
 enum flor_file_flags {
     FLOR_FILE_TAGGED = 1, /* the header holds the tag of what the file is for */
     FLOR_FILE_SIGNED = 2, /* the header holds an HMAC of the tag and metadata */
-    FLOR_FILE_FLAGS = 3,
+    FLOR_FILE_SIGNED_TABLE = 4, /* ... and of the tensor table (its blobs' checksums) */
+    FLOR_FILE_FLAGS = 7,
 };
+/* Signs a file once its tensor table is known: 0 with FLOR_TAG_LEN bytes in
+ * sig, or -1 (the callee records why).  Called without the GIL. */
+typedef int (*flor_sign_fn)(void *ctx, const unsigned char *table, size_t table_len,
+                            unsigned char *sig);
 typedef struct {
     const unsigned char *tag; /* FLOR_TAG_LEN bytes, or NULL */
-    const unsigned char *sig; /* FLOR_TAG_LEN bytes, or NULL */
+    flor_sign_fn sign;        /* signs tag, metadata and table, or NULL: unsigned */
+    void *sign_ctx;
     flor_dedup *dedup;        /* refer to blobs of earlier files, or NULL */
     uint64_t written;         /* out: data bytes written into this file */
 } flor_wopts;
@@ -306,7 +312,10 @@ typedef struct {
 /* Runs without the GIL: 0, or -1 with *err saying what failed (no exception). */
 int flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorSnapshot *s,
                     flor_wopts *opts, flor_ioerr *err);
-int flor_sign(PyObject *signer, const unsigned char *tag, PyObject *meta, unsigned char *out);
+/* signer(tag, metadata, table) -> FLOR_TAG_LEN bytes (GIL held): 0, or -1
+ * with an exception set. */
+int flor_sign(PyObject *signer, const unsigned char *tag, PyObject *meta,
+              const unsigned char *table, size_t table_len, unsigned char *out);
 int flor_tag_arg(PyObject *arg, unsigned char *out);
 extern PyMethodDef flor_format_functions[];
 

@@ -2,7 +2,8 @@
  * version 2 (format.h holds the layout that the reader shares;
  * docs/FORMAT.md describes it byte by byte).
  *
- *     def write(path, meta, snap, tag, sig, dedup):  # touches no Python object:
+ *     def write(path, meta, snap, tag, sign, dedup):  # touches no Python object
+ *                                                # but through sign():
  *         for b in snap.blobs:                       # runs without the GIL, in a
  *             b.hash = b.hash or hash64(b.bytes)     # writer thread or a forked child
  *             ref = dedup and dedup.find(b.hash, b.nbytes, dtype of b's first entry)
@@ -16,6 +17,7 @@
  *             pwrite(tmp, data_off + b.offset, b.bytes); b.crc = crc32c(b.bytes)
  *         table = counts, source names, blobs (offset, nbytes, crc, source,
  *                 hash), entries (kind, flags, sizes, strides, dtype, device)
+ *         sig = sign and sign(table)                 # the signer takes the GIL
  *         header = magic, version 2, section offsets and lengths, counts,
  *                  crc32c(meta), crc32c(table), flags, tag, sig, its own CRC
  *         pwrite(tmp, 0, header + meta + table)      # 192 + meta_len, pad 8, table
@@ -24,8 +26,9 @@
  *             dedup.add(b) for b in snap.blobs if b.source == 0  # may refer to its blobs
  *         # at the first failure: unlink(tmp), return (errno, the step that failed)
  *
- * save(obj, path, tag, signer) snapshots obj, pickles its skeleton, signs
- * the tag and metadata, and writes the file with the GIL released.
+ * save(obj, path, tag, signer) snapshots obj, pickles its skeleton, and
+ * writes the file with the GIL released; the signer signs the tag, metadata
+ * and table.
  */
 #include "flor.h"
 #include "format.h"
@@ -313,7 +316,8 @@ encode_table(unsigned char *table, const FlorSnapshot *s, const plan_t *pl)
  * flags, tag and signature, and its own checksum last. */
 static void
 encode_header(unsigned char *header, const char *meta, size_t meta_len, const unsigned char *table,
-              const FlorSnapshot *s, const plan_t *pl, const flor_wopts *opts)
+              const FlorSnapshot *s, const plan_t *pl, const flor_wopts *opts,
+              const unsigned char *sig)
 {
     memset(header, 0, HEADER_SIZE);
     memcpy(header, MAGIC, 8);
@@ -331,13 +335,13 @@ encode_header(unsigned char *header, const char *meta, size_t meta_len, const un
     put32(header + 80, flor_crc32c(0, meta, meta_len));
     put32(header + 84, flor_crc32c(0, table, (size_t)pl->table_len));
     put32(header + 88, (opts != NULL && opts->tag != NULL ? FLOR_FILE_TAGGED : 0) |
-                           (opts != NULL && opts->sig != NULL ? FLOR_FILE_SIGNED : 0));
+                           (sig != NULL ? FLOR_FILE_SIGNED | FLOR_FILE_SIGNED_TABLE : 0));
     put32(header + 92, pl->n_sources);
     if (opts != NULL && opts->tag != NULL) {
         memcpy(header + 96, opts->tag, FLOR_TAG_LEN);
     }
-    if (opts != NULL && opts->sig != NULL) {
-        memcpy(header + 128, opts->sig, FLOR_TAG_LEN);
+    if (sig != NULL) {
+        memcpy(header + 128, sig, FLOR_TAG_LEN);
     }
     put32(header + HEADER_SIZE - 4, flor_crc32c(0, header, HEADER_SIZE - 4));
 }
@@ -367,8 +371,9 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
 {
     int rc = -1, fd = -1, created = 0, renamed = 0;
     char *tmp = NULL;
-    unsigned char *table = NULL, header[HEADER_SIZE];
+    unsigned char *table = NULL, header[HEADER_SIZE], sig[FLOR_TAG_LEN];
     flor_dedup *dedup = opts != NULL ? opts->dedup : NULL;
+    int is_signed = 0;
     plan_t pl;
 
     memset(&pl, 0, sizeof(pl));
@@ -401,7 +406,17 @@ flor_write_file(const char *path, const char *meta, size_t meta_len, const FlorS
         goto cleanup;
     }
     encode_table(table, s, &pl);
-    encode_header(header, meta, meta_len, table, s, &pl, opts);
+    /* Signed once the table holds the blobs' checksums: the signature
+     * covers them, so no blob's bytes can change unnoticed. */
+    if (opts != NULL && opts->sign != NULL) {
+        if (opts->sign(opts->sign_ctx, table, (size_t)pl.table_len, sig) < 0) {
+            err->err = EINVAL;
+            err->step = "sign";
+            goto cleanup;
+        }
+        is_signed = 1;
+    }
+    encode_header(header, meta, meta_len, table, s, &pl, opts, is_signed ? sig : NULL);
     if (pwrite_all(fd, (const char *)header, HEADER_SIZE, 0) < 0 ||
         pwrite_all(fd, meta, meta_len, pl.meta_off) < 0 ||
         pwrite_all(fd, (const char *)table, (size_t)pl.table_len, pl.table_off) < 0 ||
@@ -465,17 +480,18 @@ PyDoc_STRVAR(save_doc,
              "save(obj, path, tag=None, signer=None, /)\n--\n\n"
              "Snapshot obj and write it to path atomically (temp file, fsync, rename,\n"
              "fsync of the directory). tag (32 bytes) goes into the header;\n"
-             "signer(tag, metadata) -> 32 bytes signs it. Returns (bytes of data,\n"
-             "errno, step); errno is 0 on success.");
+             "signer(tag, metadata, table) -> 32 bytes signs it. Returns (bytes of\n"
+             "data, errno, step); errno is 0 on success.");
 
-/* The signature of a file's metadata: signer(tag, meta) -> 32 bytes. */
 int
-flor_sign(PyObject *signer, const unsigned char *tag, PyObject *meta, unsigned char *out)
+flor_sign(PyObject *signer, const unsigned char *tag, PyObject *meta, const unsigned char *table,
+          size_t table_len, unsigned char *out)
 {
     PyObject *r;
     int rc = -1;
-    r = PyObject_CallFunction(signer, "y#O", (const char *)tag,
-                              (Py_ssize_t)(tag != NULL ? FLOR_TAG_LEN : 0), meta);
+    r = PyObject_CallFunction(signer, "y#Oy#", (const char *)tag,
+                              (Py_ssize_t)(tag != NULL ? FLOR_TAG_LEN : 0), meta,
+                              (const char *)table, (Py_ssize_t)table_len);
     if (r == NULL) {
         return -1;
     }
@@ -505,6 +521,22 @@ flor_tag_arg(PyObject *arg, unsigned char *out)
     return 1;
 }
 
+typedef struct {
+    PyObject *signer, *meta;
+    const unsigned char *tag;
+} save_signer;
+
+/* flor_sign_fn for save(): an error stays set for save() to raise. */
+static int
+save_sign(void *ctx, const unsigned char *table, size_t table_len, unsigned char *sig)
+{
+    save_signer *ss = ctx;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int rc = flor_sign(ss->signer, ss->tag, ss->meta, table, table_len, sig);
+    PyGILState_Release(g);
+    return rc;
+}
+
 static PyObject *
 mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -512,7 +544,8 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *snap = NULL, *meta = NULL, *path = NULL, *res = NULL;
     flor_ioerr err = {0, NULL};
     flor_wopts opts;
-    unsigned char tag[FLOR_TAG_LEN], sig[FLOR_TAG_LEN];
+    save_signer ss;
+    unsigned char tag[FLOR_TAG_LEN];
     int has_tag = 0;
 
     memset(&opts, 0, sizeof(opts));
@@ -535,16 +568,20 @@ mod_save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     opts.tag = has_tag ? tag : NULL;
     if (nargs > 3 && args[3] != Py_None) {
-        if (flor_sign(args[3], opts.tag, meta, sig) < 0) {
-            goto cleanup;
-        }
-        opts.sig = sig;
+        ss.signer = args[3];
+        ss.meta = meta;
+        ss.tag = opts.tag;
+        opts.sign = save_sign;
+        opts.sign_ctx = &ss;
     }
     Py_BEGIN_ALLOW_THREADS
     /* What failed, if anything, is in err. */
     flor_write_file(PyBytes_AS_STRING(path), PyBytes_AS_STRING(meta),
                     (size_t)PyBytes_GET_SIZE(meta), (FlorSnapshot *)snap, &opts, &err);
     Py_END_ALLOW_THREADS
+    if (PyErr_Occurred()) {
+        goto cleanup; /* the signer raised */
+    }
     res = Py_BuildValue("(Kis)", (unsigned long long)((FlorSnapshot *)snap)->nbytes, err.err,
                         err.step != NULL ? err.step : "");
 cleanup:

@@ -62,9 +62,9 @@ typedef struct flor_job {
     char *msg;
     int done;
     double seconds; /* spent pickling and writing */
-    unsigned char tag[FLOR_TAG_LEN], sig[FLOR_TAG_LEN];
-    int has_tag, has_sig;
-    PyObject *signer;   /* signer(tag, meta) -> 32 bytes, or NULL */
+    unsigned char tag[FLOR_TAG_LEN];
+    int has_tag;
+    PyObject *signer;   /* signer(tag, meta, table) -> 32 bytes, or NULL */
     flor_dedup *dedup;  /* the engine's, in thread and inline modes */
     uint64_t written;   /* data bytes the file holds (refs to earlier files excluded) */
 } flor_job;
@@ -135,7 +135,7 @@ job_free(flor_job *j)
 /* The Python error just raised becomes the job's result (GIL held), never
  * a lost exception; the job is not written. */
 static void
-job_fail(flor_job *j, const char *step)
+job_error(flor_job *j, const char *step)
 {
     PyObject *t, *v, *tb, *s;
     const char *u;
@@ -143,7 +143,6 @@ job_fail(flor_job *j, const char *step)
     PyErr_NormalizeException(&t, &v, &tb);
     s = v != NULL ? PyObject_Repr(v) : NULL;
     u = s != NULL ? PyUnicode_AsUTF8(s) : NULL;
-    Py_CLEAR(j->meta);
     j->err = -1;
     j->step = step;
     free(j->msg);
@@ -153,6 +152,13 @@ job_fail(flor_job *j, const char *step)
     Py_XDECREF(t);
     Py_XDECREF(v);
     Py_XDECREF(tb);
+}
+
+static void
+job_fail(flor_job *j, const char *step)
+{
+    job_error(j, step);
+    Py_CLEAR(j->meta);
 }
 
 /* Pickle the job's skeleton (GIL held). */
@@ -165,12 +171,6 @@ job_pickle(flor_state *st, flor_job *j)
     }
     j->meta = flor_pickle_skeleton(st, ((FlorSnapshot *)j->snapshot)->skeleton,
                                    ((FlorSnapshot *)j->snapshot)->tree);
-    if (j->meta != NULL && j->signer != NULL) {
-        if (flor_sign(j->signer, j->has_tag ? j->tag : NULL, j->meta, j->sig) < 0) {
-            Py_CLEAR(j->meta);
-        }
-        j->has_sig = 1;
-    }
     j->seconds += flor_now() - t0;
     if (j->meta == NULL) {
         job_fail(j, "pickle");
@@ -187,7 +187,22 @@ job_wait(flor_job *j)
     }
 }
 
-/* Write one job (no GIL needed). */
+/* flor_sign_fn of a job: its signer signs its tag, metadata and table (the
+ * GIL taken here; a failure is the job's). */
+static int
+job_sign(void *ctx, const unsigned char *table, size_t table_len, unsigned char *sig)
+{
+    flor_job *j = ctx;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int rc = flor_sign(j->signer, j->has_tag ? j->tag : NULL, j->meta, table, table_len, sig);
+    if (rc < 0) {
+        job_error(j, "sign");
+    }
+    PyGILState_Release(g);
+    return rc;
+}
+
+/* Write one job (no GIL needed; a signer takes it). */
 static void
 job_write(flor_job *j)
 {
@@ -199,11 +214,15 @@ job_write(flor_job *j)
     }
     memset(&o, 0, sizeof(o));
     o.tag = j->has_tag ? j->tag : NULL;
-    o.sig = j->has_sig ? j->sig : NULL;
+    if (j->signer != NULL) {
+        o.sign = job_sign;
+        o.sign_ctx = j;
+    }
     o.dedup = j->dedup;
     if (flor_write_file(j->path, PyBytes_AS_STRING(j->meta), (size_t)PyBytes_GET_SIZE(j->meta),
-                        (FlorSnapshot *)j->snapshot, &o, &e) < 0) {
-        j->err = e.err;
+                        (FlorSnapshot *)j->snapshot, &o, &e) < 0 &&
+        j->err == 0) {
+        j->err = e.err; /* (a signer's failure is recorded already) */
         j->step = e.step;
     }
     j->written = o.written;
@@ -489,9 +508,10 @@ parse_results(flor_child *c)
             memcpy(&j->seconds, c->buf + pos + 12, 8);
             if (err != 0) {
                 /* step names are static strings on this side */
-                static const char *const steps[] = {"create", "write",    "fsync",
-                                                    "close",  "rename",   "fsync directory",
-                                                    "pickle", "allocate", "copy"};
+                static const char *const steps[] = {"create", "write",  "fsync",
+                                                    "close",  "rename", "fsync directory",
+                                                    "pickle", "sign",   "allocate",
+                                                    "copy"};
                 size_t s;
                 j->step = "write";
                 for (s = 0; s < sizeof(steps) / sizeof(steps[0]); s++) {

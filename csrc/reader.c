@@ -521,7 +521,7 @@ cleanup:
 static PyObject *
 load_file(flor_state *st, PyObject *path_obj, PyObject *hook, PyObject *policy)
 {
-    PyObject *pathb = NULL, *res = NULL, *meta = NULL, *loads = NULL;
+    PyObject *pathb = NULL, *res = NULL, *meta = NULL, *loads = NULL, *signed_table = NULL;
     unsigned char *table = NULL;
     PyObject **maps = NULL;
     FlorMapping *m = NULL;
@@ -564,11 +564,19 @@ load_file(flor_state *st, PyObject *path_obj, PyObject *hook, PyObject *policy)
         map_sources(st, path, &h, sources, blobs, maps, data_offs, data_lens) < 0) {
         goto cleanup;
     }
-    /* The caller decides how to unpickle, from what is not pickled. */
-    loads = PyObject_CallFunction(policy, "iy#y#O", (int)h.version, (const char *)h.tag,
+    /* The caller decides how to unpickle, from what is not pickled: the
+     * table goes with it where the signature covers it. */
+    if (h.flags & FLOR_FILE_SIGNED_TABLE) {
+        signed_table = PyBytes_FromStringAndSize((const char *)table, (Py_ssize_t)h.table_len);
+        if (signed_table == NULL) {
+            goto cleanup;
+        }
+    }
+    loads = PyObject_CallFunction(policy, "iy#y#OO", (int)h.version, (const char *)h.tag,
                                   (Py_ssize_t)(h.tag != NULL ? FLOR_TAG_LEN : 0),
                                   (const char *)h.sig,
-                                  (Py_ssize_t)(h.sig != NULL ? FLOR_TAG_LEN : 0), meta);
+                                  (Py_ssize_t)(h.sig != NULL ? FLOR_TAG_LEN : 0), meta,
+                                  signed_table != NULL ? signed_table : Py_None);
     if (loads == NULL) {
         goto cleanup;
     }
@@ -584,6 +592,7 @@ load_file(flor_state *st, PyObject *path_obj, PyObject *hook, PyObject *policy)
     res = flor_unpickle(st, loads, meta, &ld);
 cleanup:
     Py_XDECREF(loads);
+    Py_XDECREF(signed_table);
     Py_XDECREF(meta);
     free(table);
     Py_XDECREF(m);
@@ -616,7 +625,9 @@ PyDoc_STRVAR(load_doc,
              "memory-mapped, not copied; each blob's checksum is checked when it is\n"
              "first used. hook(storage, device) -> storage relocates each storage, or\n"
              "is None. Before anything is unpickled, policy(version, tag, signature,\n"
-             "metadata) returns the function that unpickles the metadata (or raises).\n"
+             "metadata, table) returns the function that unpickles the metadata (or\n"
+             "raises); table is the tensor table where the signature covers it, else\n"
+             "None.\n"
              "Damage raises FormatError(path, section, detail).");
 
 static PyObject *

@@ -109,16 +109,18 @@ def load(path, map_location=None, *, trusted=False):
     return read(path, map_location, bool(trusted))
 
 
-def read(path, map_location=None, trusted=False, expect_tag=None, seen=None):
+def read(path, map_location=None, trusted=False, expect_tag=None, seen=None, sealed=False):
     """:func:`load` with flor's own choices: ``trusted`` may be "signed" (the
     full unpickler for files signed with the user's key, the safe one for the
     rest); ``expect_tag`` refuses a file made for something else
     (:class:`flor.trust.Mismatch`) before anything is unpickled; ``seen``
-    receives how the file was read."""
+    receives how the file was read; ``sealed``: the user's key signed the
+    file's run, so a signature that does not verify is refused
+    (:class:`flor.trust.Forged`)."""
     path = os.fspath(path)
     try:
         return _core.load(path, _location_hook(map_location, path),
-                          trust.policy(path, trusted, expect_tag, seen))
+                          trust.policy(path, trusted, expect_tag, seen, sealed))
     except _core.FormatError as e:
         raise CheckpointCorrupt(*e.args) from None
     except trust.HookFailed as e:

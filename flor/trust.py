@@ -12,10 +12,12 @@ flor unpickles a file in one of two ways:
   pickle holds, so nothing it admits allocates beyond the file's size.
 - **trusted**: the full unpickler.  ``flor.load(path, trusted=True)`` asks for
   it, and replay uses it for files whose signature verifies: every file flor
-  writes carries an HMAC-SHA256 of its tag and metadata under a per-user key
-  kept outside the run store (``~/.config/flor/key``, mode 0600).  A file
-  cannot declare itself trusted: only the key makes a signature, and the key
-  never enters a checkpoint.
+  writes carries an HMAC-SHA256 of its tag, metadata and tensor table (which
+  holds each blob's CRC-32C, checked before the blob is used) under a
+  per-user key kept outside the run store
+  (``~/.config/flor/key``, mode 0600).  A file cannot declare itself
+  trusted: only the key makes a signature, and the key never enters a
+  checkpoint.
 """
 from __future__ import annotations
 
@@ -31,10 +33,21 @@ import warnings
 from . import _core
 from .errors import FlorError
 
-__all__ = ["UnsafeCheckpoint", "HookFailed", "tag_of", "bound", "signer", "policy"]
+__all__ = ["UnsafeCheckpoint", "HookFailed", "Forged", "tag_of", "bound", "signer", "policy"]
 
 KEY_BYTES = 32
-_SIGN_CONTEXT = b"flor checkpoint v2\0"
+_SIGN_CONTEXT = b"flor checkpoint v2\0"  # tag + metadata (files written before tables were signed)
+_TABLE_CONTEXT = b"flor checkpoint v2 table\0"  # tag + metadata length + metadata + table
+
+
+def _signature(key: bytes, tag, meta, table) -> bytes:
+    if table is None:
+        data = _SIGN_CONTEXT + (tag or b"") + bytes(meta)
+    else:
+        meta = bytes(meta)
+        data = _TABLE_CONTEXT + (tag or b"") + len(meta).to_bytes(8, "little") + meta + \
+            bytes(table)
+    return hmac.new(key, data, hashlib.sha256).digest()
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):
@@ -141,20 +154,21 @@ def signer(create: bool = True, strict: bool = True):
     if key is None:
         return None
 
-    def sign(tag: bytes, meta) -> bytes:
-        return hmac.new(key, _SIGN_CONTEXT + (tag or b"") + bytes(meta), hashlib.sha256).digest()
+    def sign(tag: bytes, meta, table) -> bytes:
+        return _signature(key, tag, meta, table)
 
     return sign
 
 
-def verifies(tag: bytes, sig: bytes, meta) -> bool:
+def verifies(tag: bytes, sig: bytes, meta, table=None) -> bool:
+    """Whether `sig` signs the tag, metadata and (where the file's signature
+    covers it) tensor table with this user's key."""
     if not sig:
         return False
     key = signing_key(create=False)
     if key is None:
         return False
-    good = hmac.new(key, _SIGN_CONTEXT + (tag or b"") + bytes(meta), hashlib.sha256).digest()
-    return hmac.compare_digest(good, sig)
+    return hmac.compare_digest(_signature(key, tag, meta, table), sig)
 
 
 # -- safe unpickling ---------------------------------------------------------
@@ -217,15 +231,23 @@ class Mismatch(FlorError):
     """The file's header tag says it belongs to something else."""
 
 
-def policy(path: str, trusted: bool, expect_tag=None, seen=None):
+class Forged(FlorError):
+    """A signed file whose signature does not verify with the key that
+    signed its run: it changed after it was written."""
+
+
+def policy(path: str, trusted: bool, expect_tag=None, seen=None, sealed=False):
     """The function _core.load calls, before anything is unpickled, with the
-    file's version, tag, signature and metadata: returns the unpickler to use.
+    file's version, tag, signature, metadata and (where the signature covers
+    it) tensor table: returns the unpickler to use.
 
     trusted: True (full unpickler), False (safe), or "signed" (full where the
     signature verifies, safe otherwise).  expect_tag: refuse a file whose tag
     differs (Mismatch); a file without a tag is let through.  seen: a list
-    that receives "trusted", "signed" or "safe", the way the file was read."""
-    def decide(version, tag, sig, meta):
+    that receives "trusted", "signed" or "safe", the way the file was read.
+    sealed: this user's key signed the file's run (its seal verified), so a
+    signature that does not verify is refused (Forged)."""
+    def decide(version, tag, sig, meta, table=None):
         # An untagged file (format version 1, flor.save) is checked after
         # unpickling instead; unsigned, it is unpickled in safe mode.
         if expect_tag is not None and tag is not None and tag != expect_tag:
@@ -234,8 +256,12 @@ def policy(path: str, trusted: bool, expect_tag=None, seen=None):
         how = "safe"
         if trusted is True:
             how = "trusted"
-        elif trusted == "signed" and verifies(tag, sig, meta):
+        elif trusted == "signed" and verifies(tag, sig, meta, table):
             how = "signed"
+        elif trusted == "signed" and sealed and sig:
+            raise Forged(f"{path} is signed, and its signature does not verify with the key "
+                         "that sealed its run: its metadata, tensor table or data changed after "
+                         "it was written (nothing of it was unpickled)")
         if seen is not None:
             seen.append(how)
         return pickle.loads if how != "safe" else _safe_loads(path)

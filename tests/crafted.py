@@ -57,3 +57,23 @@ def fix_checksums(b: bytearray) -> bytearray:
                          _core.crc32c(bytes(b[table_off:table_off + table_len])))
     reseal(b)
     return b
+
+
+def zero_blobs(b: bytearray) -> bytearray:
+    """Zero the data of every blob a version-2 file holds itself, with their
+    CRCs and content hashes in the table recomputed, then every section's
+    CRC: damage no checksum catches."""
+    table_off, table_len, data_off = struct.unpack_from("<QQQ", b, 40)
+    n_blobs, _, n_sources = struct.unpack_from("<III", b, table_off)
+    p = table_off + 16
+    for _ in range(n_sources):
+        p += _a8(2 + struct.unpack_from("<H", b, p)[0])
+    for _ in range(n_blobs):
+        offset, nbytes, _, source = struct.unpack_from("<QQII", b, p)
+        if source == 0 and nbytes:
+            at = data_off + offset
+            b[at:at + nbytes] = bytes(nbytes)
+            struct.pack_into("<I", b, p + 16, _core.crc32c(bytes(nbytes)))
+            struct.pack_into("<Q", b, p + 24, _core.hash64(bytes(nbytes)))
+        p += 32
+    return fix_checksums(b)

@@ -412,7 +412,7 @@ def test_a_signer_that_holds_its_materializer_is_collected(mode):
     """The materializer takes part in garbage collection: a signer that
     refers back to it is a cycle the collector frees (it leaked before)."""
     class Signer:
-        def __call__(self, tag, meta):
+        def __call__(self, tag, meta, table):
             return b"\0" * 32
 
     signer = Signer()
@@ -421,3 +421,23 @@ def test_a_signer_that_holds_its_materializer_is_collected(mode):
     del signer
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_a_signer_that_fails_fails_its_checkpoint_and_says_why(tmp_path, mode):
+    """The signer runs once the tensor table is known (in the writer thread
+    or a forked child): its error is the checkpoint's failure, reported by
+    flush with the step and the error, and no file is left."""
+    def signer(tag, meta, table):
+        assert len(table) > 0 and isinstance(table, bytes)
+        raise RuntimeError("no key today")
+
+    m = _core.Materializer(mode, 1 << 20, 1, 1 << 20, 1, False, signer)
+    path = str(tmp_path / "a.flor")
+    m.submit(path, {"w": torch.ones(3)})
+    failures = m.flush()
+    m.close()
+    assert [(os.fsdecode(p), step) for p, _, step, _ in failures] == [(path, "sign")], failures
+    assert "no key today" in failures[0][3], failures
+    assert os.listdir(tmp_path) == []

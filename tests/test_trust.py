@@ -17,7 +17,7 @@ from flor.checkpoint import read
 from flor.errors import FlorError
 
 from conftest import edit, flor as flor_cli, plain, run_py, store, write_script
-from crafted import craft, fix_checksums
+from crafted import craft, fix_checksums, zero_blobs
 
 # The C core's paths: the sanitized build runs these (make test-asan).
 pytestmark = pytest.mark.core
@@ -114,8 +114,8 @@ def test_what_is_verified_is_what_is_unpickled(tmp_path, monkeypatch):
     at = data.index(b"A" * 64)
     real = trust.verifies
 
-    def verify_then_change(tag, sig, meta):
-        ok = real(tag, sig, meta)
+    def verify_then_change(tag, sig, meta, table=None):
+        ok = real(tag, sig, meta, table)
         with open(path, "r+b") as f:  # same length, checksums now stale
             f.seek(at)
             f.write(b"B" * 64)
@@ -124,6 +124,26 @@ def test_what_is_verified_is_what_is_unpickled(tmp_path, monkeypatch):
     seen = []
     assert read(path, trusted="signed", seen=seen) == {"x": "A" * 64}
     assert seen == ["signed"]
+
+
+@pytest.mark.unit
+def test_the_signature_covers_the_tensor_table_and_the_data(tmp_path):
+    """Zeroed weights with every checksum recomputed no longer verify as
+    signed: the signature covers the table, which holds each blob's CRC
+    (checked before the blob is used) and content hash.  Where the key
+    signed the run, such a file is refused before anything is unpickled."""
+    path = tmp_path / "w.flor"
+    flor.save({"w": torch.arange(1.0, 9.0)}, path)
+    flags = struct.unpack_from("<I", path.read_bytes(), 88)[0]
+    assert flags & 6 == 6  # signed: the tag, metadata and tensor table
+    zeroed = tmp_path / "zeroed.flor"
+    zeroed.write_bytes(zero_blobs(bytearray(path.read_bytes())))
+    seen = []
+    assert torch.equal(read(zeroed, trusted="signed", seen=seen)["w"], torch.zeros(8))
+    assert seen == ["safe"]  # (flor.load in safe mode reads any well-formed file)
+    with pytest.raises(trust.Forged, match="signature does not verify"):
+        read(zeroed, trusted="signed", sealed=True)
+    assert read(path, trusted="signed", sealed=True)["w"].sum() == 36
 
 
 @pytest.mark.unit
@@ -347,15 +367,14 @@ def test_replay_restores_signed_files_and_never_runs_planted_ones(tmp_path):
     files = sorted(f for f in os.listdir(ckdir) if f.endswith(".flor"))
     assert len(files) == 4
     # Plant a crafted file in place of epoch 1's checkpoint, with its header
-    # tag (not a secret) but no valid signature, and epoch 0's (signed, but
+    # tag (not a secret) but no signature, and epoch 0's (signed, but
     # made for another block execution) in place of epoch 2's.
     marker = tmp_path / "ran"
     planted = os.path.join(ckdir, files[1])
     with open(planted, "rb") as f:
         tag = f.read(128)[96:128]
     with open(planted, "wb") as f:
-        f.write(craft(pickle.dumps({"x": _RunsCode(marker)}, protocol=5), tag=tag,
-                      sig=os.urandom(32)))
+        f.write(craft(pickle.dumps({"x": _RunsCode(marker)}, protocol=5), tag=tag))
     shutil.copy(os.path.join(ckdir, files[0]), os.path.join(ckdir, files[2]))
     edit(path, 'print(f"epoch', 'print(f"  w {model.weight.norm().item():.6f}")', after=False)
     want = plain(d, "train.py").stdout
@@ -414,6 +433,32 @@ def test_a_checkpoint_of_another_run_or_outside_the_run_is_never_restored(tmp_pa
         assert f"of run {second}" in rep.stderr
     assert f"the run store names {outside!r} as a checkpoint" in rep.stderr, rep.stderr
     assert "deferred checks passed" in rep.stderr
+
+
+def test_a_checkpoint_changed_after_the_record_is_refused(tmp_path):
+    # Epoch 1's checkpoint with its weights zeroed and every checksum
+    # recomputed: its signature no longer verifies with the key that sealed
+    # the run, so replay refuses it before unpickling anything, runs that
+    # epoch again and prints what a plain run prints.
+    d = str(tmp_path)
+    path = write_script(d, "train.py", RUNS)
+    flor_cli(d, "record", "--no-adaptive", "train.py", "1")
+    st = store(d)
+    rec = [r for r in st.runs() if r["kind"] == "record"][-1]
+    ckdir = st.layout.ckpt_dir(rec["run_id"])
+    name = sorted(os.listdir(ckdir))[1]
+    target = os.path.join(ckdir, name)
+    with open(target, "rb") as f:
+        zeroed = zero_blobs(bytearray(f.read()))
+    with open(target, "wb") as f:
+        f.write(zeroed)
+    edit(path, 'print("epoch"', 'print("  w", round(w.norm().item(), 4))', after=False)
+    want = plain(d, "train.py", "1").stdout
+    rep = flor_cli(d, "replay", "train.py")
+    assert rep.stdout == want
+    assert f"{name} is signed, and its signature does not verify" in rep.stderr, rep.stderr
+    assert "re-executing block 'train'" in rep.stderr, rep.stderr
+    assert "deferred checks passed" in rep.stderr, rep.stderr
 
 
 @pytest.mark.unit

@@ -74,6 +74,8 @@ class Plan:
     ended: bool = False  # the record's main loop ended with its iterable (not by a
     # break): the last part draws it to its end too, so its code after the last item runs
     changed_functions: frozenset[str] = frozenset()  # functions whose code changed
+    sealed: bool = False  # the record's seal verified with this user's key, which then
+    # signed its checkpoints: one whose signature does not verify is refused
     # The script's text that the workers run where it is not the file's: the
     # record's version with the statements added to the script carried onto
     # it (replay --runs, flor/program/transplant.py).
@@ -514,7 +516,8 @@ def plan_replay(store: Store, script: str, args, jobs: int, run_id=None, part=No
         main_run=rec["main_run"], iterations=total, epsilon=rec["epsilon"], c=rec["c"],
         hands_free=hands_free, tolerance=tolerance, threads=threads, resume=resume,
         workers=jobs, ranks=group_plan, ended=rec["info"].main_ended,
-        changed_functions=frozenset(cmp.changed_functions), source=source, instrumented=code)
+        changed_functions=frozenset(cmp.changed_functions), source=source, instrumented=code,
+        sealed=unsealed is None)
     return plan, notes
 
 

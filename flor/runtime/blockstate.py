@@ -472,21 +472,23 @@ def expected(tag_: bytes, run: str | None) -> bytes:
 
 
 # What read_own raises for a file that cannot be restored from.
-UNREADABLE = (FileNotFoundError, CheckpointCorrupt, trust.Mismatch, trust.UnsafeCheckpoint,
-              StoreError)
+UNREADABLE = (FileNotFoundError, CheckpointCorrupt, trust.Mismatch, trust.Forged,
+              trust.UnsafeCheckpoint, StoreError)
 
 
-def read_own(path: str, expect: bytes, devices: bool = True):
+def read_own(path: str, expect: bytes, devices: bool = True, sealed: bool = False):
     """Read a checkpoint that a record wrote onto the CPU: in full where its
     signature verifies with this user's key, in safe mode otherwise.
     Returns the payload, with the recorded devices of its tensors as
     "devices" (unless not `devices`), and how it was read ("signed" or
     "safe").  A file whose header tag is not `expect` raises trust.Mismatch
     before anything is unpickled; a file safe mode refuses raises
-    trust.UnsafeCheckpoint."""
+    trust.UnsafeCheckpoint; where this user's key `sealed` the run, a file
+    whose signature does not verify raises trust.Forged."""
     seen: list = []
     where = Devices() if devices else None
-    saved = read(path, where.hook if where is not None else "cpu", "signed", expect, seen)
+    saved = read(path, where.hook if where is not None else "cpu", "signed", expect, seen,
+                 sealed)
     if where is not None and isinstance(saved, dict):
         saved["devices"] = where
     return saved, seen[0]

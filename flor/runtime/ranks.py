@@ -263,20 +263,20 @@ def join(saved: dict, read_owner, size: int | None, path: str) -> dict:
     return out
 
 
-def read(ckpt_dir: str, fname: str, expect: bytes, group: dict | None):
+def read(ckpt_dir: str, fname: str, expect: bytes, group: dict | None, sealed=False):
     """A checkpoint of the record (blockstate.read_own): (payload, how); of
     a data-parallel record (`group`: the plan's ranks), with the replicated
     objects it leaves to the owner rank's file of the same name put back."""
     from .blockstate import read_own
 
     path = checkpoint_path(ckpt_dir, fname)
-    saved, how = read_own(path, expect)
+    saved, how = read_own(path, expect, sealed=sealed)
     if group is not None:
         def owner(rank):
             # Its devices are the owner's: what is not copied into a live
             # object stays on the CPU.
             return read_own(checkpoint_path(group["ckpt_dirs"][rank], fname), expect,
-                            devices=False)[0]
+                            devices=False, sealed=sealed)[0]
         saved = join(saved, owner, group["size"], path)
     return saved, how
 

@@ -201,6 +201,8 @@ class Replaying(Policy):
         except trust.Mismatch:
             note(f"checkpoint {fname} does not belong to {where} of run {self.plan.record} "
                  "(its header says so; nothing of it was unpickled); re-executing it")
+        except trust.Forged as e:
+            note(f"{e}; re-executing {where}")
         except StoreError as e:
             note(f"{e}; re-executing {where}")
         except trust.UnsafeCheckpoint as e:
@@ -216,7 +218,7 @@ class Replaying(Policy):
 
     def _read(self, fname, expect):
         return ranks.read(self.plan.ckpt_dir, fname, blockstate.expected(expect, self.tag_run),
-                          self.plan.ranks)
+                          self.plan.ranks, self.plan.sealed)
 
     def _how_read(self, fname, how):
         """Say, once, that checkpoints without a valid signature load in safe mode."""
