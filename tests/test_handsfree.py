@@ -330,6 +330,30 @@ def test_forced_segments_never_pass_over_a_block_whose_gradients_are_now_read(tm
     assert "Traceback" not in rep.stderr and rep.stdout == ""
 
 
+@pytest.mark.parametrize("name, probe", [
+    ("aliased_state.py", 'print("  best", self.best_state["weight"].sum().item(), '
+                         'w.sum().item(), views[0].sum().item())'),
+    ("aliased_globals.py", 'print("  w", model.weight.sum().item(), '
+                           'best["weight"].sum().item() if best else None)')])
+def test_tensors_that_share_the_weights_memory_follow_them_after_a_restore(tmp_path, name,
+                                                                          probe):
+    """best_state = model.state_dict() (no copy), w = model.weight.data in
+    the batch loop, and views of it kept in a list (by a trainer, and at
+    the top level) follow the weights as they train.  A restore put them
+    back as copies, which stopped following the live weights: replays
+    printed other values than the plain run, with the checks passing."""
+    d = str(tmp_path)
+    path = os.path.join(d, "train.py")
+    shutil.copy(os.path.join(IDIOMS, name), path)
+    flor(d, "record", "--no-adaptive", "train.py")
+    edit(path, 'print(f"epoch', probe, after=False)
+    want = plain(d, "train.py").stdout
+    for opts, env in (([], None), (["--jobs", "2"], {"FLOR_ALL_JOBS": "1", "FLOR_SEGMENTS": "3"})):
+        rep = flor(d, "replay", *opts, "train.py", env=env)
+        assert rep.stdout == want, (opts, rep.stdout, want)
+        assert "deferred checks passed" in rep.stderr, rep.stderr
+
+
 def test_a_list_shuffled_in_place_is_carried_to_a_later_segment(tmp_path):
     """The training function shuffles the epoch's order in place
     (random.shuffle(order)): the main loop carries the list, so a worker

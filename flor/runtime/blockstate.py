@@ -34,6 +34,7 @@ from .. import _core, trust
 from ..checkpoint import read, restore_placed
 from ..errors import CheckpointCorrupt, StoreError
 from ..handles import Handle
+from .aliases import realias
 from .placement import Devices
 
 __all__ = ["labels", "payload", "belongs", "apply", "signature", "rng_state", "set_rng_state",
@@ -601,6 +602,8 @@ def apply(saved: dict, objs, rebind=None, frame=None) -> list:
                 holds = bool(inner[i]) if i < len(inner) else False
                 out[i] = loaded[id(s)] if id(s) in loaded else \
                     _rebind(live, s, place, holds)
+        # (best = model.state_dict(): follows the live parameters again)
+        out = realias([(live, s) for live, s, again in items if not again], loaded, out)
     finally:
         if devices is not None:
             devices.done()
