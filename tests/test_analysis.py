@@ -876,6 +876,23 @@ def test_probe_lines_as_people_write_them(old, anchor, added, hindsight):
         assert other and not set(got) - {"print(loss)"}
 
 
+@pytest.mark.parametrize("line", [
+    "print(epoch, torch.rand(1).item())",
+    "print(epoch, rs.randint(100))",
+    "print(epoch, next(iter(loader)))",
+    "logging.info('%s', history.pop())",
+])
+def test_a_print_that_draws_random_numbers_or_items_is_not_a_probe(line):
+    """A plain run of the edited script draws them, and trains on other
+    numbers from there on: the statement is another change (replay warns),
+    not a hindsight statement whose replay prints the record's values."""
+    new = _LOOP.replace("    print(epoch)\n", f"    print(epoch)\n    {line}\n")
+    got, other = _shapes(_LOOP, new)
+    assert got == [] and other == [f"added: {line}"], (got, other)
+    fine = _LOOP.replace("    print(epoch)\n", "    print(epoch)\n    print(epoch, len(loader))\n")
+    assert _shapes(_LOOP, fine) == (["print(epoch, len(loader))"], [])
+
+
 def test_a_helper_that_other_code_reads_is_not_a_probe():
     """`gn` is added with its print, and an existing line is changed to
     read it: the helper feeds the script, not only the probe, and what

@@ -7,8 +7,11 @@ log-like: an expression statement that assigns nothing and calls ``print``
 or a ``print`` method (``accelerator.print``), ``flor.log``, ``logging.*`` or a logger, a TensorBoard ``SummaryWriter.add_*``,
 ``wandb.log`` or another ``*.log*`` function, or writes to a file or a
 stream (``f.write``, ``writelines``, a csv writer's ``writerow(s)``), and
-that calls no in-place tensor method (``mul_``) and no method of training
-state (``step``, ``zero_grad``, ``add_param_group`` ...).  Added imports are allowed too.
+that calls no in-place tensor method (``mul_``), no method of training
+state (``step``, ``zero_grad``, ``add_param_group`` ...) and nothing that
+draws random numbers, advances an iterator or changes a container
+(``torch.rand``, ``rs.randint``, ``next``, ``pop``: a plain run of the
+edited script would train on other numbers or items).  Added imports are allowed too.
 So are the lines probes are written with, when all of them are added and
 change no training state (`_Shapes`, `_quiet`): a helper assignment to new
 names that only added statements read (``gn = grad_norm(model)`` then
@@ -106,6 +109,8 @@ def is_log_like(stmt, own=(frozenset(), frozenset())) -> bool:
         return False
     if any(isinstance(n, ast.NamedExpr) for n in ast.walk(stmt)) or state_changes(stmt):
         return False
+    if any(isinstance(n, ast.Call) and _called(n) in _CONSUMING for n in ast.walk(stmt)):
+        return False  # print(rs.randint(100)), print(next(it)): a plain run draws them
     name = _dotted(stmt.value.func)
     if name is None:
         return False
