@@ -75,15 +75,22 @@ def realias(items, loaded: dict, out: list) -> list:
     return [fix(o, 0) for o in out]
 
 
-def _may_hold_tensors(container) -> bool:
-    """Whether a list, tuple or dict is worth a look: its first or last item
-    (value) is a tensor or may hold one (a list of a million floats,
-    appended to at every step, is passed over at every restore)."""
-    if not container:
+def _may_hold_tensors(x, depth=2) -> bool:
+    """Whether a container is worth a look: its first or last item (value)
+    is a tensor or may hold one, judged as deep as `depth` (a list of a
+    million floats, or of small dicts of numbers, appended to at every
+    step, is passed over at every restore)."""
+    if isinstance(x, (int, float, str, bytes, bool, type(None))):
         return False
-    items = container.values() if isinstance(container, dict) else container
+    if not isinstance(x, (list, tuple, dict)):
+        return True  # a tensor, or an object that may hold one
+    if not x:
+        return False
+    if depth == 0:
+        return True
+    items = x.values() if isinstance(x, dict) else x
     ends = (next(iter(items)), next(reversed(items)))
-    return any(not isinstance(v, (int, float, str, bytes, bool, type(None))) for v in ends)
+    return any(_may_hold_tensors(v, depth - 1) for v in ends)
 
 
 def _loads_state(x) -> bool:
@@ -121,6 +128,8 @@ def _pairs(torch, items, loaded) -> dict:
             for k, t in saved.items():
                 if isinstance(t, torch.Tensor) and isinstance(own.get(k), torch.Tensor):
                     add(t, own[k])
+        elif not _may_hold_tensors(saved):
+            return  # (also what is not a container)
         elif isinstance(saved, dict):
             for k, v in saved.items():
                 walk(live.get(k) if isinstance(live, dict) else None, v, depth + 1)
