@@ -232,8 +232,8 @@ class Mismatch(FlorError):
 
 
 class Forged(FlorError):
-    """A signed file whose signature does not verify with the key that
-    signed its run: it changed after it was written."""
+    """A checkpoint of a run the user's key sealed, without a signature
+    that verifies with that key: it changed after it was written."""
 
 
 def policy(path: str, trusted: bool, expect_tag=None, seen=None, sealed=False):
@@ -246,7 +246,8 @@ def policy(path: str, trusted: bool, expect_tag=None, seen=None, sealed=False):
     differs (Mismatch); a file without a tag is let through.  seen: a list
     that receives "trusted", "signed" or "safe", the way the file was read.
     sealed: this user's key signed the file's run (its seal verified), so a
-    signature that does not verify is refused (Forged)."""
+    file without a signature that verifies changed after it was written: it
+    is refused (Forged)."""
     def decide(version, tag, sig, meta, table=None):
         # An untagged file (format version 1, flor.save) is checked after
         # unpickling instead; unsigned, it is unpickled in safe mode.
@@ -258,10 +259,12 @@ def policy(path: str, trusted: bool, expect_tag=None, seen=None, sealed=False):
             how = "trusted"
         elif trusted == "signed" and verifies(tag, sig, meta, table):
             how = "signed"
-        elif trusted == "signed" and sealed and sig:
-            raise Forged(f"{path} is signed, and its signature does not verify with the key "
-                         "that sealed its run: its metadata, tensor table or data changed after "
-                         "it was written (nothing of it was unpickled)")
+        elif trusted == "signed" and sealed:
+            what = "is signed, and its signature does not verify with the key that sealed its " \
+                "run" if sig else "is not signed, though the key that sealed its run signs " \
+                "every checkpoint the run writes"
+            raise Forged(f"{path} {what}: it changed after the record wrote it (nothing of it "
+                         "was unpickled)")
         if seen is not None:
             seen.append(how)
         return pickle.loads if how != "safe" else _safe_loads(path)

@@ -131,7 +131,8 @@ def test_the_signature_covers_the_tensor_table_and_the_data(tmp_path):
     """Zeroed weights with every checksum recomputed no longer verify as
     signed: the signature covers the table, which holds each blob's CRC
     (checked before the blob is used) and content hash.  Where the key
-    signed the run, such a file is refused before anything is unpickled."""
+    sealed the run, such a file is refused before anything is unpickled, and
+    so is one without a signature."""
     path = tmp_path / "w.flor"
     flor.save({"w": torch.arange(1.0, 9.0)}, path)
     flags = struct.unpack_from("<I", path.read_bytes(), 88)[0]
@@ -144,6 +145,13 @@ def test_the_signature_covers_the_tensor_table_and_the_data(tmp_path):
     with pytest.raises(trust.Forged, match="signature does not verify"):
         read(zeroed, trusted="signed", sealed=True)
     assert read(path, trusted="signed", sealed=True)["w"].sum() == 36
+    # Nor does removing the signature help: where the key sealed the run,
+    # every checkpoint it wrote is signed.
+    unsigned = tmp_path / "unsigned.flor"
+    _core.save({"w": torch.zeros(8)}, str(unsigned), None, None)
+    with pytest.raises(trust.Forged, match="is not signed"):
+        read(unsigned, trusted="signed", sealed=True)
+    assert read(unsigned, trusted="signed")["w"].sum() == 0  # (safe mode, as before)
 
 
 @pytest.mark.unit
@@ -381,7 +389,8 @@ def test_replay_restores_signed_files_and_never_runs_planted_ones(tmp_path):
     rep = flor_cli(d, "replay", "train.py")
     assert rep.stdout == want
     assert not marker.exists()
-    assert "safe loading refuses it" in rep.stderr and files[1] in rep.stderr, rep.stderr
+    assert f"{files[1]} is not signed, though the key that sealed its run" in rep.stderr, \
+        rep.stderr
     assert "does not belong" in rep.stderr and "nothing of it was unpickled" in rep.stderr
     assert "deferred checks passed" in rep.stderr, rep.stderr
 

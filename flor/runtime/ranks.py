@@ -275,8 +275,9 @@ def read(ckpt_dir: str, fname: str, expect: bytes, group: dict | None, sealed=Fa
         def owner(rank):
             # Its devices are the owner's: what is not copied into a live
             # object stays on the CPU.
+            # (another rank's run, whose seal replay did not check)
             return read_own(checkpoint_path(group["ckpt_dirs"][rank], fname), expect,
-                            devices=False, sealed=sealed)[0]
+                            devices=False)[0]
         saved = join(saved, owner, group["size"], path)
     return saved, how
 
