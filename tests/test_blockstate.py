@@ -183,3 +183,31 @@ def test_a_tensor_attribute_tied_to_another_modules_weight_is_left_out():
     trainer.tied.w = trainer.model[0].weight.detach()
     (inner,) = blockstate.held_state([trainer])
     assert all("w" not in (state.get("attrs") or {}).get("", {}) for _, state in inner)
+
+
+def test_realias_puts_back_views_of_the_live_weights_and_passes_over_the_rest():
+    """What shared a module's memory when saved (a state dict kept without
+    a copy, a row of the weight) shares the live module's after a restore;
+    a sparse tensor (no storage to compare), and tensors of other memory,
+    are left as they are."""
+    from flor.runtime.aliases import realias
+
+    model = torch.nn.Linear(3, 2)
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    class Holder:
+        pass
+
+    h = Holder()
+    sparse = torch.eye(3).to_sparse()
+    other = torch.ones(2)
+    h.adj, h.best, h.other = sparse, {"weight": saved["weight"]}, other
+    h.rows = [saved["weight"][1]]
+    out = realias([(model, saved)], {id(saved): model}, [h, saved["weight"], sparse])
+    assert out[1].data_ptr() == model.weight.data_ptr() and not out[1].requires_grad
+    assert h.best["weight"].data_ptr() == model.weight.data_ptr()
+    assert h.rows[0].data_ptr() == model.weight[1].data_ptr()
+    assert out[2] is sparse and h.adj is sparse and h.other is other
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert torch.equal(h.best["weight"], model.weight.detach())

@@ -110,8 +110,8 @@ def _pairs(torch, items, loaded) -> dict:
 
     def add(saved, live):
         # (not a loaded tensor a container was refilled with: it is no copy)
-        ptr = saved.untyped_storage().data_ptr()
-        if saved.untyped_storage().nbytes() > 0 and live.untyped_storage().data_ptr() != ptr:
+        ptr, size = _storage(saved)
+        if size > 0 and _storage(live)[0] != ptr:
             pairs.setdefault(ptr, (saved, live))
 
     def walk(live, saved, depth):
@@ -146,9 +146,8 @@ def _pairs(torch, items, loaded) -> dict:
 def _live_view(torch, x, pairs):
     """`x`, or where it shares a loaded module tensor's memory, the same view
     of the live tensor's (the live parameter itself where `x` was it)."""
-    if x.untyped_storage().nbytes() == 0:
-        return x
-    hit = pairs.get(x.untyped_storage().data_ptr())
+    ptr, size = _storage(x)
+    hit = pairs.get(ptr) if size > 0 else None
     if hit is None:
         return x
     saved, live = hit
@@ -162,6 +161,17 @@ def _live_view(torch, x, pairs):
     if same:
         return base
     offset = live.storage_offset() + x.storage_offset() - saved.storage_offset()
-    if offset < 0:
+    try:
+        return base.as_strided(x.size(), x.stride(), offset)
+    except RuntimeError:  # (the live tensor's memory is laid out otherwise: a copy, as before)
         return x
-    return base.as_strided(x.size(), x.stride(), offset)
+
+
+def _storage(t) -> tuple:
+    """(pointer, bytes) of a tensor's storage; (None, 0) for one without
+    (sparse, nested)."""
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None, 0
