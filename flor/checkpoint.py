@@ -115,8 +115,8 @@ def read(path, map_location=None, trusted=False, expect_tag=None, seen=None, sea
     rest); ``expect_tag`` refuses a file made for something else
     (:class:`flor.trust.Mismatch`) before anything is unpickled; ``seen``
     receives how the file was read; ``sealed``: the user's key signed the
-    file's run, so a signature that does not verify is refused
-    (:class:`flor.trust.Forged`)."""
+    file's run, so a file whose signature is missing or does not verify is
+    refused (:class:`flor.trust.Forged`)."""
     path = os.fspath(path)
     try:
         return _core.load(path, _location_hook(map_location, path),

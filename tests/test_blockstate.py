@@ -194,6 +194,8 @@ def test_realias_puts_back_views_of_the_live_weights_and_passes_over_the_rest():
 
     model = torch.nn.Linear(3, 2)
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    flat = torch.arange(12.0)  # saved, the weight was a part of a larger buffer
+    saved["weight"] = flat[2:8].view(2, 3)
 
     class Holder:
         pass
@@ -203,11 +205,13 @@ def test_realias_puts_back_views_of_the_live_weights_and_passes_over_the_rest():
     other = torch.ones(2)
     h.adj, h.best, h.other = sparse, {"weight": saved["weight"]}, other
     h.rows = [saved["weight"][1]]
+    h.tail = flat[6:12]  # beyond what the live weight's memory holds
     out = realias([(model, saved)], {id(saved): model}, [h, saved["weight"], sparse])
     assert out[1].data_ptr() == model.weight.data_ptr() and not out[1].requires_grad
     assert h.best["weight"].data_ptr() == model.weight.data_ptr()
     assert h.rows[0].data_ptr() == model.weight[1].data_ptr()
     assert out[2] is sparse and h.adj is sparse and h.other is other
+    assert torch.equal(h.tail, torch.arange(6.0, 12.0))
     with torch.no_grad():
         model.weight.add_(1.0)
     assert torch.equal(h.best["weight"], model.weight.detach())

@@ -161,15 +161,17 @@ def _live_view(torch, x, pairs):
     if same:
         return base
     offset = live.storage_offset() + x.storage_offset() - saved.storage_offset()
-    try:
-        return base.as_strided(x.size(), x.stride(), offset)
-    except RuntimeError:  # (the live tensor's memory is laid out otherwise: a copy, as before)
-        return x
+    end = offset + 1 + sum((n - 1) * st for n, st in zip(x.size(), x.stride()))
+    if offset < 0 or (x.numel() > 0 and end * live.element_size() > _storage(live)[1]):
+        return x  # (the live tensor's memory is laid out otherwise: a copy, as before)
+    return base.as_strided(x.size(), x.stride(), offset)
 
 
 def _storage(t) -> tuple:
     """(pointer, bytes) of a tensor's storage; (None, 0) for one without
     (sparse, nested)."""
+    if t.layout != sys.modules["torch"].strided or t.is_nested:
+        return None, 0  # (torch would raise, from C++, if asked)
     try:
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
