@@ -1,8 +1,9 @@
 """Exactness at every segment boundary, differentially: each script (the
 hands-free and manual-API test scripts, and the loop shapes that once gave
 wrong values in parallel replay, tests/loop_shapes.py) is recorded, then
-replayed with its main loop split at each iteration in turn (two workers)
-and into three segments on three workers, the boundaries forced through
+replayed twice with its main loop split into segments of two iterations,
+which start at the odd iterations in one replay (two workers) and at the
+even ones in the other (three workers), the boundaries forced through
 FLOR_SEGMENTS.  Every replay must print what a plain run prints, its
 deferred checks (state fingerprints included) must pass, and every segment
 that starts from an iteration checkpoint must verify all it puts back."""
@@ -78,7 +79,12 @@ def test_every_segment_boundary_replays_exactly(tmp_path, case):
     expected = plain(d, "train.py", *args).stdout
     n = runs(store(d), "record")[0]["iterations"]
     assert n >= 3, n
-    splits = [(2, str(b)) for b in range(1, n)] + [(3, f"{n // 3},{2 * n // 3}")]
+    # Two replays start a segment at every boundary between them: at the odd
+    # iterations on two workers, at the even ones on three.  Each segment
+    # but the first starts from its iteration checkpoint and replays on for
+    # two iterations (one where the loop ends), its state checked as it goes.
+    splits = [(2, ",".join(str(b) for b in range(1, n, 2))),
+              (3, ",".join(str(b) for b in range(2, n, 2)))]
     for jobs, starts in splits:
         rep = flor(d, "replay", "--jobs", str(jobs), "--check", "strict", "train.py", *args,
                    env={"FLOR_SEGMENTS": starts})
