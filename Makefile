@@ -24,7 +24,7 @@ demo: setup
 # tests whose subprocesses run one torch thread each.
 PYTEST_JOBS := -n auto --maxprocesses=2
 # The slowest tests, listed after each full run: where CI's time goes.
-DURATIONS := --durations=25
+DURATIONS := --durations=60
 
 # Ray (the optional extra for replay --backend ray) is installed for its test,
 # which starts a local Ray cluster; Lightning, Accelerate and transformers for
@@ -52,10 +52,11 @@ test-fast: setup
 # build, installed (not editable) in its own environment and built in
 # build/sanitize: the unit tier (most of it calls the C core directly) and
 # the end-to-end tests marked `core` (snapshots, checkpoint files, fingerprints,
-# digests, the materializer's modes, kill -9 and resume, ranks, crafted files,
-# state the walk cannot copy). The others (the differential replays, the
-# program analysis, the command line, files and side effects) exercise
-# Python over the same C paths; `make test` runs them.
+# digests, the materializer's modes, records killed while they write, crafted
+# files, state the walk cannot copy). The others (the differential replays,
+# the program analysis, the command line, files and side effects, ranks under
+# torchrun, resumes and lifecycles) exercise Python over the same C paths;
+# `make test` runs them.
 # Leak reports are off (CPython and torch hold memory until exit); the
 # quarantine stays on so that use-after-free is caught. FLOR_SANITIZED tells
 # the RSS leak checks that RSS is not meaningful under that quarantine.

@@ -16,8 +16,9 @@ import pytest
 
 from conftest import ROOT, edit, run_py, store
 
-# The C core's paths: the sanitized build runs these (make test-asan).
-pytestmark = pytest.mark.core
+# Not in the sanitized tier (make test-asan): the ranks take and write
+# their checkpoints through the C core's paths that the single-process
+# tests marked `core` run, and under ASan two ranks of torch take minutes.
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")

@@ -12,8 +12,10 @@ import pytest
 
 from conftest import ROOT, flor, read, store, write_script
 
-# The C core's paths: the sanitized build runs these (make test-asan).
-pytestmark = pytest.mark.core
+# The sanitized build (make test-asan) runs the records killed while the C
+# core writes (in a thread, in forked children); the other cases here are
+# the Python of lifecycles, resumes and replay workers over the same paths.
+CORE = pytest.mark.core
 
 def _stoppable(source):
     """tests/scripts/handsfree/digits_epochs.py, which kills itself (signal
@@ -79,7 +81,8 @@ SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT}
 STATUS = {"term": 143, "int": 130}  # what a shell's python exits with
 
 
-@pytest.mark.parametrize("how", ["kill", "term", "int", "kill-fork"])
+@pytest.mark.parametrize("how", [pytest.param("kill", marks=CORE), "term", "int",
+                                 pytest.param("kill-fork", marks=CORE)])
 def test_a_killed_record_resumes_to_the_uninterrupted_result(tmp_path, torch, how):
     """int: Ctrl-C.  kill-fork: the fork materializer writes each checkpoint
     in a child of its own as it is taken, so a killed record keeps them."""
